@@ -1,0 +1,2 @@
+"""Learning plane: TRL's GRPOTrainer fed by a ``RolloutSource`` (``trainer.py``), its config (``args.py``),
+and the per-step callbacks (``callbacks.py``)."""

@@ -1,0 +1,86 @@
+"""Trainer callbacks: per-step metrics record, publishing versions to the source, evaluation, progress bar.
+
+Order within one learner step (HF Trainer): optimizer step → ``on_step_end`` (publish version, maybe
+evaluate) → TRL's ``log`` (averages its metrics) → ``on_log`` (write one record for the step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from tqdm import tqdm
+from transformers import TrainerCallback
+
+from echo2.metrics import MetricsSink, namespaced
+
+log = logging.getLogger(__name__)
+
+
+class Echo2Callback(TrainerCallback):
+    def __init__(self, trainer: Any, sink: MetricsSink | None, evaluator: Any = None, eval_every_steps: int = 0,
+                 progress: bool = True):
+        self.trainer, self.sink, self.evaluator = trainer, sink, evaluator
+        self.eval_every_steps, self.progress = eval_every_steps, progress
+        self.bar: tqdm | None = None
+        self.t0 = 0.0
+        self.pending: dict[str, float] = {}
+        self.evals: list[tuple[int, float]] = []
+        self.rewards: list[float] = []
+
+    def _evaluate(self, step: int) -> None:
+        if self.evaluator is None:
+            return
+        with self.trainer.live_policy() as policy:
+            result = self.evaluator(policy)
+        self.pending.update(result)
+        self.evals.append((step, result["eval/accuracy"]))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._evaluate(0)
+        self.pending.clear()  # the step-0 accuracy lives in summary.json; records start at step 1
+        if state.is_world_process_zero and self.progress:
+            self.bar = tqdm(total=state.max_steps, desc="train", unit="step", dynamic_ncols=True)
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.rollout_source.on_version(state.global_step, kwargs.get("model"))
+        if self.eval_every_steps and (state.global_step % self.eval_every_steps == 0
+                                      or state.global_step == state.max_steps):
+            self._evaluate(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs:  # train_runtime summary at the end, not a step
+            return
+        record = {"step": state.global_step, "version": self.trainer.version,
+                  "time_s": time.perf_counter() - self.t0, **namespaced(logs), **self.pending}
+        self.pending.clear()
+        self.rewards.append(record.get("reward/mean", float("nan")))
+        if self.sink is not None and state.is_world_process_zero:
+            self.sink.log(record)
+        if self.bar is not None:
+            post = {"reward": f"{record.get('reward/mean', float('nan')):.3f}"}
+            if self.evals:
+                post["eval_acc"] = f"{self.evals[-1][1]:.3f}"
+            self.bar.set_postfix(post, refresh=False)
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+
+    def summary(self, **extra) -> dict:
+        """End-of-run summary: written to ``summary.json`` (rank 0) and returned."""
+        tail = [r for r in self.rewards[-20:] if r == r]
+        out = {
+            "steps": self.trainer.state.global_step,
+            **extra,
+            "reward_first": self.rewards[0] if self.rewards else None,
+            "reward_last20_mean": sum(tail) / len(tail) if tail else None,
+            "eval_accuracy_by_step": {str(s): a for s, a in self.evals},
+        }
+        if self.sink is not None:
+            self.sink.summary(out)
+            self.sink.close()
+        return out

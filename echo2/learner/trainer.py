@@ -1,0 +1,167 @@
+"""The learner: TRL's GRPOTrainer, fed by a rollout source instead of its own generation.
+
+How it differs from TRL's trainer (trl==1.16.0), and nothing else:
+
+* ``_generate_and_score_completions`` is replaced. TRL's sampler still hands each step its prompt rows
+  (each repeated G times); the learner passes one row per group to ``RolloutSource.collect`` and builds
+  TRL's batch dict from the returned, already scored, groups.
+* The "old" policy of GRPO's clipped ratio is the **behaviour** logprobs the engine returned with each
+  token (``old_per_token_logps``). TRL instead recomputes them with the current weights or assumes
+  ratio 1; with stale rollouts that would silently treat them as on-policy.
+* One optimizer step per batch of R = P·G rollouts (``steps_per_generation = 1``,
+  ``num_iterations = 1``), so the policy version is exactly ``state.global_step`` (DESIGN §2).
+
+The loss itself (``_compute_loss``: every TRL ``loss_type``, clipping, KL, entropy terms) is TRL's, untouched.
+``tests/test_trl_contract.py`` fails if a TRL method overridden or called here changes signature.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers.trainer_callback import PrinterCallback
+from trl import GRPOTrainer
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import nanstd, pad
+
+from echo2.rollout.protocols import RolloutSource
+from echo2.rollout.types import RolloutGroup
+
+log = logging.getLogger(__name__)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_std: torch.Tensor | None = None):
+    """GRPO advantages, as TRL computes them: reward minus its group's mean, divided by a std.
+
+    ``scale``: ``group`` (the group's std), ``batch`` (``batch_std``, the std over the global batch) or ``none``.
+    NaN rewards (unscorable) are left out of the mean and std and get advantage 0, so they teach nothing.
+    """
+    grouped = rewards.view(-1, group_size)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    adv = grouped - mean
+    if scale == "group":
+        adv = adv / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+    elif scale == "batch":
+        if batch_std is None:
+            raise ValueError("scale_rewards='batch' needs the batch std")
+        adv = adv / (batch_std + 1e-4)
+    elif scale != "none":
+        raise ValueError(f"scale_rewards={scale!r}: expected group, batch or none")
+    return torch.nan_to_num(adv.reshape(-1), nan=0.0)
+
+
+class Echo2GRPOTrainer(GRPOTrainer):
+    def __init__(self, *args, rollout_source: RolloutSource, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.steps_per_generation != 1 or self.num_iterations != 1:
+            raise ValueError("echo2's learner takes one optimizer step per batch: steps_per_generation=num_iterations=1")
+        self.rollout_source = rollout_source
+        # echo2 writes its own per-step records and progress bar; drop HF's printer of raw log dicts.
+        self.remove_callback(PrinterCallback)
+        self.rollouts_consumed = 0
+
+    def backend(self) -> str:
+        """What runs the optimizer: ``deepspeed-zero<N>``, ``ddp`` or ``single``."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None:
+            return f"deepspeed-zero{plugin.zero_stage}"
+        return "ddp" if self.accelerator.num_processes > 1 else "single"
+
+    @property
+    def version(self) -> int:
+        """Policy version: optimizer steps applied so far (DESIGN §2)."""
+        return self.state.global_step
+
+    @contextmanager
+    def live_policy(self):
+        """The live model, unwrapped and (under ZeRO-3 / FSDP) with full parameters, for generation.
+        Every rank must enter it together."""
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as policy,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            yield policy
+
+    def _collect(self, rows: list[dict[str, Any]]) -> list[RolloutGroup]:
+        if not self.rollout_source.needs_policy:
+            return self.rollout_source.collect(rows, self.version)
+        with self.live_policy() as policy:
+            return self.rollout_source.collect(rows, self.version, policy)
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        if not self.model.training:
+            raise NotImplementedError("echo2 evaluates with its own evaluator (eval/accuracy), not Trainer.evaluate")
+        group_size = self.num_generations
+        rows = inputs[::group_size]  # TRL's RepeatSampler repeats each row G times in a row
+        groups = self._collect(rows)
+        if len(groups) != len(rows) or any(len(g.rollouts) != group_size for g in groups):
+            raise RuntimeError(f"rollout source returned {[len(g.rollouts) for g in groups]}, "
+                               f"expected {len(rows)} groups of {group_size}")
+        return self._batch(groups)
+
+    def _batch(self, groups: list[RolloutGroup]) -> dict[str, Any]:
+        """TRL's batch dict from scored groups: padded ids and masks, behaviour logprobs, advantages."""
+        device = self.accelerator.device
+        pad_id, multiple = self._tokenizer.pad_token_id, self.pad_to_multiple_of
+        rollouts = [r for g in groups for r in g.rollouts]
+
+        def padded(seqs, value, side, dtype=torch.long):
+            return pad([torch.tensor(s, dtype=dtype) for s in seqs], padding_value=value, padding_side=side,
+                       pad_to_multiple_of=multiple).to(device)
+
+        prompt_ids = padded([r.prompt_ids for r in rollouts], pad_id, "left")
+        prompt_mask = padded([[1] * len(r.prompt_ids) for r in rollouts], 0, "left")
+        completion_ids = padded([r.completion.token_ids for r in rollouts], pad_id, "right")
+        completion_mask = padded([[1] * len(r.completion.token_ids) for r in rollouts], 0, "right")
+        behaviour_logps = padded([r.completion.logprobs for r in rollouts], 0.0, "right", torch.float32)
+        if self.mask_truncated_completions:
+            truncated = torch.tensor([r.completion.finish_reason == "length" for r in rollouts], device=device)
+            completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32, device=device)
+        all_rewards = self.accelerator.gather(rewards)
+        advantages = group_advantages(rewards, self.num_generations, self.scale_rewards, nanstd(all_rewards))
+
+        lags = torch.tensor([self.version - r.version for r in rollouts], dtype=torch.float32, device=device)
+        all_lags = self.accelerator.gather(lags)
+        lengths = self.accelerator.gather(completion_mask.sum(1).float())
+        self.rollouts_consumed += len(all_rewards)
+        metrics = {
+            "reward/mean": torch.nanmean(all_rewards).item(),
+            "reward/std": nanstd(all_rewards).item(),
+            "reward/frac_zero_std_groups": self._zero_std_fraction(all_rewards),
+            "buffer/staleness_mean": all_lags.mean().item(),
+            "buffer/staleness_max": all_lags.max().item(),
+            "rollout/completion_len_mean": lengths.mean().item(),
+            "rollout/consumed": float(self.rollouts_consumed),
+        }
+        for name in rollouts[0].rewards:
+            vals = torch.tensor([r.rewards[name] for r in rollouts], dtype=torch.float32, device=device)
+            metrics[f"reward/{name}"] = torch.nanmean(self.accelerator.gather(vals)).item()
+        metrics.update(self.rollout_source.metrics())
+        for key, value in metrics.items():
+            self._metrics["train"][key].append(value)
+
+        return {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "old_per_token_logps": behaviour_logps,
+            "advantages": advantages,
+            "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
+        }
+
+    def _zero_std_fraction(self, all_rewards: torch.Tensor) -> float:
+        """Fraction of groups whose G rewards are all equal: they carry no GRPO signal."""
+        grouped = all_rewards.view(-1, self.num_generations)
+        return torch.isclose(nanstd(grouped, dim=1), torch.zeros(1, device=grouped.device)).float().mean().item()

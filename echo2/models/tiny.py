@@ -1,0 +1,116 @@
+"""A tiny random-init Qwen3-style causal LM and a character-level tokenizer, built locally.
+
+Nothing here touches a model hub: the tokenizer is a `tokenizers` WordLevel model over single characters,
+the model is `Qwen3ForCausalLM` from a config. Both are saved once into a cache folder keyed by a hash of
+their settings, so every process (learner ranks, workers, tests) loads the same files.
+
+Two choices are forced by vLLM on CPU (see shared/research/stack.md and vllm-cpu.md):
+``head_dim`` stays at 32 (vLLM's CPU attention rejects 16), and embeddings are untied (vLLM's
+``reload_weights`` leaves a tied LM head stale).
+
+    python -c "from echo2.models.tiny import build_tiny; print(build_tiny())"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from filelock import FileLock
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ECHO2_CACHE_DIR", Path.home() / ".cache" / "echo2"))
+
+
+def build_tiny(
+    chars: str = "0123456789+-*=% ",
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 2,
+    num_key_value_heads: int = 1,
+    head_dim: int = 32,
+    max_position_embeddings: int = 64,
+    init_seed: int = 0,
+    cache_dir: str | None = None,
+) -> str:
+    """Build (once) and return the folder holding the tiny model and its tokenizer."""
+    spec = dict(
+        chars=chars,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        init_seed=init_seed,
+    )
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    out = root / "models" / f"tiny-{key}"
+    root.mkdir(parents=True, exist_ok=True)
+    # Several processes (DeepSpeed ranks, workers) may ask at once: one builds, the rest wait and reuse.
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+            return str(out)
+        tmp = out.with_name(out.name + ".tmp")
+        _write_tiny(tmp, spec)
+        tmp.rename(out)
+        log.info("built tiny model in %s", out)
+    return str(out)
+
+
+def _write_tiny(out: Path, spec: dict) -> None:
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    chars = list(dict.fromkeys(spec["chars"]))
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # One token per character: the split regex keeps every character as its own piece.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        padding_side="left",
+        model_max_length=spec["max_position_embeddings"],
+    )
+    hf_tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>{% endif %}{% endfor %}"
+    )
+    cfg = Qwen3Config(
+        vocab_size=len(vocab),
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"],
+        head_dim=spec["head_dim"],
+        max_position_embeddings=spec["max_position_embeddings"],
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(spec["init_seed"])
+    model = Qwen3ForCausalLM(cfg)
+    model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    hf_tok.save_pretrained(out)
+    (out / "echo2_spec.json").write_text(json.dumps(spec, indent=1))

@@ -1,0 +1,32 @@
+"""Greedy accuracy on the task's held-out split: ``eval/accuracy``.
+
+Run by the learner every ``run.eval_every_steps`` steps with its live policy, on every rank (under ZeRO-3 the
+gathered weights are needed everywhere); rank 0 logs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from echo2.rollout.engines.hf import HFEngine
+from echo2.rollout.scoring import encode_prompt
+from echo2.rollout.types import SamplingParams
+from echo2.tasks.base import Task
+
+
+class Evaluator:
+    def __init__(self, task: Task, tokenizer: Any, engine: HFEngine, batch_size: int = 64):
+        self.task, self.tokenizer, self.engine, self.batch_size = task, tokenizer, engine, batch_size
+        self.rows = list(task.eval_dataset())
+        self.prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in self.rows]
+        self.params = SamplingParams(n=1, max_tokens=task.max_completion_length)
+
+    def __call__(self, policy: Any) -> dict[str, float]:
+        correct = 0
+        for start in range(0, len(self.rows), self.batch_size):
+            ids = self.prompt_ids[start : start + self.batch_size]
+            outs = self.engine.generate(policy, ids, self.params, greedy=True)
+            for row, (comp,) in zip(self.rows[start : start + self.batch_size], outs, strict=True):
+                text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+                correct += bool(self.task.is_correct(text, row))
+        return {"eval/accuracy": correct / max(1, len(self.rows)), "eval/examples": float(len(self.rows))}

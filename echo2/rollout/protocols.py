@@ -1,0 +1,46 @@
+"""The seams between the learner and the rollout plane. The learner imports these, never implementations."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from echo2.rollout.types import Completion, RolloutGroup, SamplingParams
+
+
+class Engine(Protocol):
+    """Generates completions with behaviour logprobs."""
+
+    def generate(
+        self, policy: Any, prompt_ids: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """Called by a source with token-id prompts; returns ``params.n`` completions per prompt, in order."""
+        ...
+
+
+class RolloutSource(Protocol):
+    """Where the learner's batches come from.
+
+    ``needs_policy`` tells the learner whether to lend its live (unwrapped, gathered) model to ``collect``:
+    True for on-policy sources that generate in the learner's process, False for remote ones.
+    """
+
+    needs_policy: bool
+
+    def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
+        """Called once per learner step, before the loss, with the step's prompt rows (one per group) and the
+        current policy version; returns scored groups, one per row, each with lag ``version - group.version``
+        within the source's staleness bound."""
+        ...
+
+    def on_version(self, version: int, policy: Any) -> None:
+        """Called after every optimizer step with the new version (the place to publish a snapshot)."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Called once per step after ``collect``; namespaced counters the source wants logged."""
+        ...
+
+    def close(self) -> None:
+        """Called once at the end of training, also on failure."""
+        ...

@@ -1,0 +1,51 @@
+"""The synchronous on-policy source (staleness S = 0): the baseline the asynchronous system is measured against.
+
+Each learner step it generates G completions per prompt with the learner's own live weights, through an
+``Engine`` in the learner's process, and scores them. Every rollout it returns has version == the current
+version, so the lag is 0 by construction. It is what TRL's GRPOTrainer does with ``use_vllm=False``, but
+with the behaviour logprobs kept and carried as the "old" policy of the loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from echo2.rollout.protocols import Engine
+from echo2.rollout.scoring import Scorer, encode_prompt
+from echo2.rollout.types import Rollout, RolloutGroup, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class SyncRolloutSource:
+    needs_policy = True
+
+    def __init__(self, engine: Engine, scorer: Scorer, tokenizer: Any, sampling: SamplingParams):
+        self.engine, self.scorer, self.tokenizer, self.sampling = engine, scorer, tokenizer, sampling
+        self._generated = 0
+        self._generate_s = 0.0
+
+    def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
+        if policy is None:
+            raise ValueError("SyncRolloutSource generates with the learner's policy; collect() got none")
+        prompt_ids = [encode_prompt(self.tokenizer, r["prompt"]) for r in rows]
+        t0 = time.perf_counter()
+        completions = self.engine.generate(policy, prompt_ids, self.sampling)
+        self._generate_s = time.perf_counter() - t0
+        groups = []
+        for row, ids, comps in zip(rows, prompt_ids, completions, strict=True):
+            rollouts = [Rollout(prompt_ids=ids, completion=c, version=version) for c in comps]
+            groups.append(self.scorer.score(RolloutGroup(row=row, rollouts=rollouts)))
+        self._generated += sum(len(g.rollouts) for g in groups)
+        return groups
+
+    def on_version(self, version: int, policy: Any) -> None:
+        """Nothing to publish: the next ``collect`` is handed the updated policy itself."""
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/generated": float(self._generated), "rollout/generate_s": self._generate_s}
+
+    def close(self) -> None:
+        pass

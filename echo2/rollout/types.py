@@ -1,0 +1,60 @@
+"""Records that cross the rollout plane.
+
+A ``Rollout`` is one completion: its token ids, the behaviour logprob of each token under the policy that
+sampled it, and that policy's version (the number of optimizer steps behind its weights; DESIGN §2). A
+``RolloutGroup`` is the G completions of one prompt, admitted or dropped together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples. Behaviour logprobs are of the distribution actually sampled from."""
+
+    n: int = 8
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """What an engine returns for one sample."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (hit EOS) or "length" (hit max_tokens)
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion: Completion
+    version: int  # policy version that generated every token of the completion
+    text: str = ""
+    reward: float = math.nan  # weighted sum of the task's rewards; NaN until scored or if unscorable
+    rewards: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutGroup:
+    """The G rollouts of one prompt (``row`` is the dataset row: prompt plus reward columns)."""
+
+    row: dict[str, Any]
+    rollouts: list[Rollout]
+
+    @property
+    def version(self) -> int:
+        """The oldest version in the group: the group's staleness is judged by its stalest member."""
+        return min(r.version for r in self.rollouts)

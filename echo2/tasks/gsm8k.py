@@ -1,0 +1,88 @@
+"""GSM8K (grade-school maths word problems) for real models on GPUs.
+
+Loads ``openai/gsm8k`` (config ``main``) with ``datasets``, or the same JSON-lines format from a local
+folder (``data_dir`` with ``train.jsonl`` and ``test.jsonl``; the tests use a small fixture). The gold
+answer is the number after ``####``; a completion is scored with math-verify, which reads a
+``\\boxed{}`` answer or the last number.
+
+    python train.py experiment=gsm8k_qwen3_4b      # on a GPU box with hub access
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset, load_dataset
+
+from echo2.tasks.base import RewardFunc, Task
+
+INSTRUCTION = "Solve the problem step by step, then give the final answer as \\boxed{N}."
+
+
+def extract_gold(answer_field: str) -> str:
+    """GSM8K answers end in ``#### 1,234``; return ``1234``."""
+    if "####" not in answer_field:
+        raise ValueError(f"GSM8K answer without '####': {answer_field[-80:]!r}")
+    return answer_field.split("####")[-1].strip().replace(",", "").rstrip(".")
+
+
+def verify_answer(completion: str, gold: str) -> bool:
+    from math_verify import parse, verify
+
+    # parsing_timeout=None: math-verify's default timeout uses SIGALRM, which only works on the main thread.
+    pred = parse(completion, parsing_timeout=None)
+    return bool(pred) and verify(parse(f"${gold}$", parsing_timeout=None), pred, timeout_seconds=None)
+
+
+class Gsm8kTask(Task):
+    def __init__(
+        self,
+        path: str = "openai/gsm8k",
+        config_name: str = "main",
+        data_dir: str | None = None,
+        train_split: str = "train",
+        eval_split: str = "test",
+        eval_size: int = 200,
+        max_completion_length: int = 512,
+        chat: bool = True,
+    ):
+        self.name = "gsm8k"
+        self.path, self.config_name, self.data_dir = path, config_name, data_dir
+        self.train_split, self.eval_split, self.eval_size = train_split, eval_split, eval_size
+        self.max_completion_length = max_completion_length
+        self.chat = chat
+
+    def _load(self, split: str) -> Dataset:
+        if self.data_dir:
+            f = Path(self.data_dir) / f"{split}.jsonl"
+            if not f.exists():
+                raise FileNotFoundError(f"task.data_dir: no {f} (expected GSM8K JSON lines: question, answer)")
+            ds = load_dataset("json", data_files=str(f), split="train")
+        else:
+            ds = load_dataset(self.path, self.config_name, split=split)
+        missing = {"question", "answer"} - set(ds.column_names)
+        if missing:
+            raise ValueError(f"GSM8K data lacks columns {sorted(missing)}; has {ds.column_names}")
+        return ds.map(self._row, remove_columns=ds.column_names)
+
+    def _row(self, ex: dict[str, Any]) -> dict[str, Any]:
+        text = f"{ex['question']}\n{INSTRUCTION}"
+        prompt = [{"role": "user", "content": text}] if self.chat else text + "\n"
+        return {"prompt": prompt, "answer": extract_gold(ex["answer"])}
+
+    def train_dataset(self) -> Dataset:
+        return self._load(self.train_split)
+
+    def eval_dataset(self) -> Dataset:
+        ds = self._load(self.eval_split)
+        return ds.select(range(min(self.eval_size, len(ds))))
+
+    def is_correct(self, completion: str, row: dict[str, Any]) -> bool:
+        return verify_answer(completion, row["answer"])
+
+    def reward_funcs(self) -> list[RewardFunc]:
+        def correct(prompts, completions, completion_ids=None, answer=None, **_):
+            return [float(verify_answer(c, a)) for c, a in zip(completions, answer, strict=True)]
+
+        return [correct]

@@ -1,0 +1,65 @@
+"""Shared test setup: no hub, no wandb network, one OpenMP thread, a per-session model cache.
+
+Shrunk knobs are commented where they are set. Markers: ``slow`` (multi-process or > ~30 s).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def echo2_cache(tmp_path_factory) -> Path:
+    """One model cache for the whole session (the tiny model is built once), unless the caller set one."""
+    if "ECHO2_CACHE_DIR" not in os.environ:
+        os.environ["ECHO2_CACHE_DIR"] = str(tmp_path_factory.mktemp("echo2-cache"))
+    return Path(os.environ["ECHO2_CACHE_DIR"])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(echo2_cache) -> str:
+    from echo2.models.tiny import build_tiny
+
+    return build_tiny()
+
+
+def compose(overrides: list[str] | None = None):
+    """The config ``python train.py OVERRIDES`` would run with."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from echo2.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides or [])
+
+
+def run_train(args: list[str], run_dir: Path, timeout: float = 600, launcher: list[str] | None = None):
+    """Run ``train.py`` (or a launcher) as a user would, in a subprocess; return the CompletedProcess."""
+    cmd = (launcher or [sys.executable, "train.py"]) + list(args)
+    env = dict(os.environ, ECHO2_RUN_DIR=str(run_dir))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,75 @@
+"""Every config composes, every option instantiates, typos and impossible settings fail early."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from conftest import CONF, FIXTURES, compose
+from echo2.config import validate
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["model", "task", "learner", "rollout", "experiment"])
+def test_every_option_composes(group):
+    names = options(group)
+    assert names, f"conf/{group} is empty"
+    for name in names:
+        cfg = compose([f"{group}={name}"])
+        validate(cfg, world_size=1)
+
+
+def test_tiny_model_and_arith_instantiate(tiny_model_dir):
+    cfg = compose()
+    assert instantiate(cfg.model.path) == tiny_model_dir
+    task = instantiate(cfg.task)
+    assert len(task.train_dataset()) == cfg.task.train_size
+
+
+def test_gsm8k_instantiates_on_local_fixture():
+    cfg = compose(["task=gsm8k", f"task.data_dir={FIXTURES / 'gsm8k'}"])
+    task = instantiate(cfg.task)
+    assert task.train_dataset()[0]["answer"] == "29"
+
+
+def test_hub_models_name_the_hub_id():
+    for name in [n for n in options("model") if n.startswith("qwen3")]:
+        cfg = compose([f"model={name}"])
+        assert instantiate(cfg.model.path).startswith("Qwen/Qwen3-")
+
+
+@pytest.mark.parametrize("override", ["rollout.stalenes=4", "learner.lr=1e-3", "task.levle=copy", "run.step=3"])
+def test_typo_fails_at_compose_time(override):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)):
+        compose([override])
+
+
+def test_wrong_type_fails_at_compose_time():
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        compose(["rollout.group_size=eight"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.group_size=1"], "rollout.group_size"),
+        (["rollout.staleness=2"], "sync source is on-policy"),
+        (["run.wandb=maybe"], "run.wandb"),
+        (["rollout.prompts_per_step=3"], "multiple of the 2 learner processes"),
+    ],
+)
+def test_validation_names_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose(overrides), world_size=2)
+
+
+def test_deepspeed_settings_are_overridable():
+    cfg = compose(["learner=zero2", "learner.deepspeed.zero_optimization.overlap_comm=true"])
+    assert cfg.learner.deepspeed.zero_optimization.stage == 2
+    assert cfg.learner.deepspeed.zero_optimization.overlap_comm is True
+    assert compose(["learner=zero3"]).learner.deepspeed.zero_optimization.stage == 3

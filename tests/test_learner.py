@@ -1,0 +1,104 @@
+"""The learner: behaviour logprobs are the old policy, every parameter trains, advantages match TRL's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import compose
+from echo2.learner.trainer import group_advantages
+from echo2.rollout.engines.hf import HFEngine
+from echo2.rollout.types import SamplingParams
+
+
+def build(tmp_path, overrides):
+    import train
+
+    cfg = compose(["run.wandb=disabled", "run.progress=false", "run.eval_every_steps=0", *overrides])
+    return cfg, *train.build(cfg, str(tmp_path), rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_equal_the_learners(tiny_model_dir, temperature):
+    """On-policy behaviour logprobs equal what the learner recomputes, so the S=0 ratio is exactly 1."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    engine = HFEngine(tok.pad_token_id, [tok.eos_token_id])
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["7=", "12+3=", "4+4="]]
+    groups = engine.generate(model, prompts, SamplingParams(n=4, max_tokens=6, temperature=temperature))
+    checked = 0
+    for prompt, group in zip(prompts, groups):
+        assert len(group) == 4
+        for c in group:
+            ids = torch.tensor([prompt + c.token_ids])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
+            expected = logits.log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+            assert c.finish_reason == ("stop" if c.token_ids[-1] == tok.eos_token_id else "length")
+            checked += len(c.token_ids)
+    assert checked > 12
+
+
+def test_group_advantages_like_trl():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, math.nan, 0.0])
+    adv = group_advantages(rewards, 4, "none")
+    torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, -0.25, -0.25, 1 / 3, 1 / 3, 0.0, -2 / 3]))
+    scaled = group_advantages(rewards, 4, "group")
+    assert scaled[0] == pytest.approx(0.75 / (0.5 + 1e-4), rel=1e-5)  # group std of [1,0,0,0] is 0.5
+    assert scaled[6] == 0.0  # unscorable: no signal
+    assert group_advantages(torch.ones(4), 4, "group").abs().max() == 0
+    with pytest.raises(ValueError):
+        group_advantages(rewards, 4, "bogus")
+
+
+def test_every_parameter_changes(tmp_path):
+    cfg, trainer, source, _ = build(tmp_path, ["run.steps=3"])
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    unchanged = [n for n, p in trainer.model.named_parameters() if torch.equal(p, before[n])]
+    assert not unchanged, f"parameters that did not train: {unchanged}"
+    assert trainer.version == 3 and trainer.rollouts_consumed == 3 * 16 * 8
+
+
+class ShiftedLogprobs:
+    """A stub source: the sync source's rollouts with every behaviour logprob lowered by ``shift`` nats."""
+
+    def __init__(self, inner, shift):
+        self.inner, self.shift, self.needs_policy = inner, shift, True
+
+    def collect(self, rows, version, policy=None):
+        groups = self.inner.collect(rows, version, policy)
+        for g in groups:
+            for r in g.rollouts:
+                r.completion.logprobs = [lp - self.shift for lp in r.completion.logprobs]
+        return groups
+
+    def on_version(self, version, policy):
+        pass
+
+    def metrics(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("shift, clipped", [(0.0, False), (1.0, True)])
+def test_behaviour_logprobs_are_the_old_policy(tmp_path, shift, clipped):
+    """Ratio = exp(logp - behaviour): on-policy it is 1, so nothing is clipped; lowering the behaviour logprobs
+    by a nat makes it e > 1 + epsilon, so every token with a positive advantage is clipped (TRL counts a token
+    as clipped only where the clip binds: ratio high and advantage > 0). If the learner recomputed "old"
+    with its own weights, both cases would show 0."""
+    cfg, trainer, source, _ = build(tmp_path, ["run.steps=2"])
+    trainer.rollout_source = ShiftedLogprobs(source, shift)
+    trainer.train()
+    region = [h["clip_ratio/region_mean"] for h in trainer.state.log_history if "clip_ratio/region_mean" in h]
+    assert len(region) == 2
+    if clipped:
+        assert min(region) > 0
+    else:
+        assert max(region) == 0.0

@@ -1,0 +1,55 @@
+"""Fails when TRL changes a method echo2 overrides or calls, so an upgrade is a conscious act.
+
+If this fails after bumping ``trl`` in requirements.txt: read the new TRL source of the method named in the
+failure, adapt ``echo2/learner/trainer.py``, then update the expected signature here.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import trl
+from trl import GRPOTrainer
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import nanstd, pad
+
+PINNED_TRL = "1.16.0"
+
+EXPECTED = {
+    GRPOTrainer._generate_and_score_completions: "(self, inputs: list[dict[str, torch.Tensor | typing.Any]]) "
+    "-> dict[str, torch.Tensor | typing.Any]",
+    GRPOTrainer._compute_loss: "(self, model, inputs)",
+    GRPOTrainer._prepare_inputs: "(self, generation_batch: dict[str, torch.Tensor | typing.Any]) "
+    "-> dict[str, torch.Tensor | typing.Any]",
+    unwrap_model_for_generation: "(model: 'DistributedDataParallel | DeepSpeedEngine', accelerator: 'Accelerator', "
+    "gather_deepspeed3_params: bool = True, generation_kwargs: dict | None = None, "
+    "gradient_checkpointing_kwargs: dict | None = None)",
+    pad: "(tensors: list[torch.Tensor], padding_value: int = 0, padding_side: str = 'right', "
+    "pad_to_multiple_of: int | None = None) -> torch.Tensor",
+    nanstd: "(tensor: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) "
+    "-> torch.Tensor",
+}
+
+
+def test_trl_is_the_pinned_version():
+    assert trl.__version__ == PINNED_TRL
+
+
+def test_signatures_we_rely_on():
+    changed = {f.__qualname__: str(inspect.signature(f)) for f, sig in EXPECTED.items()
+               if str(inspect.signature(f)) != sig}
+    assert not changed, f"TRL changed: {changed}"
+
+
+def test_init_still_takes_our_arguments():
+    params = inspect.signature(GRPOTrainer.__init__).parameters
+    for name in ["model", "reward_funcs", "args", "train_dataset", "processing_class"]:
+        assert name in params
+
+
+def test_batch_keys_the_loss_reads():
+    """_compute_loss must still read the keys echo2's batch provides, old_per_token_logps above all."""
+    src = inspect.getsource(GRPOTrainer._compute_loss)
+    for key in ["prompt_ids", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
+                "num_items_in_batch"]:
+        assert f'"{key}"' in src, key

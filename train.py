@@ -1,0 +1,97 @@
+"""echo2: GRPO post-training with a central learner and (in later planes) remote rollouts.
+
+    python train.py                                   # tiny model, arith copy task, CPU, a minute or two
+    python train.py task.level=mod10 run.steps=400    # any key, from the command line
+    python train.py -m seed=0,1,2                     # a sweep: one run directory per job
+    launchers/learner.sh 2 learner=zero2              # DeepSpeed ZeRO-2 over 2 processes
+
+Reads like the algorithm: compose config -> build model, task, rollout source, learner -> train -> summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from echo2.config import register_configs, validate
+from echo2.env import configure_process, world
+
+log = logging.getLogger("echo2")
+register_configs()
+
+
+def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
+    """Build every component from the config, one log line each. Returns (trainer, source, callback)."""
+    from transformers import AutoTokenizer
+
+    from echo2.learner.args import grpo_config
+    from echo2.learner.callbacks import Echo2Callback
+    from echo2.learner.trainer import Echo2GRPOTrainer
+    from echo2.metrics import MetricsSink
+    from echo2.rollout.evaluate import Evaluator
+    from echo2.rollout.scoring import Scorer
+    from echo2.rollout.types import SamplingParams
+
+    model_path = instantiate(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    log.info("model %s from %s (%s)", cfg.model.name, model_path, cfg.model.dtype)
+
+    task = instantiate(cfg.task)
+    train_set = task.train_dataset()
+    log.info("task %s: %d train rows, max %d completion tokens", task.name, len(train_set),
+             task.max_completion_length)
+
+    engine = instantiate(cfg.rollout.engine, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_ids=[tokenizer.eos_token_id])
+    sampling = SamplingParams(n=cfg.rollout.group_size, max_tokens=task.max_completion_length,
+                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              top_k=cfg.rollout.top_k)
+    source = instantiate(cfg.rollout.source, engine=engine, scorer=Scorer(task, tokenizer),
+                         tokenizer=tokenizer, sampling=sampling)
+    log.info("rollout source %s: S=%d, R=%d x %d per step", type(source).__name__, cfg.rollout.staleness,
+             cfg.rollout.prompts_per_step, cfg.rollout.group_size)
+
+    trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
+                               args=grpo_config(cfg, run_dir, world_size), train_dataset=train_set,
+                               rollout_source=source)
+    log.info("learner %s on %d process(es): %s", type(trainer).__name__, world_size, trainer.backend())
+
+    sink = None
+    if rank == 0:
+        sink = MetricsSink(run_dir, cfg.run.wandb, cfg.run.project, cfg.run.group, cfg.run.name,
+                           OmegaConf.to_container(cfg, resolve=True))
+    evaluator = Evaluator(task, tokenizer, engine) if cfg.run.eval_every_steps else None
+    callback = Echo2Callback(trainer, sink, evaluator, cfg.run.eval_every_steps, cfg.run.progress)
+    trainer.add_callback(callback)
+    return trainer, source, callback
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> dict:
+    configure_process()
+    rank, world_size = world()
+    validate(cfg, world_size)
+    run_dir = HydraConfig.get().runtime.output_dir
+    if rank == 0:
+        OmegaConf.save(cfg, os.path.join(run_dir, "resolved_config.yaml"), resolve=True)
+    trainer, source, callback = build(cfg, run_dir, rank, world_size)
+
+    t0 = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        source.close()
+    summary = callback.summary(wall_s=time.perf_counter() - t0, learner_backend=trainer.backend(),
+                               learner_processes=world_size, rollouts_consumed=trainer.rollouts_consumed)
+    log.info("done: %s -> %s", summary, run_dir)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
