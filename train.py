@@ -76,6 +76,8 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
 def main(cfg: DictConfig) -> dict:
     configure_process()
     rank, world_size = world()
+    if rank:  # one voice: the other ranks log warnings only
+        logging.getLogger().setLevel(logging.WARNING)
     validate(cfg, world_size)
     run_dir = HydraConfig.get().runtime.output_dir
     if rank == 0:
@@ -89,7 +91,11 @@ def main(cfg: DictConfig) -> dict:
         source.close()
     summary = callback.summary(wall_s=time.perf_counter() - t0, learner_backend=trainer.backend(),
                                learner_processes=world_size, rollouts_consumed=trainer.rollouts_consumed)
-    log.info("done: %s -> %s", summary, run_dir)
+    evals = summary["eval_accuracy_by_step"]
+    log.info("done: %d steps in %.1f s (%s x %d); reward %.3f at step 1 -> %.3f over the last 20; "
+             "eval accuracy %s; run dir %s", summary["steps"], summary["wall_s"], summary["learner_backend"],
+             world_size, summary["reward_first"], summary["reward_last20_mean"],
+             " -> ".join(f"{a:.3f}@{s}" for s, a in evals.items()) or "off", run_dir)
     return summary
 
 

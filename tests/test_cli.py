@@ -89,3 +89,14 @@ def test_deepspeed_zero2_on_two_cpu_processes_trains(tmp_path):
     rewards = [r["reward/mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
     assert len(rewards) == 40
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_on_two_cpu_processes_runs(tmp_path):
+    """ZeRO-3 shards parameters; the sync source generates inside a full-parameter gather on every rank."""
+    out = run_train(["2", "learner=zero3", "run.steps=3", "run.eval_every_steps=3", "run.wandb=disabled",
+                     "run.progress=false"], tmp_path, launcher=["launchers/learner.sh"], timeout=900)
+    assert out.returncode == 0, out.stderr[-5000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["learner_backend"] == "deepspeed-zero3" and summary["steps"] == 3
+    assert "3" in summary["eval_accuracy_by_step"]

@@ -102,3 +102,15 @@ def test_behaviour_logprobs_are_the_old_policy(tmp_path, shift, clipped):
         assert min(region) > 0
     else:
         assert max(region) == 0.0
+
+
+@pytest.mark.parametrize("loss_type, extra", [
+    ("grpo", []), ("bnpo", []), ("dr_grpo", []), ("dapo", []), ("cispo", []), ("sapo", []),
+    ("luspo", ["+learner.trl.importance_sampling_level=sequence"]),
+])
+def test_trl_loss_types_stay_selectable(tmp_path, loss_type, extra):
+    cfg, trainer, source, _ = build(tmp_path, ["run.steps=1", f"learner.loss_type={loss_type}", *extra])
+    assert trainer.loss_type == loss_type
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 1 and math.isfinite(losses[0])
