@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from echo2.config import register_configs, validate
-from echo2.env import configure_process, world
+from echo2.env import configure_process, run_token, world
 
 log = logging.getLogger("echo2")
 register_configs()
@@ -35,6 +35,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
     from echo2.learner.trainer import Echo2GRPOTrainer
     from echo2.metrics import MetricsSink
     from echo2.rollout.evaluate import Evaluator
+    from echo2.rollout.protocols import RolloutContext
     from echo2.rollout.scoring import Scorer
     from echo2.rollout.types import SamplingParams
 
@@ -52,10 +53,15 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
     sampling = SamplingParams(n=cfg.rollout.group_size, max_tokens=task.max_completion_length,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k)
-    source = instantiate(cfg.rollout.source, engine=engine, scorer=Scorer(task, tokenizer),
-                         tokenizer=tokenizer, sampling=sampling)
-    log.info("rollout source %s: S=%d, R=%d x %d per step", type(source).__name__, cfg.rollout.staleness,
-             cfg.rollout.prompts_per_step, cfg.rollout.group_size)
+    token, token_origin = run_token()
+    ctx = RolloutContext(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling,
+                         engine=engine, model_path=model_path, run_dir=run_dir, seed=cfg.seed,
+                         staleness=cfg.rollout.staleness, prompts_per_step=cfg.rollout.prompts_per_step,
+                         broadcaster=instantiate(cfg.broadcast.sender, token=token), pool=instantiate(cfg.pool),
+                         publish_interval=cfg.broadcast.interval, token=token)
+    source = instantiate(cfg.rollout.source, ctx=ctx)
+    log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(source).__name__,
+             cfg.rollout.staleness, cfg.rollout.prompts_per_step, cfg.rollout.group_size, token_origin)
 
     trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
                                args=grpo_config(cfg, run_dir, world_size), train_dataset=train_set,
@@ -88,9 +94,10 @@ def main(cfg: DictConfig) -> dict:
     try:
         trainer.train()
     finally:
-        source.close()
+        accounting = source.close()
     summary = callback.summary(wall_s=time.perf_counter() - t0, learner_backend=trainer.backend(),
-                               learner_processes=world_size, rollouts_consumed=trainer.rollouts_consumed)
+                               learner_processes=world_size, rollouts_consumed=trainer.rollouts_consumed,
+                               rollout_accounting=accounting)
     evals = summary["eval_accuracy_by_step"]
     log.info("done: %d steps in %.1f s (%s x %d); reward %.3f at step 1 -> %.3f over the last 20; "
              "eval accuracy %s; run dir %s", summary["steps"], summary["wall_s"], summary["learner_backend"],

@@ -76,6 +76,12 @@ class RolloutConfig:
 
 
 @dataclass
+class BroadcastConfig:
+    interval: int = 1
+    sender: Any = MISSING
+
+
+@dataclass
 class RunConfig:
     steps: int = 200
     eval_every_steps: int = 50
@@ -93,6 +99,8 @@ class Config:
     task: Any = MISSING
     learner: LearnerConfig = MISSING
     rollout: RolloutConfig = MISSING
+    broadcast: BroadcastConfig = MISSING
+    pool: Any = MISSING
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -104,6 +112,7 @@ def register_configs() -> None:
     cs.store(group="task", name="gsm8k_schema", node=Gsm8kTaskConfig)
     cs.store(group="learner", name="learner_schema", node=LearnerConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
+    cs.store(group="broadcast", name="broadcast_schema", node=BroadcastConfig)
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -120,9 +129,16 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                       f"{world_size} learner processes (each process takes whole groups)")
     if r.staleness < 0:
         errors.append(f"rollout.staleness={r.staleness}: must be >= 0")
-    if r.source._target_.endswith("SyncRolloutSource") and r.staleness != 0:
+    remote = not r.source._target_.endswith("SyncRolloutSource")
+    if not remote and r.staleness != 0:
         errors.append(f"rollout.staleness={r.staleness}: the sync source is on-policy (S=0); "
-                      "use an asynchronous rollout source for S > 0")
+                      "use rollout=async for S > 0")
+    if remote and world_size > 1:
+        errors.append("rollout=async with a multi-process learner is not supported yet: use one learner process")
+    if remote and not 1 <= cfg.broadcast.interval <= r.staleness + 1:
+        errors.append(f"broadcast.interval={cfg.broadcast.interval} with rollout.staleness={r.staleness}: need "
+                      "1 <= interval <= S+1, else workers hold weights too old for any dispatch and the learner "
+                      "waits forever")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
         errors.append(f"rollout.temperature={r.temperature} / top_p={r.top_p}: need temperature > 0, 0 < top_p <= 1")
     if cfg.task.max_completion_length < 1:

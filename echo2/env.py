@@ -28,3 +28,13 @@ def _has_cuda() -> bool:
 def world() -> tuple[int, int]:
     """(rank, world size) from the launcher's environment (torchrun / accelerate), before torch.distributed."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def run_token() -> tuple[str, str]:
+    """The secret workers join with: $ECHO2_TOKEN if set (workers started elsewhere need it), else a fresh one.
+    Returns (token, where it came from); the token itself is never logged or written to the run directory."""
+    import secrets
+
+    if os.environ.get("ECHO2_TOKEN"):
+        return os.environ["ECHO2_TOKEN"], "from $ECHO2_TOKEN"
+    return secrets.token_urlsafe(24), "generated for this run"

@@ -1,4 +1,7 @@
-"""Peer-assisted pipelined broadcast of weight snapshots (DESIGN §3). Not built yet: nothing here runs.
+"""Weight dissemination: how snapshot v reaches the rollout workers (DESIGN §3).
 
-Until it lands the only rollout source is on-policy and in-process, so no weights travel.
+``snapshot``    serialise a state dict (safetensors, never pickle) and sign it with the run's secret
+``base``        the ``Broadcaster`` protocol the learner sees
+``one_to_many`` the baseline: the learner pushes each snapshot to every worker, one after another
+The peer-assisted pipelined relay comes behind the same protocol.
 """

@@ -18,6 +18,7 @@ The loss itself (``_compute_loss``: every TRL ``loss_type``, clipping, KL, entro
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,6 +60,8 @@ class Echo2GRPOTrainer(GRPOTrainer):
         if self.args.steps_per_generation != 1 or self.num_iterations != 1:
             raise ValueError("echo2's learner takes one optimizer step per batch: steps_per_generation=num_iterations=1")
         self.rollout_source = rollout_source
+        self._t_start = 0.0  # set at the first batch
+        self._idle_s = self._idle_total_s = 0.0  # time spent obtaining rollouts, not training
         # echo2 writes its own per-step records and progress bar; drop HF's printer of raw log dicts.
         self.remove_callback(PrinterCallback)
         self.rollouts_consumed = 0
@@ -102,7 +105,11 @@ class Echo2GRPOTrainer(GRPOTrainer):
             raise NotImplementedError("echo2 evaluates with its own evaluator (eval/accuracy), not Trainer.evaluate")
         group_size = self.num_generations
         rows = inputs[::group_size]  # TRL's RepeatSampler repeats each row G times in a row
+        t0 = time.perf_counter()
+        self._t_start = self._t_start or t0
         groups = self._collect(rows)
+        self._idle_s = time.perf_counter() - t0
+        self._idle_total_s += self._idle_s
         if len(groups) != len(rows) or any(len(g.rollouts) != group_size for g in groups):
             raise RuntimeError(f"rollout source returned {[len(g.rollouts) for g in groups]}, "
                                f"expected {len(rows)} groups of {group_size}")
@@ -143,6 +150,10 @@ class Echo2GRPOTrainer(GRPOTrainer):
             "buffer/staleness_max": all_lags.max().item(),
             "rollout/completion_len_mean": lengths.mean().item(),
             "rollout/consumed": float(self.rollouts_consumed),
+            # Idle = time this step spent obtaining rollouts (generating, for the sync source; waiting on the
+            # buffer, for remote workers); utilization = 1 - idle / wall, cumulative since the first batch.
+            "train/learner_idle_s": self._idle_s,
+            "train/learner_utilization": 1.0 - self._idle_total_s / max(time.perf_counter() - self._t_start, 1e-9),
         }
         for name in rollouts[0].rewards:
             vals = torch.tensor([r.rewards[name] for r in rollouts], dtype=torch.float32, device=device)

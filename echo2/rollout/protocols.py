@@ -3,9 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from echo2.rollout.types import Completion, RolloutGroup, SamplingParams
+
+
+@dataclass
+class RolloutContext:
+    """What train.py hands every rollout source; each takes what it needs."""
+
+    task: Any
+    tokenizer: Any
+    scorer: Any  # echo2.rollout.scoring.Scorer
+    sampling: SamplingParams
+    engine: Any  # the learner-side engine (sync generation, evaluation)
+    model_path: str
+    run_dir: str
+    seed: int
+    staleness: int
+    prompts_per_step: int
+    broadcaster: Any
+    pool: Any
+    publish_interval: int
+    token: str
 
 
 class Engine(Protocol):
@@ -41,6 +62,7 @@ class RolloutSource(Protocol):
         """Called once per step after ``collect``; namespaced counters the source wants logged."""
         ...
 
-    def close(self) -> None:
-        """Called once at the end of training, also on failure."""
+    def close(self) -> dict[str, Any]:
+        """Called once at the end of training, also on failure. Returns the rollout accounting: ``dispatched``,
+        ``received``, ``consumed``, ``dropped`` and ``lost`` (reason -> count), ``in_flight``; they add up."""
         ...

@@ -12,9 +12,9 @@ import logging
 import time
 from typing import Any
 
-from echo2.rollout.protocols import Engine
+from echo2.rollout.protocols import RolloutContext
 from echo2.rollout.scoring import Scorer, encode_prompt
-from echo2.rollout.types import Rollout, RolloutGroup, SamplingParams
+from echo2.rollout.types import Rollout, RolloutGroup
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 class SyncRolloutSource:
     needs_policy = True
 
-    def __init__(self, engine: Engine, scorer: Scorer, tokenizer: Any, sampling: SamplingParams):
-        self.engine, self.scorer, self.tokenizer, self.sampling = engine, scorer, tokenizer, sampling
+    def __init__(self, ctx: RolloutContext):
+        self.engine, self.scorer, self.tokenizer, self.sampling = ctx.engine, ctx.scorer, ctx.tokenizer, ctx.sampling
         self._generated = 0
         self._generate_s = 0.0
 
@@ -45,7 +45,9 @@ class SyncRolloutSource:
         """Nothing to publish: the next ``collect`` is handed the updated policy itself."""
 
     def metrics(self) -> dict[str, float]:
-        return {"rollout/generated": float(self._generated), "rollout/generate_s": self._generate_s}
+        return {"rollout/received": float(self._generated), "rollout/generate_s": self._generate_s}
 
-    def close(self) -> None:
-        pass
+    def close(self) -> dict[str, Any]:
+        """Every rollout generated here is consumed by the step that asked for it."""
+        n = self._generated
+        return {"dispatched": n, "received": n, "consumed": n, "dropped": {}, "lost": {}, "in_flight": 0}

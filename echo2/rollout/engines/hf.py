@@ -64,3 +64,31 @@ class HFEngine:
                 group.append(Completion(ids[:cut], token_logps[row, :cut].tolist(), finish))
             completions.append(group)
         return completions
+
+
+class HFWorkerEngine:
+    """A worker's own transformers model behind the worker-engine interface (no vLLM needed)."""
+
+    name = "hf"
+
+    def __init__(self, model_path: str, dtype: str = "float32", pad_token_id: int | None = None,
+                 eos_token_ids: Sequence[int] | None = None, **_ignored):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        tok = AutoTokenizer.from_pretrained(model_path)
+        self.engine = HFEngine(tok.pad_token_id if pad_token_id is None else pad_token_id,
+                               eos_token_ids or [tok.eos_token_id])
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        return self.engine.generate(self.model, prompt_ids, params)
+
+    def load_weights(self, version: int, blob: bytes) -> None:
+        from echo2.broadcast.snapshot import decode
+
+        missing, unexpected = self.model.load_state_dict(decode(blob), strict=False)
+        if unexpected or [m for m in missing if "rotary" not in m]:
+            raise ValueError(f"snapshot v{version} does not fit the model: missing {missing}, unexpected {unexpected}")
+
+    def close(self) -> None:
+        pass

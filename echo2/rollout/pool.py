@@ -1,0 +1,73 @@
+"""Worker pools: where the worker agents come from.
+
+``LocalPool`` starts N agents on this machine as child processes (the CPU demo and tests); ``StaticPool``
+starts nothing and waits for agents started elsewhere (``python -m echo2.worker --coordinator URL``) to join.
+Processes are tracked and stopped by their handle, never by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class StaticPool:
+    """Agents are started by someone else (a rented GPU box, a SLURM array) and join with the token."""
+
+    def start(self, coordinator_url: str, token: str, model_path: str) -> None:
+        log.info("waiting for workers to join %s (token in the run's resolved config is not printed)",
+                 coordinator_url)
+
+    def stop(self) -> None:
+        pass
+
+
+class LocalPool:
+    def __init__(self, workers: int = 2, engine: str = "auto", dtype: str = "float32", max_model_len: int = 128,
+                 max_groups: int = 4, log_dir: str | None = None):
+        self.n, self.engine, self.dtype = workers, engine, dtype
+        self.max_model_len, self.max_groups, self.log_dir = max_model_len, max_groups, log_dir
+        self.procs: list[subprocess.Popen] = []
+        self.args: dict = {}
+
+    def start(self, coordinator_url: str, token: str, model_path: str) -> None:
+        self.args = dict(coordinator_url=coordinator_url, token=token, model_path=model_path)
+        for _ in range(self.n):
+            self.add()
+
+    def add(self) -> subprocess.Popen:
+        """Start one more agent (also mid-run: a joining worker)."""
+        i = len(self.procs)
+        cmd = [sys.executable, "-m", "echo2.worker", "--coordinator", self.args["coordinator_url"],
+               "--model", self.args["model_path"], "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+               "--max-groups", str(self.max_groups)]
+        if self.engine != "auto":
+            cmd += ["--engine", self.engine]
+        env = dict(os.environ, ECHO2_TOKEN=self.args["token"])
+        out = subprocess.DEVNULL
+        if self.log_dir:
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+            out = open(Path(self.log_dir) / f"worker{i}.log", "ab")
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        log.info("started local worker %d (pid %d, engine %s)", i, proc.pid, self.engine)
+        return proc
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM every agent (each stops its own engine), wait, then SIGKILL stragglers."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("worker pid %d ignored SIGTERM; killing", p.pid)
+                p.kill()
+                p.wait()
