@@ -65,7 +65,8 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
 
     trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
                                args=grpo_config(cfg, run_dir, world_size), train_dataset=train_set,
-                               rollout_source=source)
+                               rollout_source=source, correction=cfg.rollout.correction,
+                               is_bounds=(cfg.rollout.is_min, cfg.rollout.is_max))
     log.info("learner %s on %d process(es): %s", type(trainer).__name__, world_size, trainer.backend())
 
     sink = None

@@ -73,6 +73,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    correction: str = "none"
+    is_min: float = 0.5
+    is_max: float = 2.0
 
 
 @dataclass
@@ -139,6 +142,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         errors.append(f"broadcast.interval={cfg.broadcast.interval} with rollout.staleness={r.staleness}: need "
                       "1 <= interval <= S+1, else workers hold weights too old for any dispatch and the learner "
                       "waits forever")
+    if r.correction not in ("none", "tis", "mask"):
+        errors.append(f"rollout.correction={r.correction!r}: expected none, tis or mask")
+    if not 0 <= r.is_min <= 1 <= r.is_max:
+        errors.append(f"rollout.is_min={r.is_min}, is_max={r.is_max}: need 0 <= is_min <= 1 <= is_max")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
         errors.append(f"rollout.temperature={r.temperature} / top_p={r.top_p}: need temperature > 0, 0 < top_p <= 1")
     if cfg.task.max_completion_length < 1:

@@ -63,3 +63,36 @@ def read_jsonl(path: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def build_run(tmp_path, overrides: list[str]):
+    """Compose and build a run in this process, as train.py would; returns (cfg, trainer, source, callback)."""
+    import train
+
+    cfg = compose(["run.wandb=disabled", "run.progress=false", "run.eval_every_steps=0", *overrides])
+    return cfg, *train.build(cfg, str(tmp_path), rank=0, world_size=1)
+
+
+def descendants(pid: int) -> set[int]:
+    """PIDs of every live descendant of ``pid`` (from /proc), to check later that none outlived it."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False

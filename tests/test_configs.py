@@ -15,13 +15,15 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize("group", ["model", "task", "learner", "rollout", "experiment"])
+@pytest.mark.parametrize("group", ["model", "task", "learner", "rollout", "broadcast", "pool", "experiment"])
 def test_every_option_composes(group):
     names = options(group)
     assert names, f"conf/{group} is empty"
     for name in names:
         cfg = compose([f"{group}={name}"])
         validate(cfg, world_size=1)
+        if group == "learner" and name != "default":  # multi-process learners run the sync source for now
+            validate(compose([f"{group}={name}", "rollout=sync"]), world_size=2)
 
 
 def test_tiny_model_and_arith_instantiate(tiny_model_dir):
@@ -58,9 +60,12 @@ def test_wrong_type_fails_at_compose_time():
     "overrides, message",
     [
         (["rollout.group_size=1"], "rollout.group_size"),
-        (["rollout.staleness=2"], "sync source is on-policy"),
+        (["rollout=sync", "rollout.staleness=2"], "sync source is on-policy"),
+        (["rollout.staleness=1", "broadcast.interval=3"], "interval <= S+1"),
+        (["rollout.correction=magic"], "rollout.correction"),
         (["run.wandb=maybe"], "run.wandb"),
-        (["rollout.prompts_per_step=3"], "multiple of the 2 learner processes"),
+        (["rollout=sync", "rollout.prompts_per_step=3"], "multiple of the 2 learner processes"),
+        ([], "multi-process learner is not supported yet"),
     ],
 )
 def test_validation_names_the_key(overrides, message):

@@ -7,17 +7,14 @@ import math
 import pytest
 import torch
 
-from conftest import compose
+from conftest import build_run
 from echo2.learner.trainer import group_advantages
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.types import SamplingParams
 
 
 def build(tmp_path, overrides):
-    import train
-
-    cfg = compose(["run.wandb=disabled", "run.progress=false", "run.eval_every_steps=0", *overrides])
-    return cfg, *train.build(cfg, str(tmp_path), rank=0, world_size=1)
+    return build_run(tmp_path, ["rollout=sync", *overrides])
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -54,9 +54,30 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
+CORRECTIONS = ("none", "tis", "mask")
+
+
+def importance_weights(log_ratio: torch.Tensor, mode: str, bounds: tuple[float, float]) -> torch.Tensor:
+    """Per-token weights w = π_prox / π_behaviour for the decoupled off-policy loss.
+
+    ``tis`` truncates w at ``bounds[1]`` (truncated importance sampling: bounded variance, some bias);
+    ``mask`` zeroes tokens whose w falls outside ``bounds`` (they teach nothing rather than something wrong).
+    """
+    w = torch.exp(log_ratio)
+    if mode == "tis":
+        return torch.clamp(w, max=bounds[1])
+    if mode == "mask":
+        return torch.where((w >= bounds[0]) & (w <= bounds[1]), w, torch.zeros_like(w))
+    raise ValueError(f"correction {mode!r}")
+
+
 class Echo2GRPOTrainer(GRPOTrainer):
-    def __init__(self, *args, rollout_source: RolloutSource, **kwargs):
+    def __init__(self, *args, rollout_source: RolloutSource, correction: str = "none",
+                 is_bounds: tuple[float, float] = (0.5, 2.0), **kwargs):
         super().__init__(*args, **kwargs)
+        if correction not in CORRECTIONS:
+            raise ValueError(f"rollout.correction={correction!r}: expected one of {CORRECTIONS}")
+        self.correction, self.is_bounds = correction, is_bounds
         if self.args.steps_per_generation != 1 or self.num_iterations != 1:
             raise ValueError("echo2's learner takes one optimizer step per batch: steps_per_generation=num_iterations=1")
         self.rollout_source = rollout_source
@@ -162,15 +183,39 @@ class Echo2GRPOTrainer(GRPOTrainer):
         for key, value in metrics.items():
             self._metrics["train"][key].append(value)
 
+        old_logps = behaviour_logps
+        if self.correction != "none":
+            old_logps, advantages = self._decoupled(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                    behaviour_logps, advantages)
         return {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
-            "old_per_token_logps": behaviour_logps,
+            "old_per_token_logps": old_logps,
             "advantages": advantages,
             "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
         }
+
+    def _decoupled(self, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps, advantages):
+        """Decoupled off-policy loss (``rollout.correction`` tis / mask): the clipped ratio is taken against the
+        *proximal* policy (the learner's weights now, recomputed without grad), and each token is weighted by
+        w = π_prox / π_behaviour, truncated or masked. Returns (old logprobs, per-token advantages)."""
+        with torch.no_grad():
+            prox_logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
+                completion_ids.size(1), batch_size=self.args.per_device_train_batch_size)
+        mask = completion_mask.bool()
+        raw = torch.exp((prox_logps - behaviour_logps)[mask])
+        weights = importance_weights((prox_logps - behaviour_logps) * completion_mask, self.correction, self.is_bounds)
+        kept = weights[mask]
+        for key, value in {
+            "rollout/is_ratio_mean": raw.mean(), "rollout/is_ratio_max": raw.max(),
+            "rollout/is_weight_mean": kept.mean(),
+            "rollout/is_frac_corrected": (kept != raw).float().mean(),
+        }.items():
+            self._metrics["train"][key].append(self.accelerator.gather(value.reshape(1)).mean().item())
+        return prox_logps, advantages.unsqueeze(1) * weights
 
     def _zero_std_fraction(self, all_rewards: torch.Tensor) -> float:
         """Fraction of groups whose G rewards are all equal: they carry no GRPO signal."""

@@ -32,13 +32,13 @@ log = logging.getLogger("echo2.worker")
 
 class Agent:
     def __init__(self, coordinator_url: str, token: str, engine: Any, listen_host: str = "127.0.0.1",
-                 advertise_host: str | None = None, max_groups: int = 4):
+                 advertise_host: str | None = None, max_groups: int = 4, stop: threading.Event | None = None):
         self.token, self.engine, self.max_groups = token, engine, max_groups
         self.client = Client(coordinator_url, token, timeout_s=60)
         self.version = 0
         self.pending: tuple[int, bytes] | None = None
         self.pending_lock = threading.Lock()
-        self.stop = threading.Event()
+        self.stop = stop or threading.Event()
         self.worker_id: str | None = None
         self.snapshots_applied = 0
         self.server = JsonServer(listen_host, 0, token, routes={"POST /snapshot": self._receive},
@@ -135,11 +135,11 @@ class Agent:
         self.engine.close()
 
 
-def build_engine(kind: str, model: str, dtype: str, max_model_len: int) -> Any:
+def build_engine(kind: str, model: str, dtype: str, max_model_len: int, stop: threading.Event) -> Any:
     if kind == "vllm":
         from echo2.rollout.engines.vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(model, dtype=dtype, max_model_len=max_model_len)
+        return VLLMServerEngine(model, dtype=dtype, max_model_len=max_model_len, stop=stop)
     if kind == "hf":
         from echo2.rollout.engines.hf import HFWorkerEngine
 
@@ -173,15 +173,22 @@ def main(argv: list[str] | None = None) -> None:
     from echo2.env import configure_process
 
     configure_process()
-    engine = build_engine(args.engine, args.model, args.dtype, args.max_model_len)
-    agent = Agent(args.coordinator, args.token, engine, args.listen_host, args.advertise_host, args.max_groups)
+    stop = threading.Event()
 
     def on_signal(signum, _frame):
         log.info("signal %d: shutting down", signum)
-        agent.stop.set()
+        stop.set()
 
+    # Before the engine starts: a SIGTERM during vLLM's start-up must still stop the server we launched.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    try:
+        engine = build_engine(args.engine, args.model, args.dtype, args.max_model_len, stop)
+    except InterruptedError:
+        log.info("worker stopped during engine start-up")
+        return
+    agent = Agent(args.coordinator, args.token, engine, args.listen_host, args.advertise_host, args.max_groups,
+                  stop=stop)
     try:
         agent.run()
     except (RemoteError, OSError) as e:

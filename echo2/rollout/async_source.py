@@ -40,7 +40,7 @@ class AsyncRolloutSource:
             host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s, groups_per_pull=groups_per_pull,
             seed=ctx.seed, broadcaster=self.broadcaster,
         ).start()
-        self.pool.start(self.coordinator.url, ctx.token, ctx.model_path)
+        self.pool.start(self.coordinator.url, ctx.token, ctx.model_path, ctx.run_dir)
         self.idle_s = 0.0
 
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:

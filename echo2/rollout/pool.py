@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class StaticPool:
     """Agents are started by someone else (a rented GPU box, a SLURM array) and join with the token."""
 
-    def start(self, coordinator_url: str, token: str, model_path: str) -> None:
+    def start(self, coordinator_url: str, token: str, model_path: str, run_dir: str) -> None:
         log.info("waiting for workers to join %s (token in the run's resolved config is not printed)",
                  coordinator_url)
 
@@ -30,14 +30,18 @@ class StaticPool:
 
 class LocalPool:
     def __init__(self, workers: int = 2, engine: str = "auto", dtype: str = "float32", max_model_len: int = 128,
-                 max_groups: int = 4, log_dir: str | None = None):
+                 max_groups: int = 4, log_subdir: str | None = "workers", cores: list[int] | None = None):
         self.n, self.engine, self.dtype = workers, engine, dtype
-        self.max_model_len, self.max_groups, self.log_dir = max_model_len, max_groups, log_dir
+        self.max_model_len, self.max_groups, self.log_subdir = max_model_len, max_groups, log_subdir
+        self.log_dir: Path | None = None
+        self.cores = list(cores) if cores else None
         self.procs: list[subprocess.Popen] = []
+        self._logs: list = []
         self.args: dict = {}
 
-    def start(self, coordinator_url: str, token: str, model_path: str) -> None:
+    def start(self, coordinator_url: str, token: str, model_path: str, run_dir: str) -> None:
         self.args = dict(coordinator_url=coordinator_url, token=token, model_path=model_path)
+        self.log_dir = Path(run_dir) / self.log_subdir if self.log_subdir else None
         for _ in range(self.n):
             self.add()
 
@@ -50,13 +54,20 @@ class LocalPool:
         if self.engine != "auto":
             cmd += ["--engine", self.engine]
         env = dict(os.environ, ECHO2_TOKEN=self.args["token"])
+        pin = None
+        if self.cores:  # worker i on core cores[i % len]: its agent, its vLLM server and vLLM's OpenMP threads
+            core = self.cores[i % len(self.cores)]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+            pin = lambda: os.sched_setaffinity(0, {core})  # noqa: E731
         out = subprocess.DEVNULL
         if self.log_dir:
-            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-            out = open(Path(self.log_dir) / f"worker{i}.log", "ab")
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"worker{i}.log", "ab")
+            self._logs.append(out)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pin)
         self.procs.append(proc)
-        log.info("started local worker %d (pid %d, engine %s)", i, proc.pid, self.engine)
+        log.info("started local worker %d (pid %d, engine %s%s)", i, proc.pid, self.engine,
+                 f", core {core}" if pin else "")
         return proc
 
     def stop(self, timeout_s: float = 60.0) -> None:
@@ -71,3 +82,5 @@ class LocalPool:
                 log.warning("worker pid %d ignored SIGTERM; killing", p.pid)
                 p.kill()
                 p.wait()
+        for f in self._logs:
+            f.close()

@@ -50,4 +50,5 @@ class SyncRolloutSource:
     def close(self) -> dict[str, Any]:
         """Every rollout generated here is consumed by the step that asked for it."""
         n = self._generated
-        return {"dispatched": n, "received": n, "consumed": n, "dropped": {}, "lost": {}, "in_flight": 0}
+        return {"dispatched": n, "received": n, "consumed": n, "dropped": {}, "lost": {}, "in_flight": 0,
+                "buffered": 0}

@@ -81,7 +81,8 @@ class JsonServer:
         return self
 
     def close(self) -> None:
-        self.httpd.shutdown()
+        if self.thread.is_alive():  # shutdown() waits for serve_forever, which never ran if not started
+            self.httpd.shutdown()
         self.httpd.server_close()
 
     def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:

@@ -12,13 +12,12 @@ server never listens beyond loopback; only the agent speaks to the network.
   only in-place path that works on vLLM's CPU backend, which repacks linear weights) and
   ``reset_prefix_cache`` (without it cached KV blocks of the old weights skew logprobs by many nats).
   Models with tied embeddings are refused: ``reload_weights`` leaves a tied LM head stale.
-* Lifetime: the server runs in its own process group and gets SIGTERM if the agent dies (even by SIGKILL,
-  through ``PR_SET_PDEATHSIG``); ``close`` stops the whole group, so no engine process outlives the agent.
+* Lifetime: the server runs under ``guard.py``, in its own process group, which the guard takes down when
+  the agent stops it or dies (even by SIGKILL); no engine process outlives the agent.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,12 +37,6 @@ import requests
 from echo2.rollout.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM when the parent (the agent) dies, however it dies."""
-    os.setsid()
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -56,7 +50,8 @@ class VLLMServerEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", max_model_len: int = 128,
                  kv_cache_gib: int = 1, enforce_eager: bool = True, seed: int = 0,
-                 startup_timeout_s: float = 600.0, extra_args: Sequence[str] = (), log_path: str | None = None):
+                 startup_timeout_s: float = 600.0, extra_args: Sequence[str] = (), log_path: str | None = None,
+                 stop: threading.Event | None = None):
         cfg = json.loads((Path(model_path) / "config.json").read_text()) if Path(model_path).is_dir() else {}
         if cfg.get("tie_word_embeddings"):
             raise ValueError(f"{model_path}: tied embeddings; vLLM's reload_weights would leave the LM head stale")
@@ -76,18 +71,20 @@ class VLLMServerEngine:
         self.log_path = log_path or str(self.workdir / "vllm.log")
         self._log = open(self.log_path, "ab")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
+        guard = [sys.executable, "-m", "echo2.rollout.engines.guard"]
+        self.proc = subprocess.Popen(guard + cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         try:
-            self._wait_healthy(startup_timeout_s)
+            self._wait_healthy(startup_timeout_s, stop or threading.Event())
         except BaseException:
             self.close()
             raise
         log.info("vLLM server pid %d ready on %s in %.1f s", self.proc.pid, self.base, time.perf_counter() - t0)
 
-    def _wait_healthy(self, timeout_s: float) -> None:
+    def _wait_healthy(self, timeout_s: float, stop: threading.Event) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if stop.is_set():
+                raise InterruptedError("stopped while the vLLM server was starting")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; log tail:\n{self._tail()}")
             try:
@@ -95,7 +92,7 @@ class VLLMServerEngine:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(1.0)
+            stop.wait(1.0)
         raise TimeoutError(f"vLLM server not healthy after {timeout_s} s; log tail:\n{self._tail()}")
 
     def _tail(self, n: int = 3000) -> str:
@@ -133,16 +130,15 @@ class VLLMServerEngine:
                 shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
-        """Stop the server and its engine processes (the whole process group), then clean up."""
+        """Stop the server and its engine processes (the guard stops the whole group), then clean up."""
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-            except ProcessLookupError:
-                pass
+                self.proc.kill()  # the guard itself hung: without it its group would be orphaned; say so
+                log.error("vLLM guard pid %d hung; killed it (its server group may remain)", self.proc.pid)
+                self.proc.wait()
         self._log.close()
         self.session.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
