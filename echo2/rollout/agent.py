@@ -16,6 +16,7 @@ SIGTERM / SIGINT: finish nothing new, tell the coordinator, stop the engine (no 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -135,11 +136,12 @@ class Agent:
         self.engine.close()
 
 
-def build_engine(kind: str, model: str, dtype: str, max_model_len: int, stop: threading.Event) -> Any:
+def build_engine(kind: str, model: str, dtype: str, max_model_len: int, stop: threading.Event,
+                 engine_log: str | None = None) -> Any:
     if kind == "vllm":
         from echo2.rollout.engines.vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(model, dtype=dtype, max_model_len=max_model_len, stop=stop)
+        return VLLMServerEngine(model, dtype=dtype, max_model_len=max_model_len, stop=stop, log_path=engine_log)
     if kind == "hf":
         from echo2.rollout.engines.hf import HFWorkerEngine
 
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-groups", type=int, default=4, help="groups asked for per pull")
     p.add_argument("--listen-host", default="127.0.0.1", help="where snapshots are received")
     p.add_argument("--advertise-host", default=None, help="address the learner reaches this worker at")
+    p.add_argument("--engine-log", default=None, help="file for the vLLM server's output (default: a temp dir)")
     args = p.parse_args(argv)
     if not args.token:
         p.error("no token: set $ECHO2_TOKEN or pass --token")
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     from echo2.env import configure_process
 
     configure_process()
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack to the log
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        engine = build_engine(args.engine, args.model, args.dtype, args.max_model_len, stop)
+        engine = build_engine(args.engine, args.model, args.dtype, args.max_model_len, stop, args.engine_log)
     except InterruptedError:
         log.info("worker stopped during engine start-up")
         return

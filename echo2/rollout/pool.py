@@ -57,17 +57,22 @@ class LocalPool:
         pin = None
         if self.cores:  # worker i on core cores[i % len]: its agent, its vLLM server and vLLM's OpenMP threads
             core = self.cores[i % len(self.cores)]
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
             pin = lambda: os.sched_setaffinity(0, {core})  # noqa: E731
+        else:
+            # vLLM-CPU binds every engine's OpenMP threads to core 0 by default, so two local engines would
+            # spin on one core (measured: the second worker starved for 25 s). Spread them instead.
+            core = i % (os.cpu_count() or 1)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
         out = subprocess.DEVNULL
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"worker{i}.log", "ab")
             self._logs.append(out)
+            cmd += ["--engine-log", str(self.log_dir / f"worker{i}.engine.log")]
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pin)
         self.procs.append(proc)
-        log.info("started local worker %d (pid %d, engine %s%s)", i, proc.pid, self.engine,
-                 f", core {core}" if pin else "")
+        log.info("started local worker %d (pid %d, engine %s, vLLM threads on core %d%s)", i, proc.pid, self.engine,
+                 core, ", pinned" if pin else "")
         return proc
 
     def stop(self, timeout_s: float = 60.0) -> None:
