@@ -32,7 +32,9 @@ def run(name: str, overrides: list[str], out_dir: Path, learner_core: int) -> di
     cmd = ["taskset", "-c", str(learner_core), sys.executable, "train.py", f"hydra.run.dir={run_dir}",
            "run.wandb=disabled", "run.progress=false", "run.eval_every_steps=0", *overrides]
     print(f"[{name}] {' '.join(cmd[3:])}", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(out_dir / f"{name}.log", "w") as log:
+        if subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode:
+            sys.exit(f"[{name}] failed; its output:\n{(out_dir / f'{name}.log').read_text()[-3000:]}")
     return summarise(name, run_dir)
 
 
@@ -78,7 +80,7 @@ def main() -> None:
         rows.append(run("sync", ["rollout=sync", *common], Path(tmp), args.learner_core))
         for s in args.staleness:
             interval = max(1, s)  # κ = S for S >= 1 (the paper's κ = S - 1 would be 0 at S = 1)
-            rows.append(run(f"async S={s}", [
+            rows.append(run(f"async_S{s}", [
                 "rollout=async", f"rollout.staleness={s}", f"broadcast.interval={interval}", "pool.workers=1",
                 f"pool.cores=[{args.worker_core}]", f"pool.engine={args.engine}", *common], Path(tmp),
                 args.learner_core))
