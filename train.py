@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 
 import hydra
@@ -91,6 +92,8 @@ def main(cfg: DictConfig) -> dict:
         OmegaConf.save(cfg, os.path.join(run_dir, "resolved_config.yaml"), resolve=True)
     trainer, source, callback = build(cfg, run_dir, rank, world_size)
 
+    # SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C, so the finally below stops the workers.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0 = time.perf_counter()
     try:
         trainer.train()

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 class OneToManyBroadcaster:
     def __init__(self, token: str, timeout_s: float = 120.0):
         self.token, self.timeout_s = token, timeout_s
+        self.on_delivered = None  # set by the coordinator: called (peer, version) after each delivery
         self.peers: dict[str, Client] = {}
         self.latest: tuple[int, bytes, str] | None = None  # version, blob, digest
         self.delivered: dict[str, int] = {}  # peer -> version it holds
@@ -82,6 +83,8 @@ class OneToManyBroadcaster:
                                 headers={snapshot.VERSION_HEADER: str(version), snapshot.DIGEST_HEADER: digest})
                     with self.cond:
                         self.delivered[peer] = version
+                    if self.on_delivered is not None:
+                        self.on_delivered(peer, version)
                 except Exception as e:  # a dead peer must not stop the others; the registry will drop it
                     self.failures += 1
                     log.warning("snapshot v%d to %s failed: %s", version, peer, e)

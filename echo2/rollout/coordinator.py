@@ -42,6 +42,7 @@ class WorkerInfo:
     snapshot_url: str | None
     engine: str
     version: int = 0
+    delivered_version: int = 0  # newest snapshot the broadcaster has handed to this worker
     last_seen: float = field(default_factory=time.monotonic)
     joined: float = field(default_factory=time.monotonic)
     rollouts_per_s: float = 0.0  # measured by the worker over its last batch
@@ -91,6 +92,8 @@ class Coordinator:
             "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "GET /status": self._status,
         })
         self.reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
+        if broadcaster is not None:
+            broadcaster.on_delivered = self._snapshot_delivered
 
     def start(self) -> "Coordinator":
         self.server.start()
@@ -152,11 +155,13 @@ class Coordinator:
             while True:
                 work = self._dispatch(worker, want)
                 remaining = deadline - time.monotonic()
-                if work or self.closed or remaining <= 0:
+                # A newer snapshot reached the worker: answer now so that it applies it and asks again.
+                if work or self.closed or remaining <= 0 or worker.delivered_version > worker.version:
                     break
                 self.lock.wait(timeout=remaining)
                 worker.last_seen = time.monotonic()
-        return {"work": work, "version": self.version, "wait_s": 0.0 if work else 0.1}
+            fresh_snapshot = worker.delivered_version > worker.version
+        return {"work": work, "version": self.version, "wait_s": 0.0 if work or fresh_snapshot else 0.1}
 
     def _dispatch(self, worker: WorkerInfo, want: int) -> list[dict]:
         """New groups for ``worker``, while worth it (buffer.worth_dispatching). Holds the lock."""
@@ -241,6 +246,13 @@ class Coordinator:
             comp = Completion(ids, [float(x) for x in lps], finish)
             rollouts.append(Rollout(prompt_ids=flight.prompt_ids, completion=comp, version=version))
         return RolloutGroup(row=flight.row, rollouts=rollouts)
+
+    def _snapshot_delivered(self, worker_id: str, version: int) -> None:
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            if worker is not None:
+                worker.delivered_version = max(worker.delivered_version, version)
+                self.lock.notify_all()
 
     def _leave(self, body: dict, _headers) -> dict:
         with self.lock:
