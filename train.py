@@ -1,9 +1,9 @@
-"""echo2: GRPO post-training with a central learner and (in later planes) remote rollouts.
+"""echo2: GRPO post-training with a central learner and remote rollouts.
 
-    python train.py                                   # tiny model, arith copy task, CPU, a minute or two
+    python train.py                                   # tiny model, copy task, 2 local vLLM workers, S=2
     python train.py task.level=mod10 run.steps=400    # any key, from the command line
     python train.py -m seed=0,1,2                     # a sweep: one run directory per job
-    launchers/learner.sh 2 learner=zero2              # DeepSpeed ZeRO-2 over 2 processes
+    launchers/learner.sh 2 learner=zero2 rollout=sync # DeepSpeed ZeRO-2 over 2 processes
 
 Reads like the algorithm: compose config -> build model, task, rollout source, learner -> train -> summary.
 """

@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="hydra overrides, as for train.py")
     args = parser.parse_args()
     configure_process()
-    cfg = compose([f"run.steps={args.steps}", "run.wandb=disabled", "run.progress=false",
+    cfg = compose(["rollout=sync", f"run.steps={args.steps}", "run.wandb=disabled", "run.progress=false",
                    "run.eval_every_steps=0", *args.overrides])
     times: dict[str, list[float]] = {"echo2": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:

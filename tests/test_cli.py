@@ -93,14 +93,22 @@ def test_default_demo_learns_with_async_workers(tmp_path):
     assert acc["dispatched"] == acc["consumed"] + sum(acc["dropped"].values()) + sum(acc["lost"].values())
 
 
-@pytest.mark.slow
-def test_deepspeed_zero2_on_two_cpu_processes_trains(tmp_path):
-    """ZeRO-2 through launchers/learner.sh (accelerate launch, gloo): 2 ranks, each with half of every batch."""
-    out = run_train(["2", "learner=zero2", "rollout=sync", "run.steps=40", "run.eval_every_steps=0", "run.wandb=disabled",
-                     "run.progress=false"], tmp_path, launcher=["launchers/learner.sh"], timeout=900)
+def run_deepspeed(tmp_path, stage: int, steps: int, eval_every: int) -> dict:
+    """launchers/learner.sh with 2 CPU processes (accelerate launch, gloo); returns summary.json."""
+    out = run_train(["2", f"learner=zero{stage}", "rollout=sync", f"run.steps={steps}",
+                     f"run.eval_every_steps={eval_every}", "run.wandb=disabled", "run.progress=false"],
+                    tmp_path, launcher=["launchers/learner.sh"], timeout=900)
     assert out.returncode == 0, out.stderr[-5000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["learner_backend"] == "deepspeed-zero2" and summary["learner_processes"] == 2
+    assert summary["learner_backend"] == f"deepspeed-zero{stage}" and summary["learner_processes"] == 2
+    assert summary["steps"] == steps
+    return summary
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_on_two_cpu_processes_trains(tmp_path):
+    """ZeRO-2: 2 ranks, each with half of every batch; reward rises over 40 steps."""
+    run_deepspeed(tmp_path, stage=2, steps=40, eval_every=0)
     rewards = [r["reward/mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
     assert len(rewards) == 40
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1
@@ -109,9 +117,5 @@ def test_deepspeed_zero2_on_two_cpu_processes_trains(tmp_path):
 @pytest.mark.slow
 def test_deepspeed_zero3_on_two_cpu_processes_runs(tmp_path):
     """ZeRO-3 shards parameters; the sync source generates inside a full-parameter gather on every rank."""
-    out = run_train(["2", "learner=zero3", "rollout=sync", "run.steps=3", "run.eval_every_steps=3", "run.wandb=disabled",
-                     "run.progress=false"], tmp_path, launcher=["launchers/learner.sh"], timeout=900)
-    assert out.returncode == 0, out.stderr[-5000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["learner_backend"] == "deepspeed-zero3" and summary["steps"] == 3
+    summary = run_deepspeed(tmp_path, stage=3, steps=3, eval_every=3)
     assert "3" in summary["eval_accuracy_by_step"]
