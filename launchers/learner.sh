@@ -15,8 +15,11 @@ cd "$(dirname "$0")/.."
 run_dir=${ECHO2_RUN_DIR:-outputs/$(date +%Y-%m-%d)/$(date +%H-%M-%S)-np${nproc}}
 port=${MASTER_PORT:-$((29500 + RANDOM % 1000))}
 
+# The environment to run in: $ECHO2_PYTHON, else ./install.sh's .venv, else python3 on PATH.
+py=${ECHO2_PYTHON:-}
+[ -n "$py" ] || { [ -x .venv/bin/python ] && py=.venv/bin/python; } || py=python3
 # Each python environment gets its own cache of DeepSpeed's JIT-built ops (shared caches rebuild on every switch).
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(python -c 'import sys; print(sys.prefix)')/torch_extensions}
-exec accelerate launch --use_deepspeed --num_processes "$nproc" --num_machines 1 --machine_rank 0 \
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$("$py" -c 'import sys; print(sys.prefix)')/torch_extensions}
+exec "$py" -m accelerate.commands.launch --use_deepspeed --num_processes "$nproc" --num_machines 1 --machine_rank 0 \
   --main_process_port "$port" --mixed_precision no --dynamo_backend no \
   train.py hydra.run.dir="$run_dir" "$@"

@@ -55,7 +55,7 @@ def compose(overrides: list[str] | None = None):
 def run_train(args: list[str], run_dir: Path, timeout: float = 600, launcher: list[str] | None = None):
     """Run ``train.py`` (or a launcher) as a user would, in a subprocess; return the CompletedProcess."""
     cmd = (launcher or [sys.executable, "train.py"]) + list(args)
-    env = dict(os.environ, ECHO2_RUN_DIR=str(run_dir))
+    env = dict(os.environ, ECHO2_RUN_DIR=str(run_dir), ECHO2_PYTHON=sys.executable)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
