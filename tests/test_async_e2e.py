@@ -136,3 +136,27 @@ def test_vllm_workers_learn_survive_a_kill_and_welcome_a_joiner(tmp_path):
     assert balanced(acc), acc
     time.sleep(5)
     assert not [p for p in events["pids"] if alive(p)], "orphaned worker/engine processes"
+
+
+def test_local_pool_passes_engine_settings_to_each_agent(monkeypatch, tmp_path):
+    from echo2.rollout import pool as pool_mod
+
+    started = []
+
+    class FakePopen:
+        def __init__(self, cmd, env, **kwargs):
+            started.append((cmd, env))
+            self.pid = 1
+
+    monkeypatch.setattr(pool_mod.subprocess, "Popen", FakePopen)
+    pool = pool_mod.LocalPool(workers=2, engine="vllm", dtype="bfloat16", max_model_len=256,
+                              vllm_args=["--enable-prefix-caching"])
+    pool.start("http://127.0.0.1:1", "tok", "/m", str(tmp_path))
+    (cmd0, env0), (cmd1, env1) = started
+    assert cmd0[cmd0.index("--engine") + 1] == "vllm" and cmd0[cmd0.index("--dtype") + 1] == "bfloat16"
+    assert "--vllm-arg=--enable-prefix-caching" in cmd0 and cmd0[cmd0.index("--max-model-len") + 1] == "256"
+    assert env0["ECHO2_TOKEN"] == "tok" and "tok" not in " ".join(cmd0)  # the token never on a command line
+    cores = os.cpu_count()  # engines spread over cores: worker i -> core i mod #cores
+    assert [env0["VLLM_CPU_OMP_THREADS_BIND"], env1["VLLM_CPU_OMP_THREADS_BIND"]] == [str(i % cores) for i in (0, 1)]
+    for f in pool._logs:
+        f.close()

@@ -137,11 +137,12 @@ class Agent:
 
 
 def build_engine(kind: str, model: str, dtype: str, max_model_len: int, stop: threading.Event,
-                 engine_log: str | None = None) -> Any:
+                 engine_log: str | None = None, vllm_args: list[str] = ()) -> Any:
     if kind == "vllm":
         from echo2.rollout.engines.vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(model, dtype=dtype, max_model_len=max_model_len, stop=stop, log_path=engine_log)
+        return VLLMServerEngine(model, dtype=dtype, max_model_len=max_model_len, stop=stop, log_path=engine_log,
+                                extra_args=vllm_args)
     if kind == "hf":
         from echo2.rollout.engines.hf import HFWorkerEngine
 
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--listen-host", default="127.0.0.1", help="where snapshots are received")
     p.add_argument("--advertise-host", default=None, help="address the learner reaches this worker at")
     p.add_argument("--engine-log", default=None, help="file for the vLLM server's output (default: a temp dir)")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="passed to the vLLM server as is, e.g. --vllm-arg=--gpu-memory-utilization=0.85 (repeatable)")
     args = p.parse_args(argv)
     if not args.token:
         p.error("no token: set $ECHO2_TOKEN or pass --token")
@@ -187,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        engine = build_engine(args.engine, args.model, args.dtype, args.max_model_len, stop, args.engine_log)
+        engine = build_engine(args.engine, args.model, args.dtype, args.max_model_len, stop, args.engine_log,
+                              args.vllm_arg)
     except InterruptedError:
         log.info("worker stopped during engine start-up")
         return

@@ -30,11 +30,13 @@ class StaticPool:
 
 class LocalPool:
     def __init__(self, workers: int = 2, engine: str = "auto", dtype: str = "float32", max_model_len: int = 128,
-                 max_groups: int = 4, log_subdir: str | None = "workers", cores: list[int] | None = None):
+                 max_groups: int = 4, log_subdir: str | None = "workers", cores: list[int] | None = None,
+                 vllm_args: list[str] | None = None):
         self.n, self.engine, self.dtype = workers, engine, dtype
         self.max_model_len, self.max_groups, self.log_subdir = max_model_len, max_groups, log_subdir
         self.log_dir: Path | None = None
         self.cores = list(cores) if cores else None
+        self.vllm_args = list(vllm_args or [])
         self.procs: list[subprocess.Popen] = []
         self._logs: list = []
         self.args: dict = {}
@@ -53,6 +55,7 @@ class LocalPool:
                "--max-groups", str(self.max_groups)]
         if self.engine != "auto":
             cmd += ["--engine", self.engine]
+        cmd += [f"--vllm-arg={a}" for a in self.vllm_args]
         env = dict(os.environ, ECHO2_TOKEN=self.args["token"])
         pin = None
         if self.cores:  # worker i on core cores[i % len]: its agent, its vLLM server and vLLM's OpenMP threads

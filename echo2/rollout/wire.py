@@ -64,7 +64,7 @@ class JsonServer:
             def do_GET(self):
                 server._handle(self, "GET")
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd = _Server((host, port), Handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name=name, daemon=True)
 
@@ -126,6 +126,14 @@ class JsonServer:
             h.wfile.write(out)
         except (BrokenPipeError, ConnectionResetError):
             pass
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A peer that vanishes mid-request (a killed worker) is one log line, not a traceback on stderr."""
+        import sys
+
+        log.warning("connection from %s dropped: %s", client_address[0], sys.exc_info()[1])
 
 
 class Client:
