@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from echo2.rollout.protocols import RolloutContext
-from echo2.rollout.scoring import Scorer, encode_prompt
+from echo2.rollout.scoring import encode_prompt
 from echo2.rollout.types import Rollout, RolloutGroup
 
 log = logging.getLogger(__name__)
