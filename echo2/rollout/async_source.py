@@ -13,7 +13,6 @@ seeded order, so the rows TRL's sampler hands to ``collect`` are not used.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from echo2.rollout.coordinator import Coordinator
@@ -41,13 +40,10 @@ class AsyncRolloutSource:
             seed=ctx.seed, broadcaster=self.broadcaster,
         ).start()
         self.pool.start(self.coordinator.url, ctx.token, ctx.model_path, ctx.run_dir)
-        self.idle_s = 0.0
 
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
-        t0 = time.perf_counter()
-        groups = self.coordinator.take(len(rows), timeout_s=self.take_timeout_s)
-        self.idle_s = time.perf_counter() - t0
-        return groups
+        # The learner times this call itself (train/learner_idle_s).
+        return self.coordinator.take(len(rows), timeout_s=self.take_timeout_s)
 
     def on_version(self, version: int, policy: Any) -> None:
         self.coordinator.set_version(version)
@@ -55,7 +51,7 @@ class AsyncRolloutSource:
             self.broadcaster.publish(version, policy.state_dict())
 
     def metrics(self) -> dict[str, float]:
-        return {"buffer/wait_s": self.idle_s, **self.coordinator.metrics(), **self.broadcaster.metrics()}
+        return {**self.coordinator.metrics(), **self.broadcaster.metrics()}
 
     def close(self) -> dict[str, Any]:
         self.pool.stop()
