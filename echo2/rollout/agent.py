@@ -41,7 +41,6 @@ class Agent:
         self.pending_lock = threading.Lock()
         self.stop = stop or threading.Event()
         self.worker_id: str | None = None
-        self.snapshots_applied = 0
         self.server = JsonServer(listen_host, 0, token, routes={"POST /snapshot": self._receive},
                                  raw=frozenset({"POST /snapshot"}), max_bytes=64 << 30, name="snapshots")
         self.snapshot_url = self.server.url(advertise_host)
@@ -69,7 +68,6 @@ class Agent:
         t0 = time.perf_counter()
         self.engine.load_weights(version, blob)
         self.version = version
-        self.snapshots_applied += 1
         log.info("applied snapshot v%d (%.1f MB) in %.3f s", version, len(blob) / 1e6, time.perf_counter() - t0)
 
     def _register(self) -> dict:

@@ -44,7 +44,6 @@ class WorkerInfo:
     version: int = 0
     delivered_version: int = 0  # newest snapshot the broadcaster has handed to this worker
     last_seen: float = field(default_factory=time.monotonic)
-    joined: float = field(default_factory=time.monotonic)
     rollouts_per_s: float = 0.0  # measured by the worker over its last batch
 
 
@@ -53,7 +52,6 @@ class InFlight:
     worker_id: str
     row: dict[str, Any]
     prompt_ids: list[int]
-    dispatched_version: int
 
 
 class Coordinator:
@@ -174,7 +172,7 @@ class Coordinator:
             row = self.requeued.popleft() if self.requeued else next(self.rows)
             gid = next(self.group_ids)
             ids = encode_prompt(self.tokenizer, row["prompt"])
-            self.in_flight[gid] = InFlight(worker.worker_id, row, ids, worker.version)
+            self.in_flight[gid] = InFlight(worker.worker_id, row, ids)
             self.rollouts["dispatched"] += self.G
             work.append({"group_id": gid, "prompt_ids": ids})
         return work
