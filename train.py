@@ -58,7 +58,8 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
     ctx = RolloutContext(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling,
                          engine=engine, model_path=model_path, run_dir=run_dir, seed=cfg.seed,
                          staleness=cfg.rollout.staleness, prompts_per_step=cfg.rollout.prompts_per_step,
-                         broadcaster=instantiate(cfg.broadcast.sender, token=token), pool=instantiate(cfg.pool),
+                         make_broadcaster=instantiate(cfg.broadcast.sender, token=token, _partial_=True),
+                         pool=instantiate(cfg.pool),
                          publish_interval=cfg.broadcast.interval, token=token)
     source = instantiate(cfg.rollout.source, ctx=ctx)
     log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(source).__name__,

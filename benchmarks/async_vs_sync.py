@@ -1,8 +1,8 @@
 """Synchronous on-policy GRPO against asynchronous rollouts with staleness S, same model, task and machine.
 
 Each configuration is a real ``train.py`` run (a subprocess): the learner is pinned to one core
-(``taskset -c LEARNER_CORE``); in the asynchronous runs one worker agent with its vLLM server is pinned to
-another (``pool.cores``). The sync baseline generates inside the learner, on the learner's core.
+(``taskset -c LEARNER_CORE``); in the asynchronous runs one worker agent with its vLLM server, and the
+coordinator's process, are pinned to another (``pool.cores``, ``rollout.source.coordinator_cores``). The sync baseline generates inside the learner, on the learner's core.
 
 Reported per run, all from the run's own ``metrics.jsonl`` / ``summary.json``:
   * steps/s and seconds to a reward threshold (10-step moving mean), counted from the end of step 1 so that
@@ -82,7 +82,8 @@ def main() -> None:
             interval = max(1, s)  # κ = S for S >= 1 (the paper's κ = S - 1 would be 0 at S = 1)
             rows.append(run(f"async_S{s}", [
                 "rollout=async", f"rollout.staleness={s}", f"broadcast.interval={interval}", "pool.workers=1",
-                f"pool.cores=[{args.worker_core}]", f"pool.engine={args.engine}", *common], Path(tmp),
+                f"pool.cores=[{args.worker_core}]", f"rollout.source.coordinator_cores=[{args.worker_core}]",
+                f"pool.engine={args.engine}", *common], Path(tmp),
                 args.learner_core))
     base = rows[0]
     print(f"\nsync vs async, {args.steps} steps, learner on core {args.learner_core}, "

@@ -64,7 +64,7 @@ def wait_until(condition, timeout_s=300):
 
 
 def wait_registered(source, n):
-    wait_until(lambda: source.coordinator.registered >= n)
+    wait_until(lambda: source.coordinator.status()["registered"] >= n)
 
 
 def test_a_worker_joining_mid_run_gets_work(tmp_path):
@@ -115,7 +115,7 @@ def test_vllm_workers_learn_survive_a_kill_and_welcome_a_joiner(tmp_path):
             wait_registered(source, 2)
         for p in pool.procs:
             events.setdefault("pids", set()).update({p.pid} | descendants(p.pid))
-        if "killed_at" not in events and step >= 10 and len(coord.by_worker) >= 2:
+        if "killed_at" not in events and step >= 10 and len(coord.status()["by_worker"]) >= 2:
             victim = pool.procs[0]
             events["engine_pids"] = descendants(victim.pid)
             os.kill(victim.pid, signal.SIGKILL)

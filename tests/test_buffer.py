@@ -27,13 +27,15 @@ def test_dispatch_cap_table(step, worker_version, ahead, P, S, ok):
     assert worth_dispatching(step, worker_version, ahead, P, S) is ok
 
 
-def test_buffer_takes_oldest_admissible_and_counts_drops():
+def test_buffer_takes_oldest_admissible_after_eviction():
     b = StalenessBuffer(staleness=1)
     for v, name in [(0, "a"), (1, "b"), (2, "c"), (3, "d")]:
         assert b.admit(name, v, current_version=3)
     assert not b.admit("e", 4, current_version=3)  # from the future
-    assert b.take(2, step=3) == [(2, "c"), (3, "d")]  # a, b are stale at step 3 (lag 3, 2 > 1)
-    assert b.dropped == {"stale": 2, "future_version": 1} and b.consumed == 2
+    with pytest.raises(RuntimeError, match="evict_stale"):
+        b.take(2, step=3)  # a is stale at step 3 and was not evicted
+    assert b.evict_stale(step=3) == 2  # a, b: lag 3, 2 > 1
+    assert b.take(2, step=3) == [(2, "c"), (3, "d")]
     assert b.take(1, step=3) is None
 
 

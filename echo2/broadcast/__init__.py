@@ -1,7 +1,9 @@
 """Weight dissemination: how snapshot v reaches the rollout workers (DESIGN §3).
 
-``snapshot``    serialise a state dict (safetensors, never pickle) and sign it with the run's secret
-``base``        the ``Broadcaster`` protocol the learner sees
-``one_to_many`` the baseline: the learner pushes each snapshot to every worker, one after another
-The peer-assisted pipelined relay comes behind the same protocol.
+``snapshot``     serialise a state dict (safetensors, never pickle)
+``base``         the ``Broadcaster`` protocol the coordinator sees
+``topology``     who pulls from whom: chain, tree (the pipelined relay) or star (one-to-many); pure
+``relay``        the transport: signed manifests, chunk digests, cut-through byte streaming, failover, link model
+``broadcaster``  the learner's end (RelayBroadcaster: rounds over a plan); ``peer`` a worker's end
+``testbed``      emulated WAN hosts in network namespaces; ``bench`` the CLI that measures all of it
 """

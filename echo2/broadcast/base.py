@@ -1,4 +1,8 @@
-"""The seam between the learner and weight dissemination."""
+"""The seam between the learner and weight dissemination.
+
+A broadcaster lives in the coordinator's process (echo2/rollout/service.py): train.py hands the rollout source
+a factory (Hydra ``_partial_``), called there.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,14 @@ class Broadcaster(Protocol):
     """Set by the coordinator: ``on_delivered(peer_id, version)`` after a worker holds a verified snapshot,
     so a worker long-polling with an old version is told at once to apply it."""
 
-    def publish(self, version: int, state_dict: dict[str, Any]) -> None:
-        """Called by the learner every κ steps with the new weights; returns at once (the send runs in the
-        background; a newer snapshot supersedes one not yet sent)."""
+    def publish(self, version: int, blob: bytes) -> None:
+        """Called every κ learner steps with the new weights as snapshot bytes (``snapshot.encode``); returns at
+        once (the send runs in the background; a newer snapshot supersedes one not yet sent)."""
         ...
 
-    def add_peer(self, peer_id: str, url: str) -> None:
-        """Called when a worker registers; a late joiner is sent the latest snapshot."""
+    def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None) -> None:
+        """Called when a worker registers (its control URL and relay node address); a late joiner is sent the
+        latest snapshot."""
         ...
 
     def remove_peer(self, peer_id: str) -> None:

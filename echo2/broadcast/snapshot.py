@@ -1,18 +1,11 @@
-"""Snapshot bytes and their authentication.
+"""Snapshot bytes: the policy's state dict as safetensors (no code runs on load, unlike pickle).
 
-A snapshot is the policy's state dict as safetensors bytes (no code runs on load, unlike pickle). The
-learner signs ``version || sha256(bytes)`` with HMAC-SHA256 under the run's token; a worker applies a
-snapshot only if the signature checks and the version is newer than what it serves.
+Their authentication (a manifest of chunk digests signed by the learner) is the relay's: relay.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from typing import Any
-
-VERSION_HEADER = "X-Echo2-Version"
-DIGEST_HEADER = "X-Echo2-Digest"
 
 
 def encode(state_dict: dict[str, Any]) -> bytes:
@@ -25,12 +18,3 @@ def decode(blob: bytes) -> dict[str, Any]:
     import safetensors.torch
 
     return safetensors.torch.load(blob)
-
-
-def sign(token: str, version: int, blob: bytes) -> str:
-    msg = f"{version}:".encode() + hashlib.sha256(blob).digest()
-    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
-
-
-def verify(token: str, version: int, blob: bytes, digest: str) -> bool:
-    return hmac.compare_digest(sign(token, version, blob), digest)

@@ -10,8 +10,9 @@
     reaper: a worker silent for ``heartbeat_timeout_s`` is dead: its in-flight groups are counted lost and
             their prompts re-queued, so they are generated again elsewhere
 
-It runs in threads of the learner process (an HTTP server and a reaper); the learner's thread only blocks in
-``take`` when the buffer is short, which is the idle time ``train/learner_idle_s`` reports.
+It runs as threads (an HTTP server and a reaper) of its own process (service.py), which answers the learner's
+``take`` / ``set_version`` calls over a pipe; the learner only blocks in ``take`` when the buffer is short, which
+is the idle time ``train/learner_idle_s`` reports.
 
 Accounting (rollouts, G per group): dispatched = consumed + dropped[reason] + lost[reason] + in flight + buffered.
 """
@@ -41,6 +42,7 @@ class WorkerInfo:
     worker_id: str
     snapshot_url: str | None
     engine: str
+    relay: str | None = None  # host:port of its relay node (snapshots are pulled from and served by it)
     version: int = 0
     delivered_version: int = 0  # newest snapshot the broadcaster has handed to this worker
     last_seen: float = field(default_factory=time.monotonic)
@@ -126,11 +128,15 @@ class Coordinator:
 
     def _register(self, body: dict, _headers) -> dict:
         with self.lock:
-            worker = WorkerInfo(next(self.worker_ids), body.get("snapshot_url"), str(body.get("engine", "?")))
+            relay_addr = body.get("relay")
+            if relay_addr is not None and not (isinstance(relay_addr, str) and relay_addr.rpartition(":")[2].isdigit()):
+                raise BadRequest("'relay' must be 'host:port'")
+            worker = WorkerInfo(next(self.worker_ids), body.get("snapshot_url"), str(body.get("engine", "?")),
+                                relay_addr)
             self.workers[worker.worker_id] = worker
             self.registered += 1
         if self.broadcaster is not None and worker.snapshot_url:
-            self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url)
+            self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url, worker.relay)
         log.info("worker %s joined (%s engine, snapshots at %s)", worker.worker_id, worker.engine,
                  worker.snapshot_url)
         return {"worker_id": worker.worker_id, "version": self.version, "group_size": self.G,
@@ -138,9 +144,7 @@ class Coordinator:
 
     def _heartbeat(self, body: dict, _headers) -> dict:
         with self.lock:
-            worker = self._worker(body)
-            if "rollouts_per_s" in body:
-                worker.rollouts_per_s = float(body["rollouts_per_s"])
+            self._worker(body)
         return {"version": self.version}
 
     def _pull(self, body: dict, _headers) -> dict:
@@ -214,8 +218,9 @@ class Coordinator:
                     self.dropped["future_version"] += self.G
                     self.requeued.append(flight.row)
                     rejected.append({"group_id": gid, "reason": "future_version"})
-            if "rollouts_per_s" in body:
-                worker.rollouts_per_s = float(body["rollouts_per_s"])
+            rate = body.get("rollouts_per_s")
+            if isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0:  # a report, not a trust
+                worker.rollouts_per_s = float(rate)
             self.lock.notify_all()
         return {"accepted": accepted, "rejected": rejected, "version": self.version}
 
@@ -259,9 +264,14 @@ class Coordinator:
         return {"ok": True}
 
     def _status(self, _body, _headers) -> dict:
+        return self.status()
+
+    def status(self) -> dict[str, Any]:
+        """A point-in-time view (also ``GET /status``): version, queue depths, live workers, who delivered what."""
         with self.lock:
             return {"version": self.version, "buffered_groups": len(self.buffer),
-                    "in_flight_groups": len(self.in_flight), "workers": sorted(self.workers)}
+                    "in_flight_groups": len(self.in_flight), "workers": sorted(self.workers),
+                    "registered": self.registered, "by_worker": dict(self.by_worker)}
 
     # ---------------------------------------------------------------- liveness
 

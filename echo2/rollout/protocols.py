@@ -23,7 +23,7 @@ class RolloutContext:
     seed: int
     staleness: int
     prompts_per_step: int
-    broadcaster: Any
+    make_broadcaster: Any  # () -> Broadcaster; called in the process that sends snapshots
     pool: Any
     publish_interval: int
     token: str

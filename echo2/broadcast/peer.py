@@ -1,0 +1,62 @@
+"""A worker's end of the broadcast: a relay node (store, server, fetcher) and the route the broadcaster calls.
+
+    broadcaster ──POST /fetch {version, sources}──► SnapshotReceiver ──pull v from sources[0] (or the next)──► ...
+                                                        │  serves its own children from the same buffer meanwhile
+                                                        └─ on_snapshot(v, bytes) once every chunk checks;
+                                                           then answers the POST: {seconds, bytes_per_s}
+
+The worker agent owns one (and so does ``python -m echo2.broadcast.bench``, which measures exactly this code).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from echo2.broadcast import relay
+from echo2.rollout.wire import BadRequest, JsonServer
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotReceiver:
+    def __init__(self, token: str, on_snapshot: Callable[[int, bytearray], None], host: str = "127.0.0.1",
+                 advertise_host: str | None = None, link: relay.Link | None = None, stall_timeout_s: float = 10.0,
+                 control_port: int = 0, relay_port: int = 0):
+        self.token, self.on_snapshot = token, on_snapshot
+        self.store = relay.Store(keep=2)
+        self.link = link or relay.Link()
+        self.relay_server = relay.RelayServer(self.store, token, host, relay_port, link=self.link,
+                                              stall_timeout_s=max(30.0, stall_timeout_s))
+        self.fetcher = relay.Fetcher(self.store, token, link=self.link, stall_timeout_s=stall_timeout_s)
+        self.control = JsonServer(host, control_port, token, routes={"POST /fetch": self._fetch},
+                                  name="snapshots")
+        self.url = self.control.url(advertise_host)
+        self.relay_addr = f"{advertise_host or self.relay_server.addr[0]}:{self.relay_server.addr[1]}"
+
+    def start(self) -> "SnapshotReceiver":
+        self.relay_server.start()
+        self.control.start()
+        return self
+
+    def _fetch(self, body: dict, _headers) -> dict:
+        version, sources = body.get("version"), body.get("sources")
+        if type(version) is not int or version < 0:
+            raise BadRequest("'version' must be a non-negative integer")
+        if not isinstance(sources, list) or not sources or not all(
+                isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and type(s[1]) is int for s in sources):
+            raise BadRequest("'sources' must be a non-empty list of [host, port]")
+        t0 = time.perf_counter()
+        try:
+            snap = self.fetcher.fetch(version, [tuple(s) for s in sources])
+        except (ConnectionError, OSError, relay.BadSnapshot) as e:
+            raise BadRequest(f"v{version}: {e}") from None
+        seconds = time.perf_counter() - t0
+        self.on_snapshot(version, snap.buf)  # a bytearray; the callback copies what it keeps
+        return {"ok": True, "version": version, "seconds": seconds, "bytes_per_s": snap.size / max(seconds, 1e-9)}
+
+    def close(self) -> None:
+        self.control.close()
+        self.relay_server.close()
+        self.fetcher.close()

@@ -1,0 +1,456 @@
+"""The relay transport: snapshots streamed byte by byte from the learner through a tree of peers (DESIGN §3).
+
+    learner (origin) ══► peer a ══► peer b ══► peer c        chain: each peer pulls from its parent and serves
+                                                               its children from the same buffer as bytes land
+
+Every node (the learner's origin and every worker) holds a ``Store`` of snapshot buffers and runs a
+``RelayServer`` on it. A node fetches version v by asking its first source (its parent in the plan) for the byte
+range it lacks; the source streams bytes as they *arrive at the source* (cut-through: a peer forwards while it
+is still receiving, there is no store-and-forward per chunk), over one persistent TCP connection per source.
+Backpressure is TCP's own: a slow child blocks only the thread serving it, never the parent's download.
+
+Integrity and trust. The learner signs a manifest: version, size, chunk size, the sha256 of every chunk, and
+the root (sha256 over the chunk digests, i.e. the whole-snapshot digest), HMAC-SHA256 under the run's token.
+A node checks each chunk as it completes; a chunk that fails is re-fetched from the next source (the origin
+last), and a snapshot is handed to the engine only when every chunk checks. Requests carry an HMAC too: only
+token holders can pull weights. Frames are length-prefixed JSON; bytes are raw; nothing is unpickled.
+
+Failures. A source that dies, refuses, or stalls (no byte for ``stall_timeout_s``) is dropped for this fetch;
+the node resumes from the byte it holds at the next source in its list (grandparent, ..., origin), so a dead
+relay peer is routed around and nothing already received is fetched twice.
+
+Link model. For tests without root a ``Link`` (debt-based token buckets on a node's uplink and downlink plus a
+one-way latency) can be put on every node; the namespace testbed (testbed.py) shapes real links instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 << 20
+MAX_FRAME_BYTES = 4 << 20
+PIECE_BYTES = 256 << 10  # the most one send / recv call moves: the granularity of cut-through and pacing
+
+
+class BadSnapshot(Exception):
+    """A manifest or chunk that fails authentication; never applied."""
+
+
+# ---------------------------------------------------------------------- manifest
+
+
+def _mac(token: str, payload: dict[str, Any]) -> str:
+    msg = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def make_manifest(token: str, version: int, blob: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> dict:
+    mv = memoryview(blob)
+    chunks = [hashlib.sha256(mv[i:i + chunk_bytes]).hexdigest() for i in range(0, len(mv), chunk_bytes)]
+    root = hashlib.sha256("".join(chunks).encode()).hexdigest()
+    body = {"version": version, "size": len(mv), "chunk_bytes": chunk_bytes, "chunks": chunks, "root": root}
+    return {**body, "mac": _mac(token, body)}
+
+
+def verify_manifest(token: str, manifest: Any) -> dict:
+    if not isinstance(manifest, dict):
+        raise BadSnapshot("manifest is not an object")
+    body = {k: manifest.get(k) for k in ("version", "size", "chunk_bytes", "chunks", "root")}
+    if not hmac.compare_digest(_mac(token, body), str(manifest.get("mac", ""))):
+        raise BadSnapshot(f"manifest of v{body['version']}: signature does not match")
+    size, cb, chunks = body["size"], body["chunk_bytes"], body["chunks"]
+    if type(size) is not int or type(cb) is not int or size < 0 or cb <= 0 or len(chunks) != -(-size // cb):
+        raise BadSnapshot("manifest sizes are inconsistent")
+    if hashlib.sha256("".join(chunks).encode()).hexdigest() != body["root"]:
+        raise BadSnapshot("manifest root does not match its chunk digests")
+    return manifest
+
+
+# ---------------------------------------------------------------------- link model (tests without root)
+
+
+class TokenBucket:
+    """Debt-based: charge first, then sleep off the debt, so late wake-ups lose no rate (wan-testbed.md §3)."""
+
+    def __init__(self, mbit: float, burst_bytes: int | None = None):
+        self.rate = mbit * 1e6 / 8
+        self.burst = burst_bytes if burst_bytes is not None else max(int(self.rate * 0.02), 64 << 10)
+        self.tokens, self.t = float(self.burst), time.monotonic()
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self.lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate) - n
+            self.t = now
+            debt = -self.tokens
+        if debt > 0:
+            time.sleep(debt / self.rate)
+
+
+@dataclass
+class Link:
+    """A node's emulated access link: uplink and downlink caps (None: unshaped) and a one-way latency."""
+
+    up_mbit: float | None = None
+    down_mbit: float | None = None
+    latency_s: float = 0.0
+    up: TokenBucket | None = field(init=False, default=None)
+    down: TokenBucket | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        self.up = TokenBucket(self.up_mbit) if self.up_mbit else None
+        self.down = TokenBucket(self.down_mbit) if self.down_mbit else None
+
+
+# ---------------------------------------------------------------------- one snapshot on one node
+
+
+class Snapshot:
+    """A snapshot buffer that fills while it is served. ``received``: bytes in the buffer; ``visible``: bytes
+    past the emulated latency (what this node may forward or check); ``bad``: chunks that failed their digest."""
+
+    def __init__(self, manifest: dict, blob: bytes | None = None):
+        self.manifest, self.version, self.size = manifest, manifest["version"], manifest["size"]
+        self.chunk_bytes = manifest["chunk_bytes"]
+        self.buf = bytearray(blob) if blob is not None else bytearray(self.size)
+        self.received = self.visible = self.size if blob is not None else 0
+        self.checked = len(manifest["chunks"]) if blob is not None else 0  # chunks digested so far, in order
+        self.bad: set[int] = set()
+        self.complete = blob is not None
+        self.failed = False
+        self.due: deque[tuple[float, int]] = deque()  # (time visible, received) under an emulated latency
+        self.cond = threading.Condition()
+
+    def arrived(self, n: int, latency_s: float) -> None:
+        with self.cond:
+            self.received += n
+            if latency_s:
+                self.due.append((time.monotonic() + latency_s, self.received))
+            else:
+                self.visible = self.received
+            self.cond.notify_all()
+
+    def wait_visible(self, pos: int, timeout_s: float) -> int:
+        """Bytes visible once more than ``pos`` are (or the timeout passes, or the fetch failed)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                while self.due and self.due[0][0] <= now:
+                    self.visible = max(self.visible, self.due.popleft()[1])
+                if self.visible > pos or self.failed or now >= deadline:
+                    return self.visible
+                wake = self.due[0][0] - now if self.due else deadline - now
+                self.cond.wait(min(wake, deadline - now))
+
+    def check_chunks(self) -> list[int]:
+        """Digest every newly visible whole chunk; returns those that failed (also added to ``bad``)."""
+        failed = []
+        chunks = self.manifest["chunks"]
+        while self.checked < len(chunks):
+            lo = self.checked * self.chunk_bytes
+            hi = min(lo + self.chunk_bytes, self.size)
+            if self.visible < hi:
+                break
+            if hashlib.sha256(memoryview(self.buf)[lo:hi]).hexdigest() != chunks[self.checked]:
+                failed.append(self.checked)
+            self.checked += 1
+        self.bad.update(failed)
+        return failed
+
+    def chunk_ok(self, i: int) -> bool:
+        lo = i * self.chunk_bytes
+        return hashlib.sha256(memoryview(self.buf)[lo:lo + self.chunk_bytes]).hexdigest() == self.manifest["chunks"][i]
+
+
+class Store:
+    """The snapshots a node holds, newest ``keep`` versions; older ones are dropped (garbage-collected)."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self.snaps: dict[int, Snapshot] = {}
+        self.pinned: set[int] = set()  # versions still being broadcast: never collected
+        self.cond = threading.Condition()
+
+    def put(self, snap: Snapshot) -> Snapshot:
+        with self.cond:
+            self.snaps[snap.version] = snap
+            self._collect()
+            self.cond.notify_all()
+        return snap
+
+    def pin(self, version: int, pinned: bool = True) -> None:
+        with self.cond:
+            (self.pinned.add if pinned else self.pinned.discard)(version)
+            self._collect()
+
+    def _collect(self) -> None:
+        for v in sorted(self.snaps)[:-self.keep]:
+            if v not in self.pinned:
+                del self.snaps[v]
+
+    def get(self, version: int, wait_s: float = 0.0) -> Snapshot | None:
+        """The buffer of ``version``, waiting up to ``wait_s`` for its manifest to arrive here (only for a version
+        newer than any held: an older one missing here was collected and will not come back)."""
+        with self.cond:
+            self.cond.wait_for(lambda: version in self.snaps or (self.snaps and version < max(self.snaps)),
+                               timeout=wait_s)
+            return self.snaps.get(version)
+
+    def newest_complete(self) -> Snapshot | None:
+        with self.cond:
+            done = [s for s in self.snaps.values() if s.complete]
+            return max(done, key=lambda s: s.version) if done else None
+
+
+# ---------------------------------------------------------------------- framing
+
+
+def send_frame(sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            raise ConnectionError("connection closed")
+        out += got
+    return bytes(out)
+
+
+def recv_frame(sock: socket.socket) -> dict:
+    (n,) = struct.unpack("!I", recv_exact(sock, 4))
+    if n > MAX_FRAME_BYTES:
+        raise ConnectionError(f"frame of {n} bytes is over the {MAX_FRAME_BYTES} limit")
+    try:
+        obj = json.loads(recv_exact(sock, n))
+    except ValueError as e:
+        raise ConnectionError(f"malformed frame: {e}") from None
+    if not isinstance(obj, dict):
+        raise ConnectionError("a frame must be a JSON object")
+    return obj
+
+
+def request_mac(token: str, version: int, start: int, end: int) -> str:
+    return _mac(token, {"version": version, "start": start, "end": end})
+
+
+# ---------------------------------------------------------------------- serving
+
+
+class RelayServer:
+    """Serves byte ranges of the snapshots in ``store`` to token holders, as the bytes become visible."""
+
+    def __init__(self, store: Store, token: str, host: str = "127.0.0.1", port: int = 0, link: Link | None = None,
+                 manifest_wait_s: float = 30.0, stall_timeout_s: float = 30.0):
+        self.store, self.token, self.link = store, token, link or Link()
+        self.manifest_wait_s, self.stall_timeout_s = manifest_wait_s, stall_timeout_s
+        self.sock = socket.create_server((host, port))
+        self.addr = self.sock.getsockname()[:2]
+        self.closed = False
+        self.conns: set[socket.socket] = set()
+        self.served_bytes = 0
+        self.thread = threading.Thread(target=self._accept, name="relay-accept", daemon=True)
+
+    def start(self) -> "RelayServer":
+        self.thread.start()
+        return self
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="relay-serve", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self.closed:
+                req = recv_frame(conn)  # persistent: one request after another
+                self._answer(conn, req)
+        except (OSError, ConnectionError):
+            pass  # the requester went away or sent garbage; its fetch will move on
+        finally:
+            self.conns.discard(conn)
+            conn.close()
+
+    def _answer(self, conn: socket.socket, req: dict) -> None:
+        v, start, end = req.get("version"), req.get("start"), req.get("end")
+        if not all(type(x) is int for x in (v, start, end)) or not hmac.compare_digest(
+                request_mac(self.token, v, start, end), str(req.get("mac", ""))):
+            send_frame(conn, {"error": "unauthenticated or malformed request"})
+            raise ConnectionError("refused a request")
+        snap = self.store.get(v, wait_s=self.manifest_wait_s)
+        if snap is not None and end == -1:  # "to the end": the requester may not know the size yet
+            end = snap.size
+        if snap is None or not 0 <= start <= end <= snap.size:
+            send_frame(conn, {"error": f"v{v} [{start}, {end}) not held here"})
+            return
+        send_frame(conn, {"manifest": snap.manifest})
+        pos, mv = start, memoryview(snap.buf)
+        while pos < end:
+            visible = snap.wait_visible(pos, self.stall_timeout_s)
+            if snap.failed or visible <= pos:
+                raise ConnectionError(f"v{v}: this node's own download stopped at {visible}")
+            hi = min(visible, end, pos + PIECE_BYTES)
+            if self.link.up:
+                self.link.up.take(hi - pos)
+            self.served_bytes += hi - pos  # counted as handed to the socket (before, so a reader never lags)
+            conn.sendall(mv[pos:hi])
+            pos = hi
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        for c in list(self.conns):
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------------- fetching
+
+
+class Fetcher:
+    """Pulls snapshots into a node's store from an ordered list of sources, keeping one connection per source."""
+
+    def __init__(self, store: Store, token: str, link: Link | None = None, stall_timeout_s: float = 10.0,
+                 connect_timeout_s: float = 10.0):
+        self.store, self.token, self.link = store, token, link or Link()
+        self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
+        self.conns: dict[tuple[str, int], socket.socket] = {}
+        self.lock = threading.Lock()  # one fetch at a time per node
+
+    def fetch(self, version: int, sources: list[tuple[str, int]]) -> Snapshot:
+        """Fetch ``version`` completely and verified, trying ``sources`` in order; raises if none can serve it."""
+        with self.lock:
+            snap = self.store.get(version)
+            if snap is not None and snap.complete:
+                return snap
+            dead: set[tuple[str, int]] = set()
+            for src in sources:
+                if snap is not None and snap.received == snap.size:
+                    break
+                try:
+                    snap = self._stream(src, version, snap)
+                except (OSError, ConnectionError, BadSnapshot) as e:
+                    dead.add(src)
+                    self._drop(src)
+                    snap = self.store.get(version)  # what arrived before the failure is kept: resume from there
+                    log.warning("v%d from %s:%d failed at byte %s: %s; next source", version, *src,
+                                snap.received if snap else 0, e)
+            if snap is None or snap.received < snap.size:
+                if snap is not None:
+                    self._fail(snap)
+                raise ConnectionError(f"v{version}: no source could serve it ({len(sources)} tried)")
+            self._repair(snap, [s for s in reversed(sources) if s not in dead] + sorted(dead))
+            with snap.cond:
+                snap.complete = True
+                snap.cond.notify_all()
+            return snap
+
+    def _conn(self, src: tuple[str, int]) -> socket.socket:
+        conn = self.conns.get(src)
+        if conn is None:
+            conn = socket.create_connection(src, timeout=self.connect_timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.conns[src] = conn
+        conn.settimeout(self.stall_timeout_s)
+        return conn
+
+    def _drop(self, src: tuple[str, int]) -> None:
+        conn = self.conns.pop(src, None)
+        if conn is not None:
+            conn.close()
+
+    def _request(self, src, version: int, start: int, end: int) -> tuple[socket.socket, dict]:
+        conn = self._conn(src)
+        send_frame(conn, {"version": version, "start": start, "end": end,
+                          "mac": request_mac(self.token, version, start, end)})
+        reply = recv_frame(conn)
+        if "error" in reply:
+            raise ConnectionError(reply["error"])
+        return conn, verify_manifest(self.token, reply.get("manifest"))
+
+    def _stream(self, src, version: int, snap: Snapshot | None) -> Snapshot:
+        conn, manifest = self._request(src, version, snap.received if snap else 0, -1)
+        if manifest["version"] != version:
+            raise BadSnapshot(f"asked for v{version}, got a manifest of v{manifest['version']}")
+        if snap is None:
+            snap = self.store.put(Snapshot(manifest))
+        elif manifest["root"] != snap.manifest["root"]:
+            raise BadSnapshot(f"v{version} from {src}: a different snapshot than the one being received")
+        mv = memoryview(snap.buf)
+        while snap.received < snap.size:
+            hi = min(snap.size, snap.received + PIECE_BYTES)
+            n = conn.recv_into(mv[snap.received:hi])
+            if n == 0:
+                raise ConnectionError("source closed the connection")
+            if self.link.down:
+                self.link.down.take(n)
+            snap.arrived(n, self.link.latency_s)
+            if snap.received % snap.chunk_bytes < n or snap.received == snap.size:  # crossed a chunk boundary
+                for bad in snap.check_chunks():
+                    log.warning("v%d chunk %d from %s:%d failed its digest; will re-fetch", version, bad, *src)
+        return snap
+
+    def _repair(self, snap: Snapshot, sources: list[tuple[str, int]]) -> None:
+        """Wait out the latency, digest what is left, and re-fetch every chunk that failed, origin first."""
+        snap.wait_visible(snap.size - 1, self.link.latency_s + 5.0)
+        snap.check_chunks()
+        for i in sorted(snap.bad):
+            lo = i * snap.chunk_bytes
+            hi = min(lo + snap.chunk_bytes, snap.size)
+            for src in sources:
+                try:
+                    conn, manifest = self._request(src, snap.version, lo, hi)
+                    if manifest["root"] != snap.manifest["root"]:
+                        raise BadSnapshot("a different snapshot")
+                    snap.buf[lo:hi] = recv_exact(conn, hi - lo)
+                except (OSError, ConnectionError, BadSnapshot) as e:
+                    self._drop(src)
+                    log.warning("re-fetch of chunk %d from %s:%d failed: %s", i, *src, e)
+                    continue
+                if snap.chunk_ok(i):
+                    snap.bad.discard(i)
+                    break
+        if snap.bad:
+            self._fail(snap)
+            raise BadSnapshot(f"v{snap.version}: chunks {sorted(snap.bad)} failed their digest from every source")
+
+    def _fail(self, snap: Snapshot) -> None:
+        with snap.cond:
+            snap.failed = True
+            snap.cond.notify_all()
+        with self.store.cond:
+            if self.store.snaps.get(snap.version) is snap:
+                del self.store.snaps[snap.version]
+
+    def close(self) -> None:
+        for src in list(self.conns):
+            self._drop(src)
+

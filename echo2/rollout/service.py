@@ -1,0 +1,212 @@
+"""The coordinator in a process of its own, so that its work never takes the learner's GIL or core.
+
+    learner process                                        coordinator process (spawned, one per run)
+    AsyncRolloutSource ─ CoordinatorProcess ══ pipe ══►  serve(): Coordinator (HTTP server, reaper threads)
+       collect   take(n)            request → reply (P scored groups)        + Broadcaster (its send thread)
+       on_version set_version(v)    one-way
+                 publish(v, blob)   one-way; the bytes go through a file in shared memory (/dev/shm), not the pipe
+       metrics   metrics()          request → reply  (also status(), for tests and tools)
+       close     close()            request → reply (the rollout accounting); then the process exits
+
+    waits for (learner): a reply to take, i.e. P admissible groups;   unblocked by: worker pushes in the child
+
+Why: with the coordinator as threads of the learner, serving 3.4k rollouts/s (HTTP, JSON, validation, reward
+scoring) made learner steps 1.96x slower (BENCHMARKS.md); the GIL was shared. Here the learner pays one pipe
+round trip per step plus unpickling its batch. The pipe carries pickles, but it is a socketpair between two
+processes of this run, never the network: workers only ever reach the coordinator's JSON routes.
+
+If the learner dies (even kill -9) the child notices its parent's sentinel and exits; if the child dies the
+learner's next call raises with the child's exit code and log path.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorDied(RuntimeError):
+    pass
+
+
+class CoordinatorProcess:
+    """The learner's handle on the coordinator process; the same calls as an in-process Coordinator."""
+
+    def __init__(self, *, task: Any, tokenizer: Any, make_broadcaster: Any, coordinator_kwargs: dict[str, Any],
+                 log_path: str | None = None, cores: list[int] | None = None, start_timeout_s: float = 120.0):
+        self.log_path = log_path
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        self.snapshot_dir = Path(tempfile.mkdtemp(prefix="echo2-snapshots-", dir=shm))
+        spec = dict(task=task, tokenizer=tokenizer, make_broadcaster=make_broadcaster,
+                    coordinator_kwargs=coordinator_kwargs, log_path=log_path, log_level=logging.getLogger().level,
+                    cores=list(cores) if cores else None)
+        ctx = mp.get_context("spawn")  # never fork a process that holds torch threads and a model
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child_conn, spec), name="echo2-coordinator", daemon=True)
+        self.proc.start()
+        child_conn.close()
+        if not self.conn.poll(start_timeout_s):
+            self._kill()
+            raise CoordinatorDied(f"coordinator process did not start within {start_timeout_s} s ({self._where()})")
+        self.url = self._reply()
+        self.closed = False
+        log.info("coordinator process pid %d on %s", self.proc.pid, self.url)
+
+    # ------------------------------------------------------------------ calls
+
+    def take(self, n: int, timeout_s: float | None = None) -> list:
+        return self._call("take", n, timeout_s)
+
+    def set_version(self, version: int) -> None:
+        self._send("version", version)
+
+    def publish(self, version: int, blob: bytes) -> None:
+        """Hand snapshot bytes to the broadcaster in the child; returns once they are written to shared memory."""
+        path = self.snapshot_dir / f"v{version}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+        self._send("publish", version, str(path))
+
+    def metrics(self) -> dict[str, float]:
+        return self._call("metrics")
+
+    def status(self) -> dict[str, Any]:
+        return self._call("status")
+
+    def close(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Stop serving and return the accounting (what was buffered or in flight counted as at the end)."""
+        if self.closed:
+            return {}
+        self.closed = True
+        try:
+            self._send("close")
+            if not self.conn.poll(timeout_s):
+                raise CoordinatorDied(f"coordinator did not answer close within {timeout_s} s ({self._where()})")
+            return self._reply()
+        finally:
+            self.proc.join(timeout=10)
+            self._kill()
+            self.conn.close()
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send(self, *msg: Any) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
+            raise CoordinatorDied(f"coordinator process is gone ({self._where()})") from e
+
+    def _reply(self) -> Any:
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, ConnectionResetError, OSError) as e:
+            self.proc.join(timeout=5)
+            raise CoordinatorDied(f"coordinator process is gone ({self._where()})") from e
+        if status == "error":
+            kind, message = value
+            raise (TimeoutError if kind == "TimeoutError" else RuntimeError)(f"coordinator: {message}")
+        return value
+
+    def _call(self, *msg: Any) -> Any:
+        self._send(*msg)
+        return self._reply()
+
+    def _where(self) -> str:
+        code = self.proc.exitcode
+        state = "running" if code is None else f"exit code {code}"
+        return f"pid {self.proc.pid}, {state}; log: {self.log_path or 'stderr'}"
+
+    def _kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
+
+
+# ---------------------------------------------------------------------- the child
+
+
+def serve(conn: Any, spec: dict[str, Any]) -> None:
+    """Entry point of the coordinator process: answer the learner's calls until ``close`` or its death."""
+    if spec["cores"]:  # before any thread exists, so that all of them inherit it
+        os.sched_setaffinity(0, set(spec["cores"]))
+    _configure_logging(spec["log_path"], spec["log_level"])
+    from echo2.rollout.coordinator import Coordinator
+    from echo2.rollout.scoring import Scorer
+
+    task, tokenizer = spec["task"], spec["tokenizer"]
+    broadcaster = spec["make_broadcaster"]()
+    coordinator = Coordinator(task.train_dataset(), Scorer(task, tokenizer), tokenizer, broadcaster=broadcaster,
+                              **spec["coordinator_kwargs"]).start()
+    _exit_with_parent()
+    conn.send(("ok", coordinator.url))
+    handlers = {
+        "take": coordinator.take,
+        "version": coordinator.set_version,
+        "publish": lambda version, path: broadcaster.publish(version, _read_once(path)),
+        "metrics": lambda: {**coordinator.metrics(), **broadcaster.metrics()},
+        "status": coordinator.status,
+    }
+    one_way = {"version", "publish"}
+    while True:
+        try:
+            name, *args = conn.recv()
+        except (EOFError, OSError):  # the learner is gone without saying close
+            name, args = "close", []
+        if name == "close":
+            broadcaster.close()
+            accounting = coordinator.close()
+            try:
+                conn.send(("ok", accounting))
+            except OSError:
+                pass
+            return
+        try:
+            value = handlers[name](*args)
+            if name not in one_way:
+                conn.send(("ok", value))
+        except Exception as e:  # report to the learner; the coordinator's state is untouched by a failed call
+            log.exception("coordinator call %s failed", name)
+            if name not in one_way:
+                conn.send(("error", (type(e).__name__, str(e))))
+
+
+def _read_once(path: str) -> bytes:
+    data = Path(path).read_bytes()
+    os.unlink(path)
+    return data
+
+
+def _exit_with_parent() -> None:
+    """A learner killed with SIGKILL sends no close: leave when its process handle becomes ready."""
+    parent = mp.parent_process()
+
+    def watch():
+        parent.join()
+        log.warning("learner process gone; coordinator exiting")
+        os._exit(0)
+
+    if parent is not None:
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _configure_logging(log_path: str | None, level: int) -> None:
+    fmt = logging.Formatter("[%(asctime)s][coordinator][%(name)s][%(levelname)s] - %(message)s")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_path:
+        handlers.append(logging.FileHandler(log_path))
+    root = logging.getLogger()
+    root.setLevel(level or logging.INFO)
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)
