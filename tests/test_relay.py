@@ -186,10 +186,34 @@ def test_store_collects_old_versions_but_not_pinned_ones_and_never_waits_for_col
     store.pin(1)  # being broadcast
     for v in (2, 3, 4):
         store.put(snap(v))
-    assert sorted(store.snaps) == [1, 3, 4]
+    assert sorted(v for v, _ in store.snaps) == [1, 3, 4]
     store.pin(1, False)
-    assert sorted(store.snaps) == [3, 4]
+    assert sorted(v for v, _ in store.snaps) == [3, 4]
     t0 = time.monotonic()
     assert store.get(2, wait_s=5) is None and time.monotonic() - t0 < 1  # collected: no point waiting
     threading.Timer(0.2, lambda: store.put(snap(5))).start()
     assert store.get(5, wait_s=5).version == 5  # newer: worth waiting for (a parent still receiving it)
+
+
+def test_a_stalled_relay_peer_is_routed_around():
+    """A peer that stops sending mid-stream (SIGSTOP, a cut link) is dropped after the stall timeout; the
+    fetch resumes from the next source at the byte it holds."""
+    blob = os.urandom(8 * CHUNK)
+    _, origin = origin_with(blob)
+
+    class Staller(relay.RelayServer):
+        def _answer(self, conn, req):
+            snap = self.store.get(req["version"])
+            relay.send_frame(conn, {"manifest": snap.manifest})
+            conn.sendall(memoryview(snap.buf)[req["start"]:req["start"] + CHUNK + 100])
+            time.sleep(30)  # then nothing
+
+    s_store, _ = relay.Store(), None
+    s_store.put(relay.Snapshot(relay.make_manifest(TOKEN, 1, blob, CHUNK), blob))
+    staller = Staller(s_store, TOKEN).start()
+    store = relay.Store()
+    f = relay.Fetcher(store, TOKEN, stall_timeout_s=1)
+    t0 = time.monotonic()
+    snap = f.fetch(1, [staller.addr, origin.addr])
+    assert bytes(snap.buf) == blob and time.monotonic() - t0 < 10
+    assert origin.served_bytes == len(blob) - (CHUNK + 100)  # resumed, nothing fetched twice

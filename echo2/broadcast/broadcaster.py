@@ -1,18 +1,22 @@
 """The learner's broadcaster: publishes snapshots through the relay (relay.py) along a planned topology.
 
-    publish(v, bytes) ─► origin store (signed manifest) ─► round: plan (topology.py) over the peers lacking v
-                                                          ─► POST /fetch {v, sources} to each, in parallel
-                                                          ◄─ each answers once it holds v, verified
-                                                          └─ on_delivered(peer, v)  (the coordinator wakes it)
+    publish(v, bytes) ─► (its thread) signed manifest; sparse delta against v' if smaller (delta.py)
+                      ─► round: plan (topology.py) over the peers lacking v: those holding v' get the delta,
+                         the rest the full snapshot, each group along its own tree
+                      ─► POST /fetch {v, base, sources} to each, in parallel
+                      ◄─ each answers once it holds v, verified (a delta is applied, then checked against
+                         the full snapshot's signed chunk digests)
+                      └─ on_delivered(peer, v)  (the coordinator wakes it)
 
 ``topology=chain|tree`` is the peer-assisted pipelined broadcast (``broadcast=pipelined``); ``topology=star`` is
 one-to-many (``broadcast=one_to_many``), the baseline: every peer pulls from the learner. Same code, same
 protocol, so the two are compared on equal terms.
 
-It runs in a background thread of the coordinator's process: ``publish`` returns at once; a version published
-while a round is running is sent when that round ends, and intermediate versions nobody received are skipped
-(latest wins). A peer that failed a round is retried after ``retry_s``; a late joiner is sent the latest
-version, from a peer that already holds it where there is one.
+It runs in a background thread of the coordinator's process: ``publish`` only hands the bytes over (digesting
+and delta-encoding happen in the thread, never in the caller); a version published while a round is running is
+sent when that round ends, and intermediate versions nobody received are skipped (latest wins). A peer that
+failed a round is retried after ``retry_s`` (with the full snapshot if a delta was what failed); a late joiner
+is sent the latest version, from a peer that already holds it where there is one.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
-from echo2.broadcast import relay
+from echo2.broadcast import delta, relay
 from echo2.broadcast import topology as topo
 from echo2.rollout.wire import Client
 
@@ -37,17 +41,19 @@ class Peer:
     rate_bytes_per_s: float = 0.0  # measured by its last fetch
     delivered: int = -1
     retry_at: float = 0.0
+    needs_full: bool = False  # its last delta failed (e.g. it no longer holds the base)
 
 
 class RelayBroadcaster:
     def __init__(self, token: str, topology: str = "chain", fanout: int = 2, chunk_mb: float = 4.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, timeout_s: float = 600.0,
-                 retry_s: float = 5.0, uplink_mbit: float | None = None, latency_ms: float = 0.0):
+                 retry_s: float = 5.0, sparse_delta: bool = True, uplink_mbit: float | None = None,
+                 latency_ms: float = 0.0):
         if topology not in topo.KINDS:
             raise ValueError(f"broadcast.sender.topology={topology!r}: expected one of {topo.KINDS}")
         self.token, self.kind, self.fanout = token, topology, fanout
         self.chunk_bytes = max(1, int(chunk_mb * (1 << 20)))
-        self.timeout_s, self.retry_s = timeout_s, retry_s
+        self.timeout_s, self.retry_s, self.sparse_delta = timeout_s, retry_s, sparse_delta
         self.on_delivered = None  # set by the coordinator: called (peer, version) after each delivery
         self.store = relay.Store(keep=2)
         self.server = relay.RelayServer(self.store, token, host, port,
@@ -55,11 +61,16 @@ class RelayBroadcaster:
         self.origin = (advertise_host or self.server.addr[0], self.server.addr[1])
         self.peers: dict[str, Peer] = {}
         self.latest: int | None = None
+        self.full_manifest: dict | None = None  # of the latest version
+        self.delta_base: int | None = None  # the latest version also exists as a delta against this version
+        self.incoming: tuple[int, bytes, float] | None = None  # published, not yet digested
         self.published_at: dict[int, float] = {}
         self.cond = threading.Condition()
         self.closed = False
         self.last_time_s = 0.0
         self.last_bytes = 0
+        self.last_prepare_s = 0.0
+        self.last_delta_ratio = 1.0
         self.failures = 0
         self.rounds = 0
         self.thread = threading.Thread(target=self._loop, name="broadcast", daemon=True)
@@ -68,11 +79,26 @@ class RelayBroadcaster:
     # ------------------------------------------------------------------ the Broadcaster protocol
 
     def publish(self, version: int, blob: bytes) -> None:
+        with self.cond:
+            self.incoming = (version, blob, time.monotonic())
+            self.cond.notify_all()
+
+    def _prepare(self, version: int, blob: bytes) -> None:
+        """Digest and sign the snapshot; encode a delta against the previous one when that is smaller."""
+        t0 = time.perf_counter()
+        prev = self.store.newest_complete()
         manifest = relay.make_manifest(self.token, version, blob, self.chunk_bytes)
         self.store.put(relay.Snapshot(manifest, blob))
+        base, ratio = None, 1.0
+        if self.sparse_delta and prev is not None and prev.version < version:
+            kind, payload = delta.choose(blob, prev.buf, prev.version, delta.word_bytes_of(blob))
+            if kind == "delta":
+                dm = relay.make_manifest(self.token, version, payload, self.chunk_bytes, base=prev.version)
+                self.store.put(relay.Snapshot(dm, payload))
+                base, ratio = prev.version, len(payload) / max(len(blob), 1)
         with self.cond:
-            self.latest = version
-            self.published_at = {version: time.monotonic()}
+            self.latest, self.full_manifest, self.delta_base = version, manifest, base
+            self.last_prepare_s, self.last_delta_ratio = time.perf_counter() - t0, ratio
             self.cond.notify_all()
 
     def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None) -> None:
@@ -93,7 +119,8 @@ class RelayBroadcaster:
     def metrics(self) -> dict[str, float]:
         return {"broadcast/time_s": self.last_time_s, "broadcast/bytes": float(self.last_bytes),
                 "broadcast/failures": float(self.failures), "broadcast/rounds": float(self.rounds),
-                "broadcast/origin_bytes": float(self.server.served_bytes)}
+                "broadcast/origin_bytes": float(self.server.served_bytes),
+                "broadcast/delta_ratio": self.last_delta_ratio, "broadcast/prepare_s": self.last_prepare_s}
 
     def close(self) -> None:
         with self.cond:
@@ -113,45 +140,61 @@ class RelayBroadcaster:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.closed or (self.latest is not None and self._due()),
-                                   timeout=self.retry_s)
+                self.cond.wait_for(lambda: self.closed or self.incoming is not None or (
+                    self.latest is not None and self._due()), timeout=self.retry_s)
                 if self.closed:
                     return
+                incoming, self.incoming = self.incoming, None
+            if incoming is not None:
+                version, blob, published_at = incoming
+                self.published_at = {version: published_at}
+                self._prepare(version, blob)
+                continue  # a newer publish may already be waiting: digest that first (latest wins)
+            with self.cond:
                 if self.latest is None or not self._due():
                     continue
-                version, due = self.latest, self._due()
+                version, base = self.latest, self.delta_base
                 holders = [p.relay for p in self.peers.values() if p.delivered == version]
-                links = [topo.PeerLink(pid, self.peers[pid].rate_bytes_per_s) for pid in due]
+                groups: dict[int, list[topo.PeerLink]] = {}
+                for pid in self._due():
+                    p = self.peers[pid]
+                    kind = base if base is not None and p.delivered == base and not p.needs_full else relay.FULL
+                    groups.setdefault(kind, []).append(topo.PeerLink(pid, p.rate_bytes_per_s))
                 self.store.pin(version)  # a newer publish must not collect what this round is sending
             try:
-                self._round(version, topo.plan(links, self.kind, self.fanout), holders)
+                self._round(version, {b: topo.plan(links, self.kind, self.fanout) for b, links in groups.items()},
+                            holders)
             finally:
                 self.store.pin(version, False)
 
-    def _round(self, version: int, plan: dict[str, list[str]], holders: list[tuple[str, int]]) -> None:
-        snap = self.store.get(version)
-        if snap is None:
+    def _round(self, version: int, plans: dict[int, dict[str, list[str]]], holders: list[tuple[str, int]]) -> None:
+        """One version to every due peer: per object (full, or delta against a base) its own plan."""
+        full = self.store.get(version)
+        if full is None:
             return
         started = self.published_at.get(version, time.monotonic())
+        jobs = [(pid, base, ancestors) for base, plan in plans.items() for pid, ancestors in plan.items()]
 
-        def sources(pid: str) -> list[list]:
+        def one(pid: str, base: int, ancestors: list[str]) -> tuple[str, int, dict | Exception]:
             with self.cond:
-                ups = [self.peers[a].relay for a in plan[pid] if a in self.peers]
-            return [list(a) for a in ups + holders[:2] + [self.origin]]
-
-        def one(pid: str) -> tuple[str, dict | Exception]:
-            peer = self.peers.get(pid)
+                peer = self.peers.get(pid)
+                ups = [self.peers[a].relay for a in ancestors if a in self.peers]
             if peer is None:
-                return pid, RuntimeError("left")
+                return pid, base, RuntimeError("left")
+            # a full snapshot can also come from peers that already hold it; a delta only along its own plan
+            sources = ups + (holders[:2] if base == relay.FULL else []) + [self.origin]
+            body = {"version": version, "base": base, "sources": [list(a) for a in sources]}
+            if base != relay.FULL:
+                body["full_manifest"] = full.manifest
             try:
-                return pid, peer.client.post("/fetch", {"version": version, "sources": sources(pid)},
-                                             timeout_s=self.timeout_s)
+                return pid, base, peer.client.post("/fetch", body, timeout_s=self.timeout_s)
             except Exception as e:  # a dead peer must not stop the others; the registry will drop it
-                return pid, e
+                return pid, base, e
 
-        with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
-            for future in as_completed([pool.submit(one, pid) for pid in plan]):
-                pid, result = future.result()
+        sent = 0
+        with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+            for future in as_completed([pool.submit(one, *job) for job in jobs]):
+                pid, base, result = future.result()
                 with self.cond:
                     peer = self.peers.get(pid)
                     if peer is None:
@@ -159,12 +202,17 @@ class RelayBroadcaster:
                     if isinstance(result, Exception):
                         self.failures += 1
                         peer.retry_at = time.monotonic() + self.retry_s
-                        log.warning("snapshot v%d to %s failed: %s", version, pid, result)
+                        peer.needs_full = base != relay.FULL
+                        log.warning("snapshot v%d (%s) to %s failed: %s", version,
+                                    "full" if base == relay.FULL else f"delta vs v{base}", pid, result)
                         continue
                     peer.delivered = max(peer.delivered, version)
+                    peer.needs_full = False
                     peer.rate_bytes_per_s = float(result.get("bytes_per_s", 0.0))
+                    obj = self.store.get(version, base=base)
+                    sent = max(sent, obj.size if obj else 0)
                 if self.on_delivered is not None:
                     self.on_delivered(pid, version)
         self.rounds += 1
-        self.last_time_s, self.last_bytes = time.monotonic() - started, snap.size
-        log.debug("v%d: round over %d peers (%s) in %.3f s", version, len(plan), self.kind, self.last_time_s)
+        self.last_time_s, self.last_bytes = time.monotonic() - started, sent
+        log.debug("v%d: round over %d peers (%s) in %.3f s", version, len(jobs), self.kind, self.last_time_s)

@@ -63,7 +63,24 @@ def apply(base: bytes, delta: bytes) -> bytes:
 def choose(new: bytes, base: bytes | None, base_version_: int, word_bytes: int = 2) -> tuple[str, bytes]:
     """("delta", bytes) when a delta against ``base`` is smaller than ``new``, else ("full", new)."""
     if base is not None and len(base) == len(new):
-        d = encode(new, base, base_version_, word_bytes)
+        d = encode(new, base, base_version_, word_bytes if len(new) % word_bytes == 0 else 1)
         if len(d) < len(new):
             return "delta", d
     return "full", new
+
+
+def word_bytes_of(blob: bytes | bytearray) -> int:
+    """The word size that suits a safetensors blob: 2 if it holds any 16-bit tensor, else 4 (1 if unreadable);
+    any choice is lossless, this one makes a changed value cost one entry."""
+    import json
+
+    try:
+        (n,) = struct.unpack_from("<Q", blob)
+        dtypes = {t["dtype"] for k, t in json.loads(bytes(blob[8:8 + n])).items() if k != "__metadata__"}
+    except (ValueError, KeyError, TypeError, struct.error):
+        return 1
+    if dtypes & {"BF16", "F16", "I16", "U16"}:
+        return 2
+    if dtypes <= {"F32", "I32", "U32", "F64", "I64", "U64"}:
+        return 4
+    return 1

@@ -1,9 +1,10 @@
 """A worker's end of the broadcast: a relay node (store, server, fetcher) and the route the broadcaster calls.
 
-    broadcaster ──POST /fetch {version, sources}──► SnapshotReceiver ──pull v from sources[0] (or the next)──► ...
+    broadcaster ──POST /fetch {v, base, sources}──► SnapshotReceiver ──pull v (or its delta vs base) from
+                                                        │   sources[0], else the next ──► ...
                                                         │  serves its own children from the same buffer meanwhile
-                                                        └─ on_snapshot(v, bytes) once every chunk checks;
-                                                           then answers the POST: {seconds, bytes_per_s}
+                                                        └─ on_snapshot(v, bytes) once every chunk of the full
+                                                           snapshot checks; answers {seconds, bytes_per_s}
 
 The worker agent owns one (and so does ``python -m echo2.broadcast.bench``, which measures exactly this code).
 """
@@ -14,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from echo2.broadcast import relay
+from echo2.broadcast import delta, relay
 from echo2.rollout.wire import BadRequest, JsonServer
 
 log = logging.getLogger(__name__)
@@ -41,20 +42,44 @@ class SnapshotReceiver:
         return self
 
     def _fetch(self, body: dict, _headers) -> dict:
-        version, sources = body.get("version"), body.get("sources")
-        if type(version) is not int or version < 0:
-            raise BadRequest("'version' must be a non-negative integer")
+        version, base, sources = body.get("version"), body.get("base", relay.FULL), body.get("sources")
+        if type(version) is not int or version < 0 or type(base) is not int or base >= version:
+            raise BadRequest("'version' must be a non-negative integer and 'base' an older one (or -1)")
         if not isinstance(sources, list) or not sources or not all(
                 isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and type(s[1]) is int for s in sources):
             raise BadRequest("'sources' must be a non-empty list of [host, port]")
+        sources = [tuple(s) for s in sources]
         t0 = time.perf_counter()
         try:
-            snap = self.fetcher.fetch(version, [tuple(s) for s in sources])
-        except (ConnectionError, OSError, relay.BadSnapshot) as e:
+            if base == relay.FULL:
+                snap = self.fetcher.fetch(version, sources)
+                wire_bytes = snap.size
+            else:
+                snap, wire_bytes = self._fetch_delta(version, base, sources, body.get("full_manifest"))
+        except (ConnectionError, OSError, relay.BadSnapshot, ValueError) as e:
             raise BadRequest(f"v{version}: {e}") from None
         seconds = time.perf_counter() - t0
         self.on_snapshot(version, snap.buf)  # a bytearray; the callback copies what it keeps
-        return {"ok": True, "version": version, "seconds": seconds, "bytes_per_s": snap.size / max(seconds, 1e-9)}
+        return {"ok": True, "version": version, "seconds": seconds, "bytes_per_s": wire_bytes / max(seconds, 1e-9)}
+
+    def _fetch_delta(self, version: int, base: int, sources, full_manifest) -> tuple[relay.Snapshot, int]:
+        """Pull the delta of ``version`` against ``base`` (held here), apply it, and check the result against the
+        full snapshot's signed chunk digests before anyone may use or relay it as ``version``."""
+        held = self.store.get(base)
+        if held is None or not held.complete:
+            raise relay.BadSnapshot(f"base v{base} is not held here")
+        manifest = relay.verify_manifest(self.token, full_manifest)
+        if (manifest["version"], manifest["base"]) != (version, relay.FULL):
+            raise relay.BadSnapshot("full_manifest is not the full snapshot of this version")
+        d = self.fetcher.fetch(version, sources, base=base)
+        full = relay.Snapshot(manifest)
+        full.buf[:] = delta.apply(held.buf, d.buf)
+        full.received = full.visible = full.size
+        if full.check_chunks() or full.checked != len(manifest["chunks"]):
+            raise relay.BadSnapshot(f"v{version} rebuilt from the delta against v{base} fails its digests")
+        full.complete = True
+        self.store.put(full)
+        return full, d.size
 
     def close(self) -> None:
         self.control.close()

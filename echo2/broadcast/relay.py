@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
 MAX_FRAME_BYTES = 4 << 20
+FULL = -1  # the ``base`` of a whole snapshot (a delta's base is the version it applies to)
 PIECE_BYTES = 256 << 10  # the most one send / recv call moves: the granularity of cut-through and pacing
 
 
@@ -56,22 +57,26 @@ def _mac(token: str, payload: dict[str, Any]) -> str:
     return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
 
 
-def make_manifest(token: str, version: int, blob: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> dict:
+def make_manifest(token: str, version: int, blob: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES,
+                  base: int = FULL) -> dict:
+    """``base``: FULL for a whole snapshot, else the version a sparse delta (delta.py) is taken against."""
     mv = memoryview(blob)
     chunks = [hashlib.sha256(mv[i:i + chunk_bytes]).hexdigest() for i in range(0, len(mv), chunk_bytes)]
     root = hashlib.sha256("".join(chunks).encode()).hexdigest()
-    body = {"version": version, "size": len(mv), "chunk_bytes": chunk_bytes, "chunks": chunks, "root": root}
+    body = {"version": version, "base": base, "size": len(mv), "chunk_bytes": chunk_bytes, "chunks": chunks,
+            "root": root}
     return {**body, "mac": _mac(token, body)}
 
 
 def verify_manifest(token: str, manifest: Any) -> dict:
     if not isinstance(manifest, dict):
         raise BadSnapshot("manifest is not an object")
-    body = {k: manifest.get(k) for k in ("version", "size", "chunk_bytes", "chunks", "root")}
+    body = {k: manifest.get(k) for k in ("version", "base", "size", "chunk_bytes", "chunks", "root")}
     if not hmac.compare_digest(_mac(token, body), str(manifest.get("mac", ""))):
         raise BadSnapshot(f"manifest of v{body['version']}: signature does not match")
     size, cb, chunks = body["size"], body["chunk_bytes"], body["chunks"]
-    if type(size) is not int or type(cb) is not int or size < 0 or cb <= 0 or len(chunks) != -(-size // cb):
+    ints = (body["version"], body["base"], size, cb)
+    if not all(type(x) is int for x in ints) or size < 0 or cb <= 0 or len(chunks) != -(-size // cb):
         raise BadSnapshot("manifest sizes are inconsistent")
     if hashlib.sha256("".join(chunks).encode()).hexdigest() != body["root"]:
         raise BadSnapshot("manifest root does not match its chunk digests")
@@ -124,6 +129,7 @@ class Snapshot:
 
     def __init__(self, manifest: dict, blob: bytes | None = None):
         self.manifest, self.version, self.size = manifest, manifest["version"], manifest["size"]
+        self.key = (self.version, manifest["base"])  # the full snapshot v, or the delta of v against a base
         self.chunk_bytes = manifest["chunk_bytes"]
         self.buf = bytearray(blob) if blob is not None else bytearray(self.size)
         self.received = self.visible = self.size if blob is not None else 0
@@ -177,17 +183,18 @@ class Snapshot:
 
 
 class Store:
-    """The snapshots a node holds, newest ``keep`` versions; older ones are dropped (garbage-collected)."""
+    """The snapshots a node holds, by (version, base): the newest ``keep`` versions' objects (full or delta);
+    older ones are dropped (garbage-collected) unless pinned."""
 
     def __init__(self, keep: int = 2):
         self.keep = keep
-        self.snaps: dict[int, Snapshot] = {}
+        self.snaps: dict[tuple[int, int], Snapshot] = {}
         self.pinned: set[int] = set()  # versions still being broadcast: never collected
         self.cond = threading.Condition()
 
     def put(self, snap: Snapshot) -> Snapshot:
         with self.cond:
-            self.snaps[snap.version] = snap
+            self.snaps[snap.key] = snap
             self._collect()
             self.cond.notify_all()
         return snap
@@ -198,21 +205,22 @@ class Store:
             self._collect()
 
     def _collect(self) -> None:
-        for v in sorted(self.snaps)[:-self.keep]:
-            if v not in self.pinned:
-                del self.snaps[v]
+        keep = set(sorted({v for v, _ in self.snaps})[-self.keep:]) | self.pinned
+        for key in [k for k in self.snaps if k[0] not in keep]:
+            del self.snaps[key]
 
-    def get(self, version: int, wait_s: float = 0.0) -> Snapshot | None:
+    def get(self, version: int, wait_s: float = 0.0, base: int = FULL) -> Snapshot | None:
         """The buffer of ``version``, waiting up to ``wait_s`` for its manifest to arrive here (only for a version
         newer than any held: an older one missing here was collected and will not come back)."""
         with self.cond:
-            self.cond.wait_for(lambda: version in self.snaps or (self.snaps and version < max(self.snaps)),
+            key = (version, base)
+            self.cond.wait_for(lambda: key in self.snaps or (self.snaps and version < max(self.snaps)[0]),
                                timeout=wait_s)
-            return self.snaps.get(version)
+            return self.snaps.get(key)
 
     def newest_complete(self) -> Snapshot | None:
         with self.cond:
-            done = [s for s in self.snaps.values() if s.complete]
+            done = [s for s in self.snaps.values() if s.complete and s.key[1] == FULL]
             return max(done, key=lambda s: s.version) if done else None
 
 
@@ -247,8 +255,8 @@ def recv_frame(sock: socket.socket) -> dict:
     return obj
 
 
-def request_mac(token: str, version: int, start: int, end: int) -> str:
-    return _mac(token, {"version": version, "start": start, "end": end})
+def request_mac(token: str, version: int, base: int, start: int, end: int) -> str:
+    return _mac(token, {"version": version, "base": base, "start": start, "end": end})
 
 
 # ---------------------------------------------------------------------- serving
@@ -294,12 +302,12 @@ class RelayServer:
             conn.close()
 
     def _answer(self, conn: socket.socket, req: dict) -> None:
-        v, start, end = req.get("version"), req.get("start"), req.get("end")
-        if not all(type(x) is int for x in (v, start, end)) or not hmac.compare_digest(
-                request_mac(self.token, v, start, end), str(req.get("mac", ""))):
+        v, base, start, end = req.get("version"), req.get("base"), req.get("start"), req.get("end")
+        if not all(type(x) is int for x in (v, base, start, end)) or not hmac.compare_digest(
+                request_mac(self.token, v, base, start, end), str(req.get("mac", ""))):
             send_frame(conn, {"error": "unauthenticated or malformed request"})
             raise ConnectionError("refused a request")
-        snap = self.store.get(v, wait_s=self.manifest_wait_s)
+        snap = self.store.get(v, wait_s=self.manifest_wait_s, base=base)
         if snap is not None and end == -1:  # "to the end": the requester may not know the size yet
             end = snap.size
         if snap is None or not 0 <= start <= end <= snap.size:
@@ -345,10 +353,11 @@ class Fetcher:
         self.conns: dict[tuple[str, int], socket.socket] = {}
         self.lock = threading.Lock()  # one fetch at a time per node
 
-    def fetch(self, version: int, sources: list[tuple[str, int]]) -> Snapshot:
-        """Fetch ``version`` completely and verified, trying ``sources`` in order; raises if none can serve it."""
+    def fetch(self, version: int, sources: list[tuple[str, int]], base: int = FULL) -> Snapshot:
+        """Fetch ``version`` (or its delta against ``base``) completely and verified, trying ``sources`` in order;
+        raises if none can serve it."""
         with self.lock:
-            snap = self.store.get(version)
+            snap = self.store.get(version, base=base)
             if snap is not None and snap.complete:
                 return snap
             dead: set[tuple[str, int]] = set()
@@ -356,11 +365,11 @@ class Fetcher:
                 if snap is not None and snap.received == snap.size:
                     break
                 try:
-                    snap = self._stream(src, version, snap)
+                    snap = self._stream(src, version, base, snap)
                 except (OSError, ConnectionError, BadSnapshot) as e:
                     dead.add(src)
                     self._drop(src)
-                    snap = self.store.get(version)  # what arrived before the failure is kept: resume from there
+                    snap = self.store.get(version, base=base)  # what arrived is kept: resume from there
                     log.warning("v%d from %s:%d failed at byte %s: %s; next source", version, *src,
                                 snap.received if snap else 0, e)
             if snap is None or snap.received < snap.size:
@@ -387,19 +396,20 @@ class Fetcher:
         if conn is not None:
             conn.close()
 
-    def _request(self, src, version: int, start: int, end: int) -> tuple[socket.socket, dict]:
+    def _request(self, src, version: int, base: int, start: int, end: int) -> tuple[socket.socket, dict]:
         conn = self._conn(src)
-        send_frame(conn, {"version": version, "start": start, "end": end,
-                          "mac": request_mac(self.token, version, start, end)})
+        send_frame(conn, {"version": version, "base": base, "start": start, "end": end,
+                          "mac": request_mac(self.token, version, base, start, end)})
         reply = recv_frame(conn)
         if "error" in reply:
             raise ConnectionError(reply["error"])
         return conn, verify_manifest(self.token, reply.get("manifest"))
 
-    def _stream(self, src, version: int, snap: Snapshot | None) -> Snapshot:
-        conn, manifest = self._request(src, version, snap.received if snap else 0, -1)
-        if manifest["version"] != version:
-            raise BadSnapshot(f"asked for v{version}, got a manifest of v{manifest['version']}")
+    def _stream(self, src, version: int, base: int, snap: Snapshot | None) -> Snapshot:
+        conn, manifest = self._request(src, version, base, snap.received if snap else 0, -1)
+        if (manifest["version"], manifest["base"]) != (version, base):
+            raise BadSnapshot(f"asked for v{version} (base {base}), got v{manifest['version']} "
+                              f"(base {manifest['base']})")
         if snap is None:
             snap = self.store.put(Snapshot(manifest))
         elif manifest["root"] != snap.manifest["root"]:
@@ -427,7 +437,7 @@ class Fetcher:
             hi = min(lo + snap.chunk_bytes, snap.size)
             for src in sources:
                 try:
-                    conn, manifest = self._request(src, snap.version, lo, hi)
+                    conn, manifest = self._request(src, snap.version, snap.key[1], lo, hi)
                     if manifest["root"] != snap.manifest["root"]:
                         raise BadSnapshot("a different snapshot")
                     snap.buf[lo:hi] = recv_exact(conn, hi - lo)
@@ -447,8 +457,8 @@ class Fetcher:
             snap.failed = True
             snap.cond.notify_all()
         with self.store.cond:
-            if self.store.snaps.get(snap.version) is snap:
-                del self.store.snaps[snap.version]
+            if self.store.snaps.get(snap.key) is snap:
+                del self.store.snaps[snap.key]
 
     def close(self) -> None:
         for src in list(self.conns):
