@@ -85,7 +85,10 @@ class NetnsTestbed:
             _sh("ip", "netns", "add", h)
             _sh("ip", "netns", "exec", h, "sysctl", "-qw", "net.ipv4.conf.all.route_localnet=1",
                 "net.ipv4.conf.default.route_localnet=1", f"net.ipv4.tcp_wmem=4096 16384 {self.tcp_buf}",
-                f"net.ipv4.tcp_rmem=4096 131072 {self.tcp_buf}", "net.ipv4.tcp_congestion_control=bbr")
+                f"net.ipv4.tcp_rmem=4096 131072 {self.tcp_buf}", "net.ipv4.tcp_congestion_control=bbr",
+                # a persistent relay connection idles between snapshots; without this its window restarts from
+                # slow start every time (measured: 50 MB at 100 Mbit/s, RTT 150 ms: 5.8 s instead of ~4.5)
+                "net.ipv4.tcp_slow_start_after_idle=0")
             _sh("ip", "link", "add", "wan0", "netns", h, "type", "veth", "peer", "name", f"p{i}", "netns", self.sw)
             _sh("ip", "-n", self.sw, "link", "set", f"p{i}", "master", "br0")
             _sh("ip", "-n", self.sw, "link", "set", f"p{i}", "up")
