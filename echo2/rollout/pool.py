@@ -18,7 +18,11 @@ log = logging.getLogger(__name__)
 
 
 class StaticPool:
-    """Agents are started by someone else (a rented GPU box, a SLURM array) and join with the token."""
+    """Agents are started by someone else (a rented GPU box, a SLURM array) and join with the token.
+    ``workers`` optionally lists the expected ones with prices and links (for planning: echo2.plan)."""
+
+    def __init__(self, workers: list[dict] | None = None):
+        self.workers = list(workers or [])
 
     def start(self, coordinator_url: str, token: str, model_path: str, run_dir: str) -> None:
         log.info("waiting for workers to join %s (token in the run's resolved config is not printed)",

@@ -1,0 +1,110 @@
+"""Capacity model and activation: table-driven checks of the model, exact against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from echo2 import capacity
+from echo2.activation.solve import System, Worker, _better, all_on, evaluate, exact, greedy, solve
+
+
+# ---------------------------------------------------------------------- capacity model
+
+@pytest.mark.parametrize("S, kappa, L, mu, step", [
+    (0, 1, 2.0, 100.0, 10 + 2 + 1.28),    # synchronous: train, disseminate, generate, in turn
+    (2, 1, 2.0, 100.0, 10.0),             # window 2 steps: 20 - 2 >= R/mu = 1.28: the learner never waits
+    (2, 1, 2.0, 10.0, 12.8),              # rollout-bound: R/mu > T_train
+    (1, 2, 2.0, 100.0, 10 + (1.28 + 2) / 1),  # κ = S + 1: window 0 steps, as if synchronous but halved...
+    (4, 3, 25.0, 100.0, 10 + (1.28 + 25 - 20) / 3),  # window 2 steps but L = 25 s: waits (R/μ + L − 2T)/3
+])
+def test_step_time_table(S, kappa, L, mu, step):
+    p = capacity.predict(128, 10.0, S, kappa, L, 0.0, [mu])
+    assert p.step_s == pytest.approx(step) and p.utilization == pytest.approx(10.0 / step)
+
+
+def test_required_rate_falls_with_S_to_rate_matching_and_beats_no_one():
+    R, T, L = 512, 60.0, 50.0
+    req = [capacity.predict(R, T, S, 1, L, 0, [1.0]).required_rollouts_per_s for S in range(0, 12)]
+    assert req[0] == math.inf and all(a >= b for a, b in zip(req, req[1:])) and req[-1] == pytest.approx(R / T)
+    for S in range(1, 12):  # at exactly the required rate, the predicted utilization is 1; below it, not
+        need = capacity.predict(R, T, S, 1, L, 0, [1.0]).required_rollouts_per_s
+        if math.isfinite(need):
+            assert capacity.predict(R, T, S, 1, L, 0, [need]).utilization == pytest.approx(1.0)
+            assert capacity.predict(R, T, S, 1, L, 0, [0.9 * need]).utilization < 1.0
+
+
+def test_paper_rule_where_it_differs():
+    # DESIGN §4's worked example: R = 512, T = 60 s, T_bcast = 120 s.
+    assert capacity.paper_required_rate(512, 60, 3, 120) == pytest.approx(25.6)
+    assert not capacity.predict(512, 60, 4, 3, 120, 0, [25.6]).feasible  # κ = S−1 = 3 consumes lag 5 > S there
+    assert capacity.predict(512, 60, 4, 1, 120, 0, [512 / 60]).utilization == pytest.approx(1.0)  # κ = 1 is fine
+
+
+def test_broadcast_time_models():
+    t = {m: [capacity.bcast_time_s(m, 50e6, 100, n, 100, 100, 40) for n in (1, 2, 4, 8)]
+         for m in ("one_to_many", "pipelined", "tree")}
+    assert t["one_to_many"][3] / t["one_to_many"][0] == pytest.approx(8, rel=0.02)  # linear in N
+    assert t["pipelined"][3] / t["pipelined"][0] < 1.1  # nearly flat
+    assert t["tree"][0] > t["pipelined"][0]  # inner nodes upload twice
+
+
+# ---------------------------------------------------------------------- activation
+
+def random_instance(rng: random.Random, n: int, classes: bool = True):
+    pick = (lambda xs: rng.choice(xs)) if classes else (lambda xs: rng.uniform(min(xs), max(xs)))
+    workers = [Worker(f"w{i}", round(rng.uniform(0.1, 3.0), 2), round(rng.uniform(5, 120), 1),
+                      down_mbit=pick([100, 500, 1000]), up_mbit=pick([100, 500, 1000]), rtt_ms=pick([20, 80, 150]))
+               for i in range(n)]
+    system = System(rollouts_per_step=rng.choice([256, 512, 1024]), train_step_s=rng.uniform(5, 60),
+                    staleness=rng.choice([0, 1, 2, 4]), interval=1, snapshot_bytes=rng.choice([1e9, 8e9]),
+                    learner_usd_per_hour=rng.choice([2.0, 8.0, 30.0]), learner_uplink_mbit=rng.choice([1000, 10000]),
+                    broadcast=rng.choice(["pipelined", "one_to_many"]), load_s=2.0,
+                    min_utilization=rng.choice([0.0, 0.0, 0.9]))
+    return system, workers
+
+
+def brute_force(system, workers):
+    best = None
+    for k in range(1, len(workers) + 1):
+        for subset in itertools.combinations(workers, k):
+            plan = evaluate(system, list(subset))
+            if _better(plan, best):
+                best = plan
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_exact_equals_brute_force(seed):
+    rng = random.Random(seed)
+    system, workers = random_instance(rng, rng.randint(1, 12 if seed % 4 else 7), classes=bool(seed % 4))
+    bf, ex = brute_force(system, workers), exact(system, workers)
+    assert ex.meets_min_utilization == bf.meets_min_utilization
+    assert ex.usd_per_step == pytest.approx(bf.usd_per_step, rel=1e-9)
+    for other in (greedy(system, workers), all_on(system, workers)):  # never better than the optimum
+        assert (not other.meets_min_utilization, other.usd_per_step) >= (
+            not ex.meets_min_utilization, ex.usd_per_step - 1e-12)
+
+
+def test_cost_aware_beats_all_on_when_cheap_workers_suffice():
+    system = System(512, 30.0, 2, 1, 1e9, learner_usd_per_hour=10.0, learner_uplink_mbit=10000)
+    workers = [Worker(f"cheap{i}", 0.5, 10.0) for i in range(4)] + [Worker(f"dear{i}", 4.0, 12.0) for i in range(4)]
+    plan = solve(system, workers, "exact")
+    assert plan.prediction.utilization == pytest.approx(1.0) and set(plan.active) == {"cheap0", "cheap1"}
+    assert plan.usd_per_step < all_on(system, workers).usd_per_step
+
+
+def test_bad_requests_get_clear_errors():
+    system = System(512, 30.0, 2, 1, 8e9, 10.0, 10000)
+    with pytest.raises(ValueError, match="expected one of"):
+        solve(system, [Worker("a", 1, 1)], "magic")
+    rng = random.Random(0)
+    many = [Worker(f"w{i}", 3.0, 10.0, down_mbit=rng.uniform(1, 1e4), up_mbit=rng.uniform(1, 1e4),
+                   rtt_ms=rng.uniform(1, 200)) for i in range(300)]
+    with pytest.raises(ValueError, match="use greedy"):
+        exact(system, many)
+    with pytest.raises(ValueError, match="1 <= κ <= S"):
+        capacity.predict(1, 1, 0, 2, 0, 0, [1])
