@@ -18,13 +18,19 @@ R rollouts must be ready when its compute starts, at t·T_step + I. Its generati
     W = (S − κ + 1)·T_step + I − L
 
 and the R rollouts fit if R/μ ≤ W. Consecutive windows overlap once W ≥ T_step, and then only the rate
-matters: μ·T_step ≥ R. Solving for the smallest idle I:
+matters: μ·T_step ≥ R. The worst phase recurs once per κ steps (the first step served by a newly published
+version, a "block start"); a wait there also lengthens the windows of the block starts between p and t, of
+which there are w = ⌊(S − κ + 1)/κ⌋ + 1 counting t. So each κ-step cycle waits once, for
 
-    I = max(0, (R/μ + L − (S − κ + 1)·T_train) / (S − κ + 2)),   T_step = max(T_train + I, R/μ)
+    I = max(0, (R/μ + L − (S − κ + 1)·T_train) / w),   mean T_step = max(T_train + I/κ, R/μ)
 
-so utilization U = T_train / T_step, and the learner never waits (U = 1) iff
+(κ = 1: I = max(0, (R/μ + L − S·T_train)/(S + 1)) every step), so utilization U = T_train / T_step, and the
+learner never waits (U = 1) iff
 
     μ ≥ μ_req = R / min(T_train, (S − κ + 1)·T_train − L),   feasible only if (S − κ + 1)·T_train > L.
+
+T_batch is the wait for the batch in progress when a snapshot lands: a worker applies between batches, so on
+average half a batch; aggregated over workers (each holds a batch of b rollouts), N·b / (2μ).
 
 Checks: S = 0, κ = 1 gives T_step = T_train + L + R/μ (synchronous: train, disseminate, generate, in turn).
 Large S gives μ_req → R/T_train (rate matching). A larger L (slow WAN, one-to-many) raises μ_req or makes small
@@ -43,10 +49,15 @@ admission rule forbids, so there the rule is not sufficient (paper example: R = 
 T_bcast = 120 s, S = 4, κ = 3: the rule asks 25.6 rollouts/s; here the window is empty and the learner must
 wait whatever μ). The paper's rule also omits T_load and T_batch; here they delay usability like T_bcast.
 
+Queued dissemination. If T_bcast > κ·T_step, rounds run back to back (each sends the latest version): versions
+reach workers every T_bcast seconds, not every κ steps, and a round starts on a version already up to κ·T_step
+old. The model above does not capture that and is then optimistic (``Prediction.queued`` says so); in the
+simulator the learner then advances about (S + 1)/2 steps per round (BENCHMARKS.md, capacity validation).
+
 Assumptions: steady state; aggregate throughput μ is available to any step's window (workers are
 interchangeable and the dispatcher keeps them busy; the in-flight cap (S+1)·R never binds before the rate
-does); T_train, T_bcast, T_load, μ_i constant; the worst publish phase (a conservative bound: on average
-the window is (κ − 1)/2 steps longer).
+does); T_train, T_bcast, T_load, μ_i constant; rounds of dissemination never queue behind each other
+(T_bcast ≤ κ·T_step; otherwise versions are skipped and L grows).
 
 Dissemination time (``bcast_time_s``) per mode, for snapshot M over links with per-worker downlink/uplink B_i
 and learner uplink B_L, one-way latency ℓ and ``piece`` bytes forwarded at a time (relay.py):
@@ -115,6 +126,7 @@ class Prediction:
     idle_s: float  # learner wait per step
     usable_after_s: float  # L = T_bcast + T_load + T_batch
     window_steps: int  # S − κ + 1
+    queued: bool = False  # T_bcast > κ·T_step: rounds queue, the model is optimistic (see the module doc)
 
 
 def predict(rollouts_per_step: float, train_step_s: float, staleness: int, interval: int, bcast_s: float,
@@ -130,15 +142,17 @@ def predict(rollouts_per_step: float, train_step_s: float, staleness: int, inter
     required = R / min(T, room) if feasible else math.inf
     if mu <= 0:
         return Prediction(feasible, required, 0.0, 0.0, math.inf, math.inf, L, k)
-    step = float(step_time_s(R, T, k, L, mu))
-    return Prediction(feasible, required, mu, T / step, step, step - T, L, k)
+    step = float(step_time_s(R, T, k, L, mu, interval))
+    return Prediction(feasible, required, mu, T / step, step, step - T, L, k, bcast_s > interval * step)
 
 
-def step_time_s(rollouts_per_step: float, train_step_s: float, window_steps: int, usable_after_s, mu):
-    """T_step = max(T_train + I, R/μ) with I = max(0, (R/μ + L − k·T_train)/(k + 1)); numpy-friendly in μ, L."""
+def step_time_s(rollouts_per_step: float, train_step_s: float, window_steps: int, usable_after_s, mu,
+                interval: int = 1):
+    """Mean T_step (see the module doc); numpy-friendly in μ and L."""
     gen = rollouts_per_step / np.maximum(mu, 1e-300)
-    idle = np.maximum(0.0, (gen + usable_after_s - window_steps * train_step_s) / (window_steps + 1))
-    return np.maximum(train_step_s + idle, gen)
+    waits = np.floor(np.maximum(window_steps, 0) / interval) + 1  # block starts sharing the wait for one version
+    idle = np.maximum(0.0, (gen + usable_after_s - window_steps * train_step_s) / waits)
+    return np.maximum(train_step_s + idle / interval, gen)
 
 
 def paper_required_rate(rollouts_per_step: float, train_step_s: float, interval: int, bcast_s: float) -> float:

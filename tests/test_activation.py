@@ -18,8 +18,8 @@ from echo2.activation.solve import System, Worker, _better, all_on, evaluate, ex
     (0, 1, 2.0, 100.0, 10 + 2 + 1.28),    # synchronous: train, disseminate, generate, in turn
     (2, 1, 2.0, 100.0, 10.0),             # window 2 steps: 20 - 2 >= R/mu = 1.28: the learner never waits
     (2, 1, 2.0, 10.0, 12.8),              # rollout-bound: R/mu > T_train
-    (1, 2, 2.0, 100.0, 10 + (1.28 + 2) / 1),  # κ = S + 1: window 0 steps, as if synchronous but halved...
-    (4, 3, 25.0, 100.0, 10 + (1.28 + 25 - 20) / 3),  # window 2 steps but L = 25 s: waits (R/μ + L − 2T)/3
+    (1, 2, 2.0, 100.0, 10 + (1.28 + 2) / 2),  # κ = S + 1: a synchronous wait, but once per 2 steps
+    (4, 3, 25.0, 100.0, 10 + (1.28 + 25 - 20) / 3),  # window 2 steps, L = 25 s: one wait per κ = 3 steps
 ])
 def test_step_time_table(S, kappa, L, mu, step):
     p = capacity.predict(128, 10.0, S, kappa, L, 0.0, [mu])

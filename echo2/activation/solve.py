@@ -157,7 +157,8 @@ def exact(system: System, workers: list[Worker]) -> Plan:
                 continue
             bcast = capacity.bcast_time_s(system.broadcast, system.snapshot_bytes, system.learner_uplink_mbit, k, d,
                                           u, r, system.fanout)
-            step = capacity.step_time_s(R, T, k_window, bcast + system.load_s + system.batch_s, np.where(ok, mu, 1.0))
+            step = capacity.step_time_s(R, T, k_window, bcast + system.load_s + system.batch_s, np.where(ok, mu, 1.0),
+                                        system.interval)
             cost = np.where(ok, price_h / 3600 * step, np.inf)
             meets = ok & (T / step >= system.min_utilization - 1e-9)
             pool = np.where(meets, cost, np.inf) if meets.any() else cost

@@ -1,0 +1,360 @@
+"""A discrete-event simulation of echo2 at paper scale: one learner, hundreds of priced workers on WAN links.
+
+    python -m echo2.sim                                           # demo pool x 2, 4B-like numbers, S = 2
+    python -m echo2.sim --workers 256 --staleness 4 --broadcast one_to_many --solver all_on --json
+    python -m echo2.sim --scenario claims --plot sim.png          # the paper's three qualitative claims
+
+It reuses the system's own rules and models rather than re-stating them: admission and the dispatch cap
+(echo2/rollout/buffer.py: ``admissible``, ``worth_dispatching``), dissemination time per broadcast mode
+(echo2/capacity.py), and the active set (echo2/activation/solve.py). What it adds is time: workers generate in
+batches on the version they hold, a snapshot reaches them ``bcast`` seconds after its round starts (rounds run
+one after another, latest version wins), applying costs ``load_s`` between batches, workers may leave and
+join (churn; a leaver's in-flight groups are lost and re-queued), and the learner takes P admissible groups
+per step, oldest first, as the coordinator does.
+
+Outputs: learner utilization, the staleness of consumed groups, groups dropped stale or lost, and cost
+(learner and active workers' $/h over the simulated time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import math
+import random
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+
+from echo2 import capacity
+from echo2.activation.solve import SOLVERS, System, Worker, solve
+from echo2.rollout.buffer import admissible, worth_dispatching
+
+
+@dataclass
+class SimConfig:
+    prompts_per_step: int = 64  # P
+    group_size: int = 8  # G; R = P * G
+    train_step_s: float = 30.0
+    staleness: int = 2
+    interval: int = 1
+    snapshot_bytes: float = 8e9
+    learner_uplink_mbit: float = 10000.0
+    learner_usd_per_hour: float = 20.0
+    broadcast: str = "pipelined"
+    load_s: float = 5.0
+    groups_per_pull: int = 4
+    steps: int = 200
+    churn_per_worker_hour: float = 0.0  # mean departures per worker-hour; a replacement joins after `rejoin_s`
+    rejoin_s: float = 120.0
+    seed: int = 0
+
+
+@dataclass
+class SimWorker:
+    spec: Worker
+    version: int = 0
+    pending: int = -1  # newest version delivered, not yet applied
+    busy: bool = False
+    alive: bool = True
+    in_flight: list = field(default_factory=list)
+    epoch: int = 0  # bumps on leave, so that events of a previous life are ignored
+
+
+@dataclass
+class SimResult:
+    steps: int
+    wall_s: float
+    utilization: float
+    staleness: Counter
+    dropped_stale_groups: int
+    lost_groups: int
+    usd: float
+    active: tuple[str, ...]
+    bcast_s: float
+    predicted: capacity.Prediction
+
+    def summary(self) -> dict:
+        lags = list(self.staleness.elements())
+        return {"steps": self.steps, "wall_s": self.wall_s, "utilization": self.utilization,
+                "predicted_utilization": self.predicted.utilization, "staleness_mean": statistics.fmean(lags),
+                "staleness_max": max(lags), "staleness_hist": dict(sorted(self.staleness.items())),
+                "dropped_stale_groups": self.dropped_stale_groups, "lost_groups": self.lost_groups,
+                "usd": self.usd, "usd_per_step": self.usd / max(self.steps, 1), "active_workers": len(self.active),
+                "bcast_s": self.bcast_s}
+
+
+def simulate(cfg: SimConfig, workers: list[Worker]) -> SimResult:
+    """Run ``cfg.steps`` learner steps with ``workers`` all active (choose them with activation first)."""
+    rng = random.Random(cfg.seed)
+    P, G, S = cfg.prompts_per_step, cfg.group_size, cfg.staleness
+    pool = [SimWorker(w) for w in workers]
+    n = len(pool)
+    bcast = capacity.bcast_time_s(cfg.broadcast, cfg.snapshot_bytes, cfg.learner_uplink_mbit, n,
+                                  min(w.down_mbit for w in workers), min(w.up_mbit for w in workers),
+                                  max(w.rtt_ms for w in workers))
+    events: list = []
+    seq = itertools.count()
+
+    def at(t, kind, *args):
+        heapq.heappush(events, (t, next(seq), kind, args))
+
+    buffer: deque = deque()  # versions of scored groups, arrival order
+    state = {"version": 0, "taken": 0, "learner_busy": False, "published": 0, "round_busy": False,
+             "round_version": -1, "compute_s": 0.0, "stale": 0, "lost": 0, "requeue": 0}
+    lags: Counter = Counter()
+    in_flight_total = [0]
+
+    def ahead():
+        return len(buffer) + in_flight_total[0]
+
+    def try_dispatch(now):
+        next_step = max(state["version"], state["taken"])
+        for w in pool:
+            if not w.alive or w.busy:
+                continue
+            if w.pending > w.version:  # apply between batches
+                w.busy = True
+                at(now + cfg.load_s, "applied", w, w.epoch, w.pending)
+                continue
+            batch = 0
+            while batch < cfg.groups_per_pull and worth_dispatching(next_step, w.version, ahead() + batch, P, S):
+                batch += 1
+            if batch:
+                w.busy, w.in_flight = True, [w.version] * batch
+                in_flight_total[0] += batch
+                at(now + batch * G / w.spec.rollouts_per_s, "batch_done", w, w.epoch)
+
+    def try_learn(now):
+        if state["learner_busy"] or state["version"] >= cfg.steps:
+            return
+        t = state["version"]
+        while buffer and not admissible(t, buffer[0], S):
+            buffer.popleft()
+            state["stale"] += 1
+        if len(buffer) < P:
+            return
+        for _ in range(P):
+            lags[t - buffer.popleft()] += 1
+        state["taken"] += 1
+        state["learner_busy"] = True
+        state["compute_s"] += cfg.train_step_s
+        at(now + cfg.train_step_s, "step_done")
+        try_dispatch(now)
+
+    def start_round(now):
+        if state["round_busy"] or state["published"] <= state["round_version"]:
+            return
+        state["round_busy"], state["round_version"] = True, state["published"]
+        at(now + bcast, "delivered", state["published"])
+
+    at(0.0, "kick")
+    if cfg.churn_per_worker_hour > 0:
+        for w in pool:
+            at(rng.expovariate(cfg.churn_per_worker_hour / 3600), "leave", w, w.epoch)
+    now = 0.0
+    while events and state["version"] < cfg.steps:
+        now, _, kind, args = heapq.heappop(events)
+        if kind == "step_done":
+            state["learner_busy"] = False
+            state["version"] += 1
+            buffer_before = len(buffer)
+            while buffer and not admissible(state["version"], buffer[0], S):
+                buffer.popleft()
+            state["stale"] += buffer_before - len(buffer)
+            if state["version"] % cfg.interval == 0:
+                state["published"] = state["version"]
+                start_round(now)
+        elif kind == "delivered":
+            (v,) = args
+            state["round_busy"] = False
+            for w in pool:
+                if w.alive:
+                    w.pending = max(w.pending, v)
+            start_round(now)
+        elif kind == "applied":
+            w, epoch, v = args
+            if epoch == w.epoch:
+                w.version, w.busy = max(w.version, v), False
+        elif kind == "batch_done":
+            w, epoch = args
+            if epoch != w.epoch:
+                continue
+            for x in w.in_flight:
+                buffer.append(x)
+            in_flight_total[0] -= len(w.in_flight)
+            w.in_flight, w.busy = [], False
+        elif kind == "leave":
+            w, epoch = args
+            if epoch != w.epoch or not w.alive:
+                continue
+            state["lost"] += len(w.in_flight)  # re-queued prompts: generated again by someone else
+            in_flight_total[0] -= len(w.in_flight)
+            w.alive, w.busy, w.in_flight, w.epoch = False, False, [], w.epoch + 1
+            at(now + cfg.rejoin_s, "join", w)
+        elif kind == "join":
+            (w,) = args
+            w.alive, w.version, w.pending = True, -1, state["round_version"]  # catches up from a peer
+            w.busy = True
+            at(now + cfg.snapshot_bytes * 8 / (w.spec.down_mbit * 1e6 * capacity.GOODPUT) + cfg.load_s, "applied",
+               w, w.epoch, max(state["round_version"], 0))
+            at(now + rng.expovariate(cfg.churn_per_worker_hour / 3600), "leave", w, w.epoch)
+        try_learn(now)
+        try_dispatch(now)
+    hours = now / 3600
+    usd = hours * (cfg.learner_usd_per_hour + sum(w.usd_per_hour for w in workers))
+    predicted = capacity.predict(P * G, cfg.train_step_s, S, cfg.interval, bcast, cfg.load_s,
+                                 [w.rollouts_per_s for w in workers], residual_batch_s(cfg, workers))
+    return SimResult(state["version"], now, state["compute_s"] / now if now else 0.0, lags, state["stale"],
+                     state["lost"], usd, tuple(w.id for w in workers), bcast, predicted)
+
+
+def residual_batch_s(cfg: SimConfig, workers: list[Worker]) -> float:
+    """capacity's T_batch: half a batch per worker, at the aggregate rate."""
+    return len(workers) * cfg.groups_per_pull * cfg.group_size / (2 * sum(w.rollouts_per_s for w in workers))
+
+
+def system_of(cfg: SimConfig, workers: list[Worker]) -> System:
+    return System(cfg.prompts_per_step * cfg.group_size, cfg.train_step_s, cfg.staleness, cfg.interval,
+                  cfg.snapshot_bytes, cfg.learner_usd_per_hour, cfg.learner_uplink_mbit, cfg.broadcast, cfg.load_s,
+                  residual_batch_s(cfg, workers))
+
+
+def replicate(pool: list[Worker], copies: int) -> list[Worker]:
+    return [replace(w, id=f"{w.id}-{k}") for k in range(copies) for w in pool]
+
+
+def validate(seed: int = 0) -> list[dict]:
+    """Capacity model against the simulation over a grid of S, κ, throughput and dissemination time."""
+    rows = []
+    base = [Worker(f"w{i}", 1.0, mu, 1000, 1000, 40) for i, mu in enumerate([4.0, 3.0, 2.0, 1.5] * 4)]
+    for S, kappa, scale, snap_gb in itertools.product([0, 1, 2, 4, 8], [1, 2], [0.5, 1.0, 2.0], [1, 8]):
+        if kappa > S + 1:
+            continue
+        workers = [replace(w, rollouts_per_s=w.rollouts_per_s * scale) for w in base]
+        cfg = SimConfig(staleness=S, interval=kappa, snapshot_bytes=snap_gb * 1e9, steps=150, seed=seed,
+                        learner_uplink_mbit=1000, load_s=3.0)
+        r = simulate(cfg, workers)
+        rows.append({"S": S, "kappa": kappa, "rollouts_per_s": sum(w.rollouts_per_s for w in workers),
+                     "bcast_s": r.bcast_s, "sim": r.utilization, "model": r.predicted.utilization})
+    return rows
+
+
+def claims(seed: int = 0) -> dict:
+    """The paper's qualitative claims, at paper scale (4B-like: 8 GB snapshots, R = 512, T_train = 30 s)."""
+    from pathlib import Path
+
+    from echo2.plan import load_pool
+
+    demo = load_pool(str(Path(__file__).resolve().parents[1] / "conf" / "pool" / "demo_market.yaml"))
+    out: dict = {"relay_vs_one_to_many": [], "activation": [], "staleness": []}
+    for n in (8, 32, 128, 512):
+        workers = [Worker(f"w{i}", 0.5, 2.0, 1000, 1000, 60) for i in range(n)]
+        for mode in ("pipelined", "one_to_many"):
+            r = simulate(SimConfig(broadcast=mode, staleness=4, steps=60, seed=seed), workers)
+            out["relay_vs_one_to_many"].append({"workers": n, "mode": mode, "bcast_s": r.bcast_s,
+                                                "utilization": r.utilization})
+    pool = replicate(demo, 4)
+    for solver in SOLVERS:
+        cfg = SimConfig(staleness=2, steps=150, seed=seed)
+        plan = solve(system_of(cfg, pool), pool, solver)
+        active = [w for w in pool if w.id in set(plan.active)]
+        r = simulate(cfg, active)
+        out["activation"].append({"solver": solver, "active": len(active), "usd_per_hour": plan.usd_per_hour,
+                                  "utilization": r.utilization, "usd_per_step": r.usd / max(r.steps, 1)})
+    for S in (0, 1, 2, 4, 8):
+        cfg = SimConfig(staleness=S, steps=150, seed=seed)
+        plan = solve(system_of(cfg, pool), pool, "exact")
+        r = simulate(cfg, [w for w in pool if w.id in set(plan.active)])
+        s = r.summary()
+        out["staleness"].append({"S": S, "active": len(plan.active), "utilization": r.utilization,
+                                 "staleness_mean": s["staleness_mean"], "usd_per_step": s["usd_per_step"]})
+    return out
+
+
+def plot_claims(c: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for mode in ("pipelined", "one_to_many"):
+        rows = [r for r in c["relay_vs_one_to_many"] if r["mode"] == mode]
+        axes[0].plot([r["workers"] for r in rows], [r["bcast_s"] for r in rows], marker="o", label=mode)
+    axes[0].set(xscale="log", yscale="log", xlabel="workers", ylabel="dissemination s (8 GB, 1 Gbit/s)",
+                title="relay flat, one-to-many linear")
+    axes[0].legend()
+    a = c["activation"]
+    axes[1].bar([r["solver"] for r in a], [r["usd_per_step"] for r in a])
+    for i, r in enumerate(a):
+        axes[1].text(i, r["usd_per_step"], f"util {r['utilization']:.2f}\n{r['active']} workers", ha="center",
+                     va="bottom")
+    axes[1].set(ylabel="$ per learner step", title="cost-aware activation")
+    s = c["staleness"]
+    axes[2].plot([r["S"] for r in s], [r["utilization"] for r in s], marker="o", label="utilization")
+    axes[2].plot([r["S"] for r in s], [r["staleness_mean"] / max(1, max(x["S"] for x in s)) for r in s], marker="s",
+                 label="mean lag / max S")
+    axes[2].set(xlabel="S", title="the staleness trade-off")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m echo2.sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", choices=["run", "claims", "validate"], default="run")
+    p.add_argument("--pool", default=None, help="pool YAML (default: conf/pool/demo_market.yaml)")
+    p.add_argument("--copies", type=int, default=2, help="replicate the pool this many times")
+    p.add_argument("--workers", type=int, default=None, help="instead: this many identical 2 rollouts/s workers")
+    p.add_argument("--solver", choices=SOLVERS, default="exact")
+    for f in SimConfig.__dataclass_fields__.values():
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", help="PNG for the claims scenario")
+    a = p.parse_args(argv)
+    if a.scenario == "validate":
+        rows = validate(a.seed)
+        diff = [abs(r["sim"] - r["model"]) for r in rows]
+        print(json.dumps({"cells": len(rows), "max_abs_diff": max(diff), "mean_abs_diff": statistics.fmean(diff),
+                          "rows": rows}) if a.json else
+              "\n".join(f"S={r['S']} κ={r['kappa']} μ={r['rollouts_per_s']:.0f}/s bcast={r['bcast_s']:.0f}s: "
+                        f"sim {r['sim']:.3f} model {r['model']:.3f}" for r in rows) +
+              f"\n{len(rows)} cells: utilization |sim - model| max {max(diff):.3f}, mean {statistics.fmean(diff):.3f}")
+        return
+    if a.scenario == "claims":
+        c = claims(a.seed)
+        if a.plot:
+            plot_claims(c, a.plot)
+        print(json.dumps(c, indent=None if a.json else 1))
+        return
+    cfg = SimConfig(**{k: getattr(a, k) for k in SimConfig.__dataclass_fields__})
+    if a.workers:
+        pool = [Worker(f"w{i}", 0.5, 2.0, 1000, 1000, 60) for i in range(a.workers)]
+    else:
+        from pathlib import Path
+
+        from echo2.plan import load_pool
+
+        path = a.pool or str(Path(__file__).resolve().parents[1] / "conf" / "pool" / "demo_market.yaml")
+        pool = replicate(load_pool(path), a.copies)
+    plan = solve(system_of(cfg, pool), pool, a.solver)
+    result = simulate(cfg, [w for w in pool if w.id in set(plan.active)])
+    s = result.summary()
+    if a.json:
+        print(json.dumps(s))
+        return
+    print(f"{a.solver}: {len(plan.active)} of {len(pool)} workers, {cfg.broadcast}, S={cfg.staleness}, "
+          f"κ={cfg.interval}")
+    print(f"  {s['steps']} steps in {s['wall_s'] / 3600:.2f} h; utilization {s['utilization']:.3f} "
+          f"(model {s['predicted_utilization']:.3f}); dissemination {s['bcast_s']:.1f} s")
+    print(f"  staleness mean {s['staleness_mean']:.2f}, max {s['staleness_max']}, histogram {s['staleness_hist']}")
+    print(f"  dropped stale {s['dropped_stale_groups']} groups, lost {s['lost_groups']}; "
+          f"${s['usd']:.2f} (${s['usd_per_step']:.3f}/step)")
+
+
+if __name__ == "__main__":
+    main()
