@@ -60,7 +60,9 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
                          staleness=cfg.rollout.staleness, prompts_per_step=cfg.rollout.prompts_per_step,
                          make_broadcaster=instantiate(cfg.broadcast.sender, token=token, _partial_=True),
                          pool=instantiate(cfg.pool),
-                         publish_interval=cfg.broadcast.interval, token=token)
+                         publish_interval=cfg.broadcast.interval, token=token,
+                         activation={**OmegaConf.to_container(cfg.activation), "interval": cfg.broadcast.interval,
+                                     "broadcast": _mode(cfg.broadcast.sender.get("topology", "chain"))})
     source = instantiate(cfg.rollout.source, ctx=ctx)
     log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(source).__name__,
              cfg.rollout.staleness, cfg.rollout.prompts_per_step, cfg.rollout.group_size, token_origin)
@@ -79,6 +81,11 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
     callback = Echo2Callback(trainer, sink, evaluator, cfg.run.eval_every_steps, cfg.run.progress)
     trainer.add_callback(callback)
     return trainer, source, callback
+
+
+def _mode(topology: str) -> str:
+    """The capacity model's name for a relay topology."""
+    return {"chain": "pipelined", "star": "one_to_many"}.get(topology, topology)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

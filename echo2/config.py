@@ -85,6 +85,17 @@ class BroadcastConfig:
 
 
 @dataclass
+class ActivationConfig:
+    solver: str = "all_on"
+    learner_usd_per_hour: float = 0.0
+    learner_uplink_mbit: float = 1000.0
+    min_utilization: float = 0.0
+    hysteresis: float = 0.1
+    replan_every_s: float = 30.0
+    load_s: float = 0.0
+
+
+@dataclass
 class RunConfig:
     steps: int = 200
     eval_every_steps: int = 50
@@ -103,6 +114,7 @@ class Config:
     learner: LearnerConfig = MISSING
     rollout: RolloutConfig = MISSING
     broadcast: BroadcastConfig = MISSING
+    activation: ActivationConfig = MISSING
     pool: Any = MISSING
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -116,6 +128,7 @@ def register_configs() -> None:
     cs.store(group="learner", name="learner_schema", node=LearnerConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
     cs.store(group="broadcast", name="broadcast_schema", node=BroadcastConfig)
+    cs.store(group="activation", name="activation_schema", node=ActivationConfig)
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -154,6 +167,11 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         errors.append(f"run.steps={cfg.run.steps}: must be >= 1")
     if cfg.run.wandb not in WANDB_MODES:
         errors.append(f"run.wandb={cfg.run.wandb!r}: expected one of {WANDB_MODES}")
+    a = cfg.activation
+    if a.solver not in ("all_on", "greedy", "exact"):
+        errors.append(f"activation.solver={a.solver!r}: expected all_on, greedy or exact")
+    if not 0 <= a.min_utilization <= 1 or a.hysteresis < 0 or a.learner_usd_per_hour < 0:
+        errors.append("activation: need 0 <= min_utilization <= 1, hysteresis >= 0, learner_usd_per_hour >= 0")
     if cfg.learner.scale_rewards not in ("group", "batch", "none"):
         errors.append(f"learner.scale_rewards={cfg.learner.scale_rewards!r}: expected group, batch or none")
     if errors:

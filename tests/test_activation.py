@@ -108,3 +108,25 @@ def test_bad_requests_get_clear_errors():
         exact(system, many)
     with pytest.raises(ValueError, match="1 <= κ <= S"):
         capacity.predict(1, 1, 0, 2, 0, 0, [1])
+
+
+def test_online_replanning_has_hysteresis():
+    from dataclasses import replace
+
+    from echo2.activation.online import OnlineActivation
+
+    system = System(512, 30.0, 2, 1, 1e9, learner_usd_per_hour=10.0, learner_uplink_mbit=10000)
+    workers = [Worker("a", 1.0, 10.0), Worker("b", 1.0, 10.0), Worker("c", 3.0, 10.0)]
+    online = OnlineActivation("exact", hysteresis=0.1)
+    assert online.update(system, workers) == frozenset({"a", "b"}) and online.replans == 1
+    drifted = [replace(w, rollouts_per_s=w.rollouts_per_s * 0.98) for w in workers]  # small drift: keep
+    assert online.update(system, drifted) is None
+    slow = [replace(workers[0], rollouts_per_s=2.0), workers[1], workers[2]]  # a slowed 5x: 18 % dearer, re-plan
+    assert online.update(system, slow) == frozenset({"b", "c"}) and online.replans == 2
+    joined = slow + [Worker("d", 0.5, 10.0)]  # a join re-plans at once
+    assert online.update(system, joined) == frozenset({"b", "d"})
+    assert online.update(system, joined) is None and online.replans == 3
+    # a 5 % saving is within the hysteresis: no flapping
+    online2 = OnlineActivation("exact", hysteresis=0.1)
+    online2.update(system, workers)
+    assert online2.update(system, [replace(workers[0], rollouts_per_s=4.0), *workers[1:]]) is None

@@ -67,6 +67,20 @@ def wait_registered(source, n):
     wait_until(lambda: source.coordinator.status()["registered"] >= n)
 
 
+def test_activation_turns_off_a_worker_that_does_not_pay_and_costs_add_up(tmp_path):
+    """Two hf workers, one priced 100x the other: the exact planner (learner at $1/h) keeps the cheap one alone
+    once it has measured both (2 workers cannot be faster than the learner's own step here), re-plans at least
+    once, and the cost/ metrics accrue."""
+    _, _, source, acc, records = train(tmp_path, [
+        "pool.engine=hf", "run.steps=60", "pool.usd_per_hour=[0.05,5.0]", "activation.solver=exact",
+        "activation.learner_usd_per_hour=1.0", "activation.replan_every_s=0.5"])
+    last = records[-1]
+    assert last["activation/replans"] >= 1 and last["activation/active_workers"] == 1
+    assert last["cost/usd"] > 0 and last["cost/usd"] >= records[len(records) // 2]["cost/usd"]
+    assert last["cost/usd_per_hour"] == pytest.approx(1.05)
+    assert balanced(acc), acc
+
+
 def test_a_worker_joining_mid_run_gets_work(tmp_path):
     def hook(step, source):
         if step == 5:
@@ -150,12 +164,13 @@ def test_local_pool_passes_engine_settings_to_each_agent(monkeypatch, tmp_path):
 
     monkeypatch.setattr(pool_mod.subprocess, "Popen", FakePopen)
     pool = pool_mod.LocalPool(workers=2, engine="vllm", dtype="bfloat16", max_model_len=256,
-                              vllm_args=["--enable-prefix-caching"])
+                              vllm_args=["--enable-prefix-caching"], usd_per_hour=[0.5, 2.0])
     pool.start("http://127.0.0.1:1", "tok", "/m", str(tmp_path))
     (cmd0, env0), (cmd1, env1) = started
     assert cmd0[cmd0.index("--engine") + 1] == "vllm" and cmd0[cmd0.index("--dtype") + 1] == "bfloat16"
     assert "--vllm-arg=--enable-prefix-caching" in cmd0 and cmd0[cmd0.index("--max-model-len") + 1] == "256"
     assert env0["ECHO2_TOKEN"] == "tok" and "tok" not in " ".join(cmd0)  # the token never on a command line
+    assert [c[c.index("--usd-per-hour") + 1] for c in (cmd0, cmd1)] == ["0.5", "2.0"]
     cores = os.cpu_count()  # engines spread over cores: worker i -> core i mod #cores
     assert [env0["VLLM_CPU_OMP_THREADS_BIND"], env1["VLLM_CPU_OMP_THREADS_BIND"]] == [str(i % cores) for i in (0, 1)]
     for f in pool._logs:

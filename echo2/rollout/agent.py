@@ -36,7 +36,7 @@ log = logging.getLogger("echo2.worker")
 class Agent:
     def __init__(self, coordinator_url: str, token: str, engine: Any, listen_host: str = "127.0.0.1",
                  advertise_host: str | None = None, max_groups: int = 4, stop: threading.Event | None = None,
-                 snapshot_port: int = 0, relay_port: int = 0):
+                 snapshot_port: int = 0, relay_port: int = 0, declared: dict | None = None):
         self.token, self.engine, self.max_groups = token, engine, max_groups
         self.client = Client(coordinator_url, token, timeout_s=60)
         self.version = 0
@@ -44,6 +44,7 @@ class Agent:
         self.pending_lock = threading.Lock()
         self.stop = stop or threading.Event()
         self.worker_id: str | None = None
+        self.declared = dict(declared or {})  # price and links, for activation and cost accounting
         self.receiver = SnapshotReceiver(token, self._received, listen_host, advertise_host,
                                          control_port=snapshot_port, relay_port=relay_port)
 
@@ -69,7 +70,7 @@ class Agent:
         while not self.stop.is_set():
             try:
                 return self.client.post("/register", {"snapshot_url": self.receiver.url, "engine": self.engine.name,
-                                                      "relay": self.receiver.relay_addr})
+                                                      "relay": self.receiver.relay_addr, **self.declared})
             except (RemoteError, OSError) as e:
                 if isinstance(e, RemoteError) and e.status == 401:
                     raise
@@ -164,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--advertise-host", default=None, help="address the learner and other workers reach this one at")
     p.add_argument("--snapshot-port", type=int, default=0, help="the broadcaster's control port here (0: any)")
     p.add_argument("--relay-port", type=int, default=0, help="where peers pull snapshots from this worker (0: any)")
+    p.add_argument("--usd-per-hour", type=float, default=0.0, help="this machine's price (activation, cost/ metrics)")
+    p.add_argument("--downlink-mbit", type=float, default=1000.0, help="its download rate (capacity model)")
+    p.add_argument("--uplink-mbit", type=float, default=1000.0, help="its upload rate (capacity model)")
+    p.add_argument("--rtt-ms", type=float, default=0.0, help="its round-trip time to the learner (capacity model)")
     p.add_argument("--engine-log", default=None, help="file for the vLLM server's output (default: a temp dir)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="passed to the vLLM server as is, e.g. --vllm-arg=--gpu-memory-utilization=0.85 (repeatable)")
@@ -191,7 +196,9 @@ def main(argv: list[str] | None = None) -> None:
         log.info("worker stopped during engine start-up")
         return
     agent = Agent(args.coordinator, args.token, engine, args.listen_host, args.advertise_host, args.max_groups,
-                  stop=stop, snapshot_port=args.snapshot_port, relay_port=args.relay_port)
+                  stop=stop, snapshot_port=args.snapshot_port, relay_port=args.relay_port,
+                  declared={"usd_per_hour": args.usd_per_hour, "down_mbit": args.downlink_mbit,
+                            "up_mbit": args.uplink_mbit, "rtt_ms": args.rtt_ms})
     try:
         agent.run()
     except (RemoteError, OSError) as e:

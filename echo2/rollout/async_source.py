@@ -42,7 +42,9 @@ class AsyncRolloutSource:
                 token=ctx.token, staleness=ctx.staleness, prompts_per_step=ctx.prompts_per_step, group_size=s.n,
                 vocab_size=len(ctx.tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
                 groups_per_pull=groups_per_pull, seed=ctx.seed, sampling={
-                    "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}))
+                    "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
+                # a plain dict: Hydra hands dicts in ``ctx`` on as DictConfigs tied to the whole (unpicklable) tree
+                activation={k: ctx.activation[k] for k in ctx.activation} if ctx.activation else None))
         self.pool.start(self.coordinator.url, ctx.token, ctx.model_path, ctx.run_dir)
 
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:

@@ -29,6 +29,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from echo2.rollout.activation import Activation
 from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
 from echo2.rollout.scoring import Scorer, encode_prompt
 from echo2.rollout.types import Completion, Rollout, RolloutGroup
@@ -47,6 +48,10 @@ class WorkerInfo:
     delivered_version: int = 0  # newest snapshot the broadcaster has handed to this worker
     last_seen: float = field(default_factory=time.monotonic)
     rollouts_per_s: float = 0.0  # measured by the worker over its last batch
+    usd_per_hour: float = 0.0  # declared at registration (what activation and cost accounting use)
+    down_mbit: float = 1000.0
+    up_mbit: float = 1000.0
+    rtt_ms: float = 0.0
 
 
 @dataclass
@@ -60,7 +65,8 @@ class Coordinator:
     def __init__(self, dataset: Any, scorer: Scorer, tokenizer: Any, *, token: str, staleness: int,
                  prompts_per_step: int, group_size: int, sampling: dict[str, Any], vocab_size: int,
                  host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
-                 groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None):
+                 groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
+                 activation: dict | None = None):
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
         self.S, self.P, self.G = staleness, prompts_per_step, group_size
         self.sampling, self.vocab_size = sampling, vocab_size
@@ -87,6 +93,7 @@ class Coordinator:
         self.retired = Counter()  # reason -> workers
         self.registered = 0
         self.closed = False
+        self.activation = Activation(activation or {}, staleness, prompts_per_step * group_size)
         self.server = JsonServer(host, port, token, name="coordinator", routes={
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
             "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "GET /status": self._status,
@@ -132,9 +139,12 @@ class Coordinator:
             if relay_addr is not None and not (isinstance(relay_addr, str) and relay_addr.rpartition(":")[2].isdigit()):
                 raise BadRequest("'relay' must be 'host:port'")
             worker = WorkerInfo(next(self.worker_ids), body.get("snapshot_url"), str(body.get("engine", "?")),
-                                relay_addr)
+                                relay_addr, **{k: _nonneg(body, k, default) for k, default in (
+                                    ("usd_per_hour", 0.0), ("down_mbit", 1000.0), ("up_mbit", 1000.0),
+                                    ("rtt_ms", 0.0))})
             self.workers[worker.worker_id] = worker
             self.registered += 1
+            self.activation.dirty = True
         if self.broadcaster is not None and worker.snapshot_url:
             self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url, worker.relay)
         log.info("worker %s joined (%s engine, snapshots at %s)", worker.worker_id, worker.engine,
@@ -168,6 +178,8 @@ class Coordinator:
     def _dispatch(self, worker: WorkerInfo, want: int) -> list[dict]:
         """New groups for ``worker``, while worth it (buffer.worth_dispatching). Holds the lock."""
         work = []
+        if not self.activation.is_active(worker.worker_id):
+            return work  # deactivated: no work until a re-plan turns it on again
         while len(work) < want and not self.closed:
             ahead = len(self.buffer) + len(self.in_flight)
             next_step = max(self.version, self.batches_taken)
@@ -279,6 +291,7 @@ class Coordinator:
         """Remove a worker; its in-flight groups are lost (counted) and their prompts re-queued. Holds the lock."""
         self.workers.pop(worker_id, None)
         self.retired[reason] += 1
+        self.activation.dirty = True
         for gid in [g for g, f in self.in_flight.items() if f.worker_id == worker_id]:
             flight = self.in_flight.pop(gid)
             self.lost[reason] += self.G
@@ -294,6 +307,9 @@ class Coordinator:
                 now = time.monotonic()
                 for w in [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]:
                     self._retire(w.worker_id, "worker_dead")
+                bcast = self.broadcaster.metrics() if self.broadcaster is not None else {}
+                if self.activation.replan(list(self.workers.values()), bcast, now):
+                    self.lock.notify_all()
 
     # ---------------------------------------------------------------- learner-facing
 
@@ -301,6 +317,7 @@ class Coordinator:
         """Called by the learner after every optimizer step."""
         with self.lock:
             self.version = version
+            self.activation.step_done(self.workers, time.monotonic())
             self.dropped["stale"] += self.buffer.evict_stale(version) * self.G
             self.lock.notify_all()  # long-polling workers may now be worth dispatching to
 
@@ -314,6 +331,7 @@ class Coordinator:
                 if got is not None:
                     self.rollouts["consumed"] += n * self.G
                     self.batches_taken += 1
+                    self.activation.took(time.monotonic())
                     self.lock.notify_all()  # room under the in-flight cap: wake long-polling workers
                     return [g for _, g in got]
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -331,6 +349,7 @@ class Coordinator:
                    "rollout/lost": float(sum(self.lost.values())), "rollout/workers": float(len(self.workers))}
             for w in self.workers.values():
                 out[f"rollout/throughput/{w.worker_id}"] = w.rollouts_per_s
+            out.update(self.activation.metrics(self.workers))
         return out
 
     def accounting(self) -> dict[str, Any]:
@@ -360,6 +379,13 @@ def _int(body: dict, key: str, lo: int, hi: int) -> int:
     if type(value) is not int or not lo <= value <= hi:
         raise BadRequest(f"{key!r} must be an integer in [{lo}, {hi}], got {value!r}")
     return value
+
+
+def _nonneg(body: dict, key: str, default: float) -> float:
+    value = body.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise BadRequest(f"{key!r} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def _nonzero(counter: Counter) -> dict[str, int]:

@@ -35,12 +35,14 @@ class StaticPool:
 class LocalPool:
     def __init__(self, workers: int = 2, engine: str = "auto", dtype: str = "float32", max_model_len: int = 128,
                  max_groups: int = 4, log_subdir: str | None = "workers", cores: list[int] | None = None,
-                 vllm_args: list[str] | None = None):
+                 vllm_args: list[str] | None = None, usd_per_hour: float | list[float] = 0.0):
         self.n, self.engine, self.dtype = workers, engine, dtype
         self.max_model_len, self.max_groups, self.log_subdir = max_model_len, max_groups, log_subdir
         self.log_dir: Path | None = None
         self.cores = list(cores) if cores else None
         self.vllm_args = list(vllm_args or [])
+        prices = [usd_per_hour] if isinstance(usd_per_hour, (int, float)) else list(usd_per_hour)
+        self.usd_per_hour = [float(x) for x in prices] or [0.0]
         self.procs: list[subprocess.Popen] = []
         self._logs: list = []
         self.args: dict = {}
@@ -60,6 +62,7 @@ class LocalPool:
         if self.engine != "auto":
             cmd += ["--engine", self.engine]
         cmd += [f"--vllm-arg={a}" for a in self.vllm_args]
+        cmd += ["--usd-per-hour", str(self.usd_per_hour[i % len(self.usd_per_hour)])]
         env = dict(os.environ, ECHO2_TOKEN=self.args["token"])
         pin = None
         if self.cores:  # worker i on core cores[i % len]: its agent, its vLLM server and vLLM's OpenMP threads

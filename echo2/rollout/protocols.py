@@ -27,6 +27,7 @@ class RolloutContext:
     pool: Any
     publish_interval: int
     token: str
+    activation: dict | None = None  # conf/activation, plus the broadcast mode (for the coordinator's planner)
 
 
 class Engine(Protocol):
