@@ -55,7 +55,7 @@ def main() -> None:
         trainer.train()
         source.close()
 
-    print(f"\nsparse delta vs full snapshot, model {cfg.model.name}, {args.steps} steps of {cfg.task.name} "
+    print(f"\nsparse delta vs full snapshot, model {cfg.model.name}, {args.steps} steps of arith-{cfg.task.level} "
           f"(lr {cfg.learner.learning_rate}); every delta decoded and compared bit for bit")
     print(f"{'dtype':<9} {'full bytes':>11} {'kappa':>5} {'delta/full median':>18} {'min':>6} {'max':>6} "
           f"{'changed words':>14}")

@@ -1,1 +1,2 @@
-"""Cost-aware activation of priced rollout workers (DESIGN §5). Not built yet: nothing here runs."""
+"""Cost-aware activation of priced rollout workers (DESIGN §5): ``solve`` (exact, greedy, all_on) and
+``online`` (re-planning with hysteresis). Pure: no sockets, threads or torch."""
