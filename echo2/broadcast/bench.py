@@ -83,7 +83,10 @@ def role_learner(args) -> None:
         with done:
             if not done.wait_for(lambda: len(delivered.get(v, ())) == len(peers), timeout=args.timeout_s):
                 sys.exit(f"v{v}: only {len(delivered.get(v, ()))} of {len(peers)} workers got it in {args.timeout_s} s")
-        rows.append({"time_s": time.perf_counter() - t0, "prepare_s": bc.last_prepare_s,
+        t0_mono = time.monotonic() - (time.perf_counter() - t0)
+        hops = sorted((r["depth"], (r.get("first_byte_at") or t0_mono) - t0_mono, r["done_at"] - t0_mono)
+                      for r in bc.last_results.values())
+        rows.append({"time_s": time.perf_counter() - t0, "prepare_s": bc.last_prepare_s, "hops": hops,
                      "origin_bytes": bc.server.served_bytes - origin_before, "delta_ratio": bc.last_delta_ratio})
     bc.close()
     print(json.dumps(rows), flush=True)
@@ -201,9 +204,11 @@ def measure(args) -> dict:
     times = [r["time_s"] for r in rows]
     bound = max(size * 8 / (uplink * 1e6), size * 8 / (args.link_mbit * 1e6)) + args.rtt_ms / 2e3
     med = statistics.median(times)
+    median_row = min(rows, key=lambda r: abs(r["time_s"] - med))
     return {"mode": args.mode, "workers": args.workers, "size_bytes": size, "time_s": med, "bound_s": bound,
             "ratio": med / bound, "times_s": times, "prepare_s": statistics.median(r["prepare_s"] for r in rows),
             "delta_ratio": statistics.median(r["delta_ratio"] for r in rows), "changed": args.changed,
+            "hops": median_row["hops"],  # (depth, first byte s, done s) per worker, for the median version
             "origin_bytes_per_version": statistics.median(r["origin_bytes"] for r in rows),
             "testbed": args.testbed, "link_mbit": args.link_mbit, "learner_uplink_mbit": uplink,
             "rtt_ms": args.rtt_ms, "reps": args.reps, "calibration": calibration}

@@ -73,6 +73,7 @@ class RelayBroadcaster:
         self.last_delta_ratio = 1.0
         self.failures = 0
         self.rounds = 0
+        self.last_results: dict[str, dict] = {}  # peer -> its answer in the last round (diagnostics, benchmarks)
         self.thread = threading.Thread(target=self._loop, name="broadcast", daemon=True)
         self.thread.start()
 
@@ -208,6 +209,7 @@ class RelayBroadcaster:
                         continue
                     peer.delivered = max(peer.delivered, version)
                     peer.needs_full = False
+                    self.last_results[pid] = {**result, "base": base, "depth": len(plans[base][pid])}
                     peer.rate_bytes_per_s = float(result.get("bytes_per_s", 0.0))
                     obj = self.store.get(version, base=base)
                     sent = max(sent, obj.size if obj else 0)

@@ -60,7 +60,8 @@ class SnapshotReceiver:
             raise BadRequest(f"v{version}: {e}") from None
         seconds = time.perf_counter() - t0
         self.on_snapshot(version, snap.buf)  # a bytearray; the callback copies what it keeps
-        return {"ok": True, "version": version, "seconds": seconds, "bytes_per_s": wire_bytes / max(seconds, 1e-9)}
+        return {"ok": True, "version": version, "seconds": seconds, "bytes_per_s": wire_bytes / max(seconds, 1e-9),
+                "first_byte_at": snap.first_byte_at, "done_at": time.monotonic()}  # monotonic: same host only
 
     def _fetch_delta(self, version: int, base: int, sources, full_manifest) -> tuple[relay.Snapshot, int]:
         """Pull the delta of ``version`` against ``base`` (held here), apply it, and check the result against the

@@ -138,10 +138,13 @@ class Snapshot:
         self.complete = blob is not None
         self.failed = False
         self.due: deque[tuple[float, int]] = deque()  # (time visible, received) under an emulated latency
+        self.first_byte_at: float | None = None  # time.monotonic() of the first byte received (diagnostics)
         self.cond = threading.Condition()
 
     def arrived(self, n: int, latency_s: float) -> None:
         with self.cond:
+            if self.first_byte_at is None:
+                self.first_byte_at = time.monotonic()
             self.received += n
             if latency_s:
                 self.due.append((time.monotonic() + latency_s, self.received))
