@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from echo2.broadcast import delta, relay
 from echo2.rollout.wire import BadRequest, JsonServer
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class SnapshotReceiver:
-    def __init__(self, token: str, on_snapshot: Callable[[int, bytearray], None], host: str = "127.0.0.1",
+    def __init__(self, token: str, on_snapshot: Callable[[int, Any], None], host: str = "127.0.0.1",
                  advertise_host: str | None = None, link: relay.Link | None = None, stall_timeout_s: float = 10.0,
                  control_port: int = 0, relay_port: int = 0):
         self.token, self.on_snapshot = token, on_snapshot
@@ -59,7 +60,7 @@ class SnapshotReceiver:
         except (ConnectionError, OSError, relay.BadSnapshot, ValueError) as e:
             raise BadRequest(f"v{version}: {e}") from None
         seconds = time.perf_counter() - t0
-        self.on_snapshot(version, snap.buf)  # a bytearray; the callback copies what it keeps
+        self.on_snapshot(version, snap.buf)  # a bytes-like buffer; the callback copies what it keeps
         return {"ok": True, "version": version, "seconds": seconds, "bytes_per_s": wire_bytes / max(seconds, 1e-9),
                 "first_byte_at": snap.first_byte_at, "done_at": time.monotonic()}  # monotonic: same host only
 

@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import json
 import logging
+import mmap
 import socket
 import struct
 import threading
@@ -131,7 +132,10 @@ class Snapshot:
         self.manifest, self.version, self.size = manifest, manifest["version"], manifest["size"]
         self.key = (self.version, manifest["base"])  # the full snapshot v, or the delta of v against a base
         self.chunk_bytes = manifest["chunk_bytes"]
-        self.buf = bytearray(blob) if blob is not None else bytearray(self.size)
+        # A complete snapshot is served from the caller's bytes (no copy); an arriving one gets an anonymous map,
+        # zero pages the kernel provides as bytes land: a bytearray would be zeroed up front (measured: ~0.3 s
+        # per relay hop for 200 MB, added to every hop's first byte, since children wait for the parent's buffer).
+        self.buf = blob if blob is not None else (mmap.mmap(-1, self.size) if self.size else bytearray())
         self.received = self.visible = self.size if blob is not None else 0
         self.checked = len(manifest["chunks"]) if blob is not None else 0  # chunks digested so far, in order
         self.bad: set[int] = set()

@@ -48,7 +48,7 @@ class Agent:
         self.receiver = SnapshotReceiver(token, self._received, listen_host, advertise_host,
                                          control_port=snapshot_port, relay_port=relay_port)
 
-    def _received(self, version: int, blob: bytearray) -> None:
+    def _received(self, version: int, blob) -> None:
         """A complete, verified snapshot: hold it until the current batch is done."""
         with self.pending_lock:
             if version > max(self.version, self.pending[0] if self.pending else -1):
