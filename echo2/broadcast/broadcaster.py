@@ -121,6 +121,7 @@ class RelayBroadcaster:
         return {"broadcast/time_s": self.last_time_s, "broadcast/bytes": float(self.last_bytes),
                 "broadcast/failures": float(self.failures), "broadcast/rounds": float(self.rounds),
                 "broadcast/origin_bytes": float(self.server.served_bytes),
+                "broadcast/refused": float(self.server.refused),
                 "broadcast/delta_ratio": self.last_delta_ratio, "broadcast/prepare_s": self.last_prepare_s}
 
     def close(self) -> None:

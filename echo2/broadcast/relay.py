@@ -239,22 +239,24 @@ def send_frame(sock: socket.socket, obj: dict) -> None:
     sock.sendall(struct.pack("!I", len(data)) + data)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, what: str = "bytes") -> bytes:
     out = bytearray()
     while len(out) < n:
         got = sock.recv(n - len(out))
         if not got:
-            raise ConnectionError("connection closed")
+            raise ConnectionError(f"truncated {what}: {len(out)} of {n} bytes" if out else "connection closed")
         out += got
     return bytes(out)
 
 
 def recv_frame(sock: socket.socket) -> dict:
-    (n,) = struct.unpack("!I", recv_exact(sock, 4))
+    (n,) = struct.unpack("!I", recv_exact(sock, 4, "frame header"))
     if n > MAX_FRAME_BYTES:
         raise ConnectionError(f"frame of {n} bytes is over the {MAX_FRAME_BYTES} limit")
     try:
-        obj = json.loads(recv_exact(sock, n))
+        obj = json.loads(recv_exact(sock, n, "frame") if n else b"")
+    except ConnectionError as e:
+        raise ConnectionError(f"truncated frame ({e})" if str(e) == "connection closed" else str(e)) from None
     except ValueError as e:
         raise ConnectionError(f"malformed frame: {e}") from None
     if not isinstance(obj, dict):
@@ -281,6 +283,7 @@ class RelayServer:
         self.closed = False
         self.conns: set[socket.socket] = set()
         self.served_bytes = 0
+        self.refused = 0  # requests refused: malformed frames, wrong token (a counter for metrics)
         self.thread = threading.Thread(target=self._accept, name="relay-accept", daemon=True)
 
     def start(self) -> "RelayServer":
@@ -300,10 +303,15 @@ class RelayServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             while not self.closed:
-                req = recv_frame(conn)  # persistent: one request after another
+                try:
+                    req = recv_frame(conn)  # persistent: one request after another
+                except ConnectionError as e:
+                    if str(e) != "connection closed":  # garbage, not a peer hanging up: say so, count it
+                        self._refuse(conn, str(e))
+                    return
                 self._answer(conn, req)
         except (OSError, ConnectionError):
-            pass  # the requester went away or sent garbage; its fetch will move on
+            pass  # the requester went away mid-answer; its fetch will move on
         finally:
             self.conns.discard(conn)
             conn.close()
@@ -312,7 +320,7 @@ class RelayServer:
         v, base, start, end = req.get("version"), req.get("base"), req.get("start"), req.get("end")
         if not all(type(x) is int for x in (v, base, start, end)) or not hmac.compare_digest(
                 request_mac(self.token, v, base, start, end), str(req.get("mac", ""))):
-            send_frame(conn, {"error": "unauthenticated or malformed request"})
+            self._refuse(conn, "unauthenticated or malformed request")
             raise ConnectionError("refused a request")
         snap = self.store.get(v, wait_s=self.manifest_wait_s, base=base)
         if snap is not None and end == -1:  # "to the end": the requester may not know the size yet
@@ -332,6 +340,15 @@ class RelayServer:
             self.served_bytes += hi - pos  # counted as handed to the socket (before, so a reader never lags)
             conn.sendall(mv[pos:hi])
             pos = hi
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        """A clear error to the sender, a log line and a counter; then the connection is dropped."""
+        self.refused += 1
+        log.warning("relay %s:%d refused a request: %s", *self.addr, why)
+        try:
+            send_frame(conn, {"error": why})
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.closed = True
