@@ -52,6 +52,8 @@ def test_coordinator_routes_never_crash(coord, route, body, raw):
     r = requests.post(coord.url + route, data=data, headers={"Authorization": "Bearer secret"}, timeout=10)
     assert r.status_code in (200, 400), (r.status_code, r.text)
     assert "error" in r.json() if r.status_code == 400 else isinstance(r.json(), dict)
+    if r.status_code == 400:
+        assert coord.metrics()["rollout/rejected_requests"] >= 1  # logged and counted
     acc = coord.accounting()
     assert acc["dispatched"] == (acc["consumed"] + sum(acc["dropped"].values()) + sum(acc["lost"].values())
                                  + acc["in_flight"] + acc["buffered"])

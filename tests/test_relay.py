@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from echo2.broadcast import relay, topology
+from echo2.broadcast import link, relay, topology
 from echo2.broadcast.broadcaster import RelayBroadcaster
 from echo2.broadcast.peer import SnapshotReceiver
 
@@ -169,7 +169,7 @@ def test_topology_table(kind, n, fanout, depth):
 
 def test_token_bucket_rate():
     """The link model's own arithmetic (not a timing assertion on the relay): 2 MB at 80 Mbit/s is 0.2 s."""
-    tb = relay.TokenBucket(80, burst_bytes=0)
+    tb = link.TokenBucket(80, burst_bytes=0)
     t0 = time.monotonic()
     for _ in range(20):
         tb.take(100_000)

@@ -3,7 +3,10 @@
 ``snapshot``     serialise a state dict (safetensors, never pickle)
 ``base``         the ``Broadcaster`` protocol the coordinator sees
 ``topology``     who pulls from whom: chain, tree (the pipelined relay) or star (one-to-many); pure
-``relay``        the transport: signed manifests, chunk digests, cut-through byte streaming, failover, link model
+``relay``        the transport: signed manifests, chunk digests, cut-through byte streaming, failover
+``link``         the in-process link model (token buckets + latency) for tests without root
 ``broadcaster``  the learner's end (RelayBroadcaster: rounds over a plan); ``peer`` a worker's end
-``testbed``      emulated WAN hosts in network namespaces; ``bench`` the CLI that measures all of it
+``delta``        lossless sparse deltas between versions
+``testbed``      emulated WAN hosts in network namespaces (``delayline``: the packet delay it uses)
+``bench``        the CLI that measures all of it
 """

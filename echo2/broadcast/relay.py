@@ -19,7 +19,7 @@ Failures. A source that dies, refuses, or stalls (no byte for ``stall_timeout_s`
 the node resumes from the byte it holds at the next source in its list (grandparent, ..., origin), so a dead
 relay peer is routed around and nothing already received is fetched twice.
 
-Link model. For tests without root a ``Link`` (debt-based token buckets on a node's uplink and downlink plus a
+Link model. For tests without root a ``Link`` (link.py: token buckets on a node's uplink and downlink plus a
 one-way latency) can be put on every node; the namespace testbed (testbed.py) shapes real links instead.
 """
 
@@ -35,8 +35,9 @@ import struct
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
+
+from echo2.broadcast.link import Link
 
 log = logging.getLogger(__name__)
 
@@ -82,43 +83,6 @@ def verify_manifest(token: str, manifest: Any) -> dict:
     if hashlib.sha256("".join(chunks).encode()).hexdigest() != body["root"]:
         raise BadSnapshot("manifest root does not match its chunk digests")
     return manifest
-
-
-# ---------------------------------------------------------------------- link model (tests without root)
-
-
-class TokenBucket:
-    """Debt-based: charge first, then sleep off the debt, so late wake-ups lose no rate (wan-testbed.md §3)."""
-
-    def __init__(self, mbit: float, burst_bytes: int | None = None):
-        self.rate = mbit * 1e6 / 8
-        self.burst = burst_bytes if burst_bytes is not None else max(int(self.rate * 0.02), 64 << 10)
-        self.tokens, self.t = float(self.burst), time.monotonic()
-        self.lock = threading.Lock()
-
-    def take(self, n: int) -> None:
-        with self.lock:
-            now = time.monotonic()
-            self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate) - n
-            self.t = now
-            debt = -self.tokens
-        if debt > 0:
-            time.sleep(debt / self.rate)
-
-
-@dataclass
-class Link:
-    """A node's emulated access link: uplink and downlink caps (None: unshaped) and a one-way latency."""
-
-    up_mbit: float | None = None
-    down_mbit: float | None = None
-    latency_s: float = 0.0
-    up: TokenBucket | None = field(init=False, default=None)
-    down: TokenBucket | None = field(init=False, default=None)
-
-    def __post_init__(self):
-        self.up = TokenBucket(self.up_mbit) if self.up_mbit else None
-        self.down = TokenBucket(self.down_mbit) if self.down_mbit else None
 
 
 # ---------------------------------------------------------------------- one snapshot on one node

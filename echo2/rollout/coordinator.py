@@ -346,7 +346,8 @@ class Coordinator:
                    "buffer/dropped_stale": float(self.dropped["stale"]),
                    "rollout/dispatched": float(self.rollouts["dispatched"]),
                    "rollout/received": float(self.rollouts["received"]),
-                   "rollout/lost": float(sum(self.lost.values())), "rollout/workers": float(len(self.workers))}
+                   "rollout/lost": float(sum(self.lost.values())), "rollout/workers": float(len(self.workers)),
+                   "rollout/rejected_requests": float(sum(self.server.rejected.values()))}
             for w in self.workers.values():
                 out[f"rollout/throughput/{w.worker_id}"] = w.rollouts_per_s
             out.update(self.activation.metrics(self.workers))
