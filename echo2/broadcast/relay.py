@@ -30,11 +30,13 @@ import hmac
 import json
 import logging
 import mmap
+import os
 import socket
 import struct
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from echo2.broadcast.link import Link
@@ -63,7 +65,11 @@ def make_manifest(token: str, version: int, blob: bytes | memoryview, chunk_byte
                   base: int = FULL) -> dict:
     """``base``: FULL for a whole snapshot, else the version a sparse delta (delta.py) is taken against."""
     mv = memoryview(blob)
-    chunks = [hashlib.sha256(mv[i:i + chunk_bytes]).hexdigest() for i in range(0, len(mv), chunk_bytes)]
+    # Chunks are digested in parallel (hashlib releases the GIL on big buffers): one core did 500 MB in 0.64 s,
+    # all of it before the first byte could leave the learner.
+    spans = [mv[i:i + chunk_bytes] for i in range(0, len(mv), chunk_bytes)]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, max(1, len(spans)))) as pool:
+        chunks = list(pool.map(lambda span: hashlib.sha256(span).hexdigest(), spans))
     root = hashlib.sha256("".join(chunks).encode()).hexdigest()
     body = {"version": version, "base": base, "size": len(mv), "chunk_bytes": chunk_bytes, "chunks": chunks,
             "root": root}
