@@ -96,3 +96,18 @@ def alive(pid: int) -> bool:
         return state != "Z"
     except OSError:
         return False
+
+
+def small_coordinator(tiny_model_dir: str, group_size: int = 2):
+    """A started in-process Coordinator on a 20-row copy task: S = 1, P = 2, no long polls (route tests)."""
+    from transformers import AutoTokenizer
+
+    from echo2.rollout.coordinator import Coordinator
+    from echo2.rollout.scoring import Scorer
+    from echo2.tasks.arith import ArithTask
+
+    task = ArithTask(level="copy", train_size=20)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return Coordinator(task.train_dataset(), Scorer(task, tok), tok, token="secret", staleness=1, prompts_per_step=2,
+                       group_size=group_size, vocab_size=len(tok), long_poll_s=0.0,
+                       sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}).start()

@@ -6,23 +6,16 @@ import json
 
 import pytest
 import requests
-from transformers import AutoTokenizer
 
-from echo2.rollout.coordinator import Coordinator
-from echo2.rollout.scoring import Scorer
+from conftest import small_coordinator
 from echo2.rollout.wire import Client, RemoteError
-from echo2.tasks.arith import ArithTask
 
 G = 2
 
 
 @pytest.fixture
 def coord(tiny_model_dir):
-    task = ArithTask(level="copy", train_size=20)
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    c = Coordinator(task.train_dataset(), Scorer(task, tok), tok, token="secret", staleness=1, prompts_per_step=2,
-                    group_size=G, vocab_size=len(tok), long_poll_s=0.0,
-                    sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}).start()
+    c = small_coordinator(tiny_model_dir, group_size=G)
     yield c
     c.close()
 

@@ -15,12 +15,9 @@ import pytest
 import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
+from conftest import small_coordinator
 from echo2.broadcast import relay
-from echo2.rollout.coordinator import Coordinator
-from echo2.rollout.scoring import Scorer
-from echo2.tasks.arith import ArithTask
 
 G = 2
 json_values = st.recursive(
@@ -35,11 +32,7 @@ bodies = st.dictionaries(field_names, json_values, max_size=6) | json_values
 
 @pytest.fixture(scope="module")
 def coord(tiny_model_dir):
-    task = ArithTask(level="copy", train_size=20)
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    c = Coordinator(task.train_dataset(), Scorer(task, tok), tok, token="secret", staleness=1, prompts_per_step=2,
-                    group_size=G, vocab_size=len(tok), long_poll_s=0.0,
-                    sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}).start()
+    c = small_coordinator(tiny_model_dir, group_size=G)
     yield c
     c.close()
 

@@ -14,6 +14,13 @@ def encode(state_dict: dict[str, Any]) -> bytes:
     return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()})
 
 
+def save(state_dict: dict[str, Any], path: str) -> None:
+    """The bytes ``encode`` would return, written straight to ``path`` (no in-memory copy of the whole snapshot)."""
+    import safetensors.torch
+
+    safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, path)
+
+
 def decode(blob: bytes) -> dict[str, Any]:
     import safetensors.torch
 

@@ -13,19 +13,20 @@ throughput yet are planned with the mean of those that have (1 rollout/s if none
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import Any
 
 from echo2.activation.online import OnlineActivation
 from echo2.activation.solve import System, Worker
+from echo2.config import ActivationConfig
 
 log = logging.getLogger(__name__)
 
 
 class Activation:
     def __init__(self, cfg: dict[str, Any], staleness: int, rollouts_per_step: int):
-        self.cfg = {"solver": "all_on", "hysteresis": 0.1, "learner_usd_per_hour": 0.0, "min_utilization": 0.0,
-                    "replan_every_s": 30.0, "interval": 1, "learner_uplink_mbit": 1000.0, "broadcast": "pipelined",
-                    "load_s": 0.0, **cfg}
+        # conf/activation's defaults (its schema), plus what train.py adds from the broadcast group
+        self.cfg = {**asdict(ActivationConfig()), "interval": 1, "broadcast": "pipelined", **cfg}
         self.staleness, self.R = staleness, rollouts_per_step
         self.online = OnlineActivation(self.cfg["solver"], self.cfg["hysteresis"])
         self.active: frozenset[str] | None = None  # None: everyone (before the first plan)

@@ -17,7 +17,6 @@ import logging
 import os
 from typing import Any
 
-from echo2.broadcast import snapshot
 from echo2.rollout.protocols import RolloutContext
 from echo2.rollout.service import CoordinatorProcess
 from echo2.rollout.types import RolloutGroup
@@ -54,7 +53,7 @@ class AsyncRolloutSource:
     def on_version(self, version: int, policy: Any) -> None:
         self.coordinator.set_version(version)
         if version % self.ctx.publish_interval == 0:
-            self.coordinator.publish(version, snapshot.encode(policy.state_dict()))
+            self.coordinator.publish_state_dict(version, policy.state_dict())
 
     def metrics(self) -> dict[str, float]:
         return self.coordinator.metrics()  # the coordinator's and the broadcaster's

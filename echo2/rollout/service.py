@@ -71,10 +71,19 @@ class CoordinatorProcess:
 
     def publish(self, version: int, blob: bytes) -> None:
         """Hand snapshot bytes to the broadcaster in the child; returns once they are written to shared memory."""
+        self._handoff(version, lambda tmp: tmp.write_bytes(blob))
+
+    def publish_state_dict(self, version: int, state_dict: dict[str, Any]) -> None:
+        """``publish(version, snapshot.encode(state_dict))`` without holding the encoded copy in memory."""
+        from echo2.broadcast import snapshot
+
+        self._handoff(version, lambda tmp: snapshot.save(state_dict, str(tmp)))
+
+    def _handoff(self, version: int, write) -> None:
         path = self.snapshot_dir / f"v{version}.safetensors"
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)
+        write(tmp)
+        os.replace(tmp, path)  # the child never sees a partial file
         self._send("publish", version, str(path))
 
     def metrics(self) -> dict[str, float]:
