@@ -3,6 +3,7 @@
     python train.py                                   # tiny model, copy task, 2 local vLLM workers, S=2
     python train.py task.level=mod10 run.steps=400    # any key, from the command line
     python train.py -m seed=0,1,2                     # a sweep: one run directory per job
+    python train.py hydra.run.dir=RUN_DIR             # resumes from RUN_DIR's newest checkpoint, if any
     launchers/learner.sh 2 learner=zero2 rollout=sync # DeepSpeed ZeRO-2 over 2 processes
 
 Reads like the algorithm: compose config -> build model, task, rollout source, learner -> train -> summary.
@@ -10,10 +11,13 @@ Reads like the algorithm: compose config -> build model, task, rollout source, l
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -27,8 +31,27 @@ log = logging.getLogger("echo2")
 register_configs()
 
 
-def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
-    """Build every component from the config, one log line each. Returns (trainer, source, callback)."""
+def find_checkpoint(cfg: DictConfig, run_dir: str) -> str | None:
+    """The checkpoint to resume from (run.resume): ``auto``, the newest complete one in the run dir (one whose
+    echo2 state was written: a run killed mid-save falls back to the one before); ``never``; or a path."""
+    choice = str(cfg.run.resume)
+    if choice == "never":
+        return None
+    if choice != "auto":
+        if not (Path(choice) / CHECKPOINT_STATE).is_file():
+            raise FileNotFoundError(f"run.resume={choice}: not an echo2 checkpoint (no {CHECKPOINT_STATE} in it)")
+        return choice
+    found = sorted(Path(run_dir, "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.rpartition("-")[2]))
+    complete = [p for p in found if (p / CHECKPOINT_STATE).is_file()]
+    return str(complete[-1]) if complete else None
+
+
+CHECKPOINT_STATE = "echo2_state.json"  # written by Echo2Callback.on_save next to TRL's files
+
+
+def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str | None = None):
+    """Build every component from the config, one log line each. Returns (trainer, source, callback).
+    ``resume``: a checkpoint to resume from (find_checkpoint); the trainer loads it in ``train()``."""
     from transformers import AutoTokenizer
 
     from echo2.learner.args import grpo_config
@@ -55,12 +78,16 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k)
     token, token_origin = run_token()
+    resumed = json.loads((Path(resume) / CHECKPOINT_STATE).read_text()) if resume else None
+    if resumed:
+        log.info("resuming from %s (step %d)", resume, resumed["step"])
     ctx = RolloutContext(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling,
                          engine=engine, model_path=model_path, run_dir=run_dir, seed=cfg.seed,
                          staleness=cfg.rollout.staleness, prompts_per_step=cfg.rollout.prompts_per_step,
                          make_broadcaster=instantiate(cfg.broadcast.sender, token=token, _partial_=True),
                          pool=instantiate(cfg.pool),
                          publish_interval=cfg.broadcast.interval, token=token,
+                         resume=resumed["source"] if resumed and resumed["source"] else None,
                          activation={**OmegaConf.to_container(cfg.activation), "interval": cfg.broadcast.interval,
                                      "broadcast": _mode(cfg.broadcast.sender.get("topology", "chain"))})
     source = instantiate(cfg.rollout.source, ctx=ctx)
@@ -75,12 +102,46 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
 
     sink = None
     if rank == 0:
-        sink = MetricsSink(run_dir, cfg.run.wandb, cfg.run.project, cfg.run.group, cfg.run.name,
-                           OmegaConf.to_container(cfg, resolve=True))
+        group, name = wandb_names(cfg)
+        sink = MetricsSink(run_dir, cfg.run.wandb, cfg.run.project, group, name,
+                           OmegaConf.to_container(cfg, resolve=True), resume_step=resumed["step"] if resumed else None)
     evaluator = Evaluator(task, tokenizer, engine) if cfg.run.eval_every_steps else None
-    callback = Echo2Callback(trainer, sink, evaluator, cfg.run.eval_every_steps, cfg.run.progress)
+    callback = Echo2Callback(trainer, sink, evaluator, cfg.run.eval_every_steps, cfg.run.progress,
+                             checkpoint_state=CHECKPOINT_STATE)
     trainer.add_callback(callback)
     return trainer, source, callback
+
+
+def wandb_names(cfg: DictConfig) -> tuple[str | None, str | None]:
+    """wandb group and run name: ``run.group`` / ``run.name`` if set; in a sweep (``-m``) the sweep's directory
+    names the group and each job is named by its values of the swept keys (``broadcast=one_to_many,
+    rollout.staleness=2``), so a sweep's runs sit together and say what differs."""
+    group, name = cfg.run.group, cfg.run.name
+    try:
+        hc = HydraConfig.get()
+    except ValueError:  # composed outside @hydra.main (tests)
+        return group, name
+    from hydra.types import RunMode
+
+    if hc.mode == RunMode.MULTIRUN:
+        sweep = Path(hc.sweep.dir)
+        group = group or f"{sweep.parent.name}_{sweep.name}"
+        axes = _swept_keys(sys.argv[1:])
+        own = sorted(o for o in hc.overrides.task if axes and o.split("=", 1)[0].lstrip("+~") in axes)
+        name = name or ",".join(own) or hc.job.override_dirname or f"job{hc.job.num}"
+    return group, name
+
+
+def _swept_keys(argv: list[str]) -> set[str]:
+    """The keys a ``-m`` command line sweeps (``a=1,2``, ``range(...)``...); empty where the job was not started
+    from that command line (e.g. a submitit job, which then falls back on all of its overrides)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in argv if "=" in a and not a.startswith("-")])
+    except Exception:
+        return set()
+    return {o.key_or_group for o in overrides if o.is_sweep_override()}
 
 
 def _mode(topology: str) -> str:
@@ -98,18 +159,32 @@ def main(cfg: DictConfig) -> dict:
     run_dir = HydraConfig.get().runtime.output_dir
     if rank == 0:
         OmegaConf.save(cfg, os.path.join(run_dir, "resolved_config.yaml"), resolve=True)
-    trainer, source, callback = build(cfg, run_dir, rank, world_size)
+    checkpoint = find_checkpoint(cfg, run_dir)
+    trainer, source, callback = build(cfg, run_dir, rank, world_size, resume=checkpoint)
 
-    # SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C, so the finally below stops the workers.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # The first SIGTERM (a scheduler's stop or preemption, `kill`) or Ctrl-C ends the run after the current step,
+    # with a checkpoint (if run.save_every_steps) and the summary; a second one unwinds at once. Either way the
+    # finally below stops the workers.
+    def on_stop(signum, frame):
+        if callback.stop_requested:
+            signal.default_int_handler(signum, frame)
+        callback.stop_requested = signal.Signals(signum).name
+        log.warning("%s: stopping after this step (again to stop now)", callback.stop_requested)
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
     t0 = time.perf_counter()
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=checkpoint)
     finally:
         accounting = source.close()
     summary = callback.summary(wall_s=time.perf_counter() - t0, learner_backend=trainer.backend(),
                                learner_processes=world_size, rollouts_consumed=trainer.rollouts_consumed,
                                rollout_accounting=accounting)
+    if rank == 0:
+        from echo2.report import load, summary_table
+
+        print(summary_table(summary, load(run_dir)["records"]), flush=True)
     evals = summary["eval_accuracy_by_step"]
     log.info("done: %d steps in %.1f s (%s x %d); reward %.3f at step 1 -> %.3f over the last 20; "
              "eval accuracy %s; run dir %s", summary["steps"], summary["wall_s"], summary["learner_backend"],

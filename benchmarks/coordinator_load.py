@@ -157,7 +157,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--ping-pong"]
             elif mode == "threads":
                 coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, **kwargs).start()
-                received = lambda: coord.rollouts["received"]  # noqa: E731
+                received = lambda: coord.ledger.rollouts["received"]  # noqa: E731
             else:
                 coord = CoordinatorProcess(task=task, tokenizer=tok, coordinator_kwargs=kwargs,
                                            make_broadcaster=functools.partial(RelayBroadcaster, token="bench"))

@@ -32,6 +32,16 @@ class ArithTaskConfig:
 
 
 @dataclass
+class KuhnTaskConfig:
+    _target_: str = "echo2.tasks.kuhn.KuhnTask"
+    train_size: int = 10_000
+    eval_size: int = 300
+    seed: int = 0
+    format: str = "digits"
+    max_completion_length: int = 2
+
+
+@dataclass
 class Gsm8kTaskConfig:
     _target_: str = "echo2.tasks.gsm8k.Gsm8kTask"
     path: str = "openai/gsm8k"
@@ -104,6 +114,9 @@ class RunConfig:
     group: Optional[str] = None
     name: Optional[str] = None
     progress: bool = True
+    save_every_steps: int = 50
+    keep_checkpoints: int = 2
+    resume: str = "auto"
 
 
 @dataclass
@@ -125,6 +138,7 @@ def register_configs() -> None:
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="task", name="arith_schema", node=ArithTaskConfig)
     cs.store(group="task", name="gsm8k_schema", node=Gsm8kTaskConfig)
+    cs.store(group="task", name="kuhn_schema", node=KuhnTaskConfig)
     cs.store(group="learner", name="learner_schema", node=LearnerConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
     cs.store(group="broadcast", name="broadcast_schema", node=BroadcastConfig)
@@ -165,6 +179,9 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         errors.append(f"task.max_completion_length={cfg.task.max_completion_length}: must be >= 1")
     if cfg.run.steps < 1:
         errors.append(f"run.steps={cfg.run.steps}: must be >= 1")
+    if cfg.run.save_every_steps < 0 or cfg.run.keep_checkpoints < 1:
+        errors.append(f"run.save_every_steps={cfg.run.save_every_steps}, keep_checkpoints={cfg.run.keep_checkpoints}: "
+                      "need save_every_steps >= 0 (0: never) and keep_checkpoints >= 1")
     if cfg.run.wandb not in WANDB_MODES:
         errors.append(f"run.wandb={cfg.run.wandb!r}: expected one of {WANDB_MODES}")
     a = cfg.activation

@@ -111,3 +111,50 @@ def small_coordinator(tiny_model_dir: str, group_size: int = 2):
     return Coordinator(task.train_dataset(), Scorer(task, tok), tok, token="secret", staleness=1, prompts_per_step=2,
                        group_size=group_size, vocab_size=len(tok), long_poll_s=0.0,
                        sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}).start()
+
+
+# ---------------------------------------------------------------------- asynchronous runs in this process
+
+
+def _at_step(fn, source):
+    """A trainer callback running ``fn(step, source)`` after each optimizer step (to kill or add workers)."""
+    from transformers import TrainerCallback
+
+    class AtStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            fn(state.global_step, source)
+
+    return AtStep()
+
+
+def train(tmp_path, overrides, hook=None):
+    """Build and train an async run in this process with local workers; ``hook(step, source)`` after each step.
+    Returns (cfg, trainer, source, accounting, per-step records)."""
+    cfg, trainer, source, callback = build_run(tmp_path, ["rollout=async", "pool=local", *overrides])
+    if hook:
+        trainer.add_callback(_at_step(hook, source))
+    try:
+        trainer.train()
+    finally:
+        acc = source.close()
+    records = [h for h in trainer.state.log_history if "reward/mean" in h]
+    return cfg, trainer, source, acc, records
+
+
+def balanced(acc):
+    """The accounting identity, with nothing left in flight or buffered at the end."""
+    total = acc["consumed"] + sum(acc["dropped"].values()) + sum(acc["lost"].values())
+    return acc["dispatched"] == total + acc["in_flight"] + acc["buffered"] and acc["in_flight"] == acc["buffered"] == 0
+
+
+def wait_until(condition, timeout_s=300):
+    """Hold the learner (we are in its callback) until ``condition()``; a starting vLLM takes 25-60 s here."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def wait_registered(source, n):
+    wait_until(lambda: source.coordinator.status()["registered"] >= n)

@@ -12,38 +12,9 @@ import signal
 import time
 
 import pytest
-from transformers import TrainerCallback
-
-from conftest import alive, build_run, descendants
+from conftest import alive, balanced, descendants, train, wait_registered
 
 require_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="require_vllm: vllm not installed")
-
-
-class AtStep(TrainerCallback):
-    """Runs ``fn(step, source)`` after each optimizer step (to kill or add workers mid-run)."""
-
-    def __init__(self, fn, source):
-        self.fn, self.source = fn, source
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.fn(state.global_step, self.source)
-
-
-def train(tmp_path, overrides, hook=None):
-    cfg, trainer, source, callback = build_run(tmp_path, ["rollout=async", "pool=local", *overrides])
-    if hook:
-        trainer.add_callback(AtStep(hook, source))
-    try:
-        trainer.train()
-    finally:
-        acc = source.close()
-    records = [h for h in trainer.state.log_history if "reward/mean" in h]
-    return cfg, trainer, source, acc, records
-
-
-def balanced(acc):
-    total = acc["consumed"] + sum(acc["dropped"].values()) + sum(acc["lost"].values())
-    return acc["dispatched"] == total + acc["in_flight"] + acc["buffered"] and acc["in_flight"] == acc["buffered"] == 0
 
 
 def test_hf_workers_train_within_the_staleness_bound(tmp_path):
@@ -54,17 +25,6 @@ def test_hf_workers_train_within_the_staleness_bound(tmp_path):
     assert acc["consumed"] == 40 * 16 * 8 and balanced(acc), acc
     rewards = [r["reward/mean"] for r in records]
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1
-
-
-def wait_until(condition, timeout_s=300):
-    """Hold the learner (we are in its callback) until ``condition()``; a starting vLLM takes 25-60 s here."""
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.5)
-
-
-def wait_registered(source, n):
-    wait_until(lambda: source.coordinator.status()["registered"] >= n)
 
 
 def test_activation_turns_off_a_worker_that_does_not_pay_and_costs_add_up(tmp_path):

@@ -34,7 +34,7 @@ def test_buffer_takes_oldest_admissible_after_eviction():
     assert not b.admit("e", 4, current_version=3)  # from the future
     with pytest.raises(RuntimeError, match="evict_stale"):
         b.take(2, step=3)  # a is stale at step 3 and was not evicted
-    assert b.evict_stale(step=3) == 2  # a, b: lag 3, 2 > 1
+    assert b.evict_stale(step=3) == ["a", "b"]  # lag 3, 2 > 1
     assert b.take(2, step=3) == [(2, "c"), (3, "d")]
     assert b.take(1, step=3) is None
 

@@ -61,7 +61,7 @@ def test_bad_results_are_rejected_counted_and_the_prompt_requeued(coord, bad, re
     reply = client.post("/push", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     assert reply["accepted"] == [] and reason in reply["rejected"][0]["reason"]
     acc = coord.accounting()
-    assert acc["dropped"] == {"invalid": G} and len(coord.requeued) == 1
+    assert acc["dropped"] == {"invalid": G} and len(coord.ledger.requeue) == 1
 
 
 def test_results_for_work_never_dispatched_or_from_the_future_are_refused(coord):
@@ -76,6 +76,9 @@ def test_results_for_work_never_dispatched_or_from_the_future_are_refused(coord)
     assert client.post("/push", {"worker_id": a, "results": [future]})["rejected"][0]["reason"] == "future_version"
     # the replay of an already-settled group is refused too
     assert client.post("/push", {"worker_id": a, "results": [good]})["accepted"] == []
+    acc = coord.accounting()  # b's claim, the unknown group and the replay: refused unread, counted
+    assert acc["results_refused"] == {"not_in_flight_for_this_worker": 3}
+    assert acc["dropped"] == {"future_version": G} and acc["received"] == G
 
 
 def test_accounting_adds_up_with_a_dead_worker(coord):

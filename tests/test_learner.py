@@ -80,6 +80,12 @@ class ShiftedLogprobs:
     def metrics(self):
         return {}
 
+    def checkpoint(self):
+        return {}
+
+    def on_resume(self, version, policy):
+        pass
+
     def close(self):
         pass
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from echo2.broadcast import delta, relay
@@ -194,8 +194,20 @@ class RelayBroadcaster:
                 return pid, base, e
 
         sent = 0
-        with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
-            for future in as_completed([pool.submit(one, *job) for job in jobs]):
+        pool = ThreadPoolExecutor(max_workers=max(1, len(jobs)))
+        futures = {pool.submit(one, *job): job[0] for job in jobs}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            with self.cond:
+                gone = {f for f in pending if futures[f] not in self.peers}
+            if gone and gone == pending:
+                # Only peers the coordinator has since removed (dead, cut off) are left: their requests may hang
+                # until timeout_s; the round is over for everyone else, so the next version can go out.
+                log.warning("v%d: round closed without %s (removed mid-round)", version,
+                            sorted(futures[f] for f in gone))
+                pending = set()
+            for future in done:
                 pid, base, result = future.result()
                 with self.cond:
                     peer = self.peers.get(pid)
@@ -216,6 +228,7 @@ class RelayBroadcaster:
                     sent = max(sent, obj.size if obj else 0)
                 if self.on_delivered is not None:
                     self.on_delivered(pid, version)
+        pool.shutdown(wait=False)  # abandoned requests end by themselves (their timeout, or the peer's reply)
         self.rounds += 1
         self.last_time_s, self.last_bytes = time.monotonic() - started, sent
         log.debug("v%d: round over %d peers (%s) in %.3f s", version, len(jobs), self.kind, self.last_time_s)

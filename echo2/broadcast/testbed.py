@@ -119,6 +119,10 @@ class NetnsTestbed:
         _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "bfifo", "limit",
             str(queue_bytes))
 
+    def set_link(self, i: int, up: bool) -> None:
+        """Cut host i off the network (its switch port down: nothing in or out) or reconnect it."""
+        _sh("ip", "-n", self.sw, "link", "set", f"p{i}", "up" if up else "down")
+
     def popen(self, i: int, cmd: list[str], **kw) -> subprocess.Popen:
         """Start ``cmd`` on host i."""
         return subprocess.Popen(["ip", "netns", "exec", self.hosts[i], *cmd], **kw)

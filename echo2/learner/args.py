@@ -45,7 +45,9 @@ def grpo_config(cfg: Any, run_dir: str | Path, world_size: int) -> GRPOConfig:
         model_init_kwargs={"dtype": cfg.model.dtype},
         logging_steps=1,
         report_to="none",  # echo2's MetricsSink owns wandb, with namespaced keys
-        save_strategy="no",
+        save_strategy="steps" if cfg.run.save_every_steps else "no",
+        save_steps=cfg.run.save_every_steps or 500,
+        save_total_limit=cfg.run.keep_checkpoints,
         disable_tqdm=True,  # echo2's own progress bar
         log_completions=False,
         **extra,

@@ -6,8 +6,10 @@ evaluate) → TRL's ``log`` (averages its metrics) → ``on_log`` (write one rec
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -20,7 +22,7 @@ log = logging.getLogger(__name__)
 
 class Echo2Callback(TrainerCallback):
     def __init__(self, trainer: Any, sink: MetricsSink | None, evaluator: Any = None, eval_every_steps: int = 0,
-                 progress: bool = True):
+                 progress: bool = True, checkpoint_state: str = "echo2_state.json"):
         self.trainer, self.sink, self.evaluator = trainer, sink, evaluator
         self.eval_every_steps, self.progress = eval_every_steps, progress
         self.bar: tqdm | None = None
@@ -28,6 +30,12 @@ class Echo2Callback(TrainerCallback):
         self.pending: dict[str, float] = {}
         self.evals: list[tuple[int, float]] = []
         self.rewards: list[float] = []
+        self.checkpoint_state = checkpoint_state
+        self.stop_requested: str | None = None  # set by train.py's signal handler: end after this step
+        for record in sink.previous if sink is not None else []:  # a resumed run's summary covers the whole run
+            self.rewards.append(record.get("reward/mean", float("nan")))
+            if record.get("eval/accuracy") is not None:
+                self.evals.append((record["step"], record["eval/accuracy"]))
 
     def _evaluate(self, step: int) -> None:
         if self.evaluator is None:
@@ -38,14 +46,24 @@ class Echo2Callback(TrainerCallback):
         self.evals.append((step, result["eval/accuracy"]))
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._evaluate(0)
-        self.pending.clear()  # the step-0 accuracy lives in summary.json; records start at step 1
+        if state.global_step:  # resumed from a checkpoint: weights, optimizer, RNG and step are restored
+            self.trainer.rollouts_consumed = state.global_step * args.per_device_train_batch_size * args.world_size
+            self.trainer.rollout_source.on_resume(state.global_step, kwargs.get("model"))
+        else:
+            self._evaluate(0)
+            self.pending.clear()  # the step-0 accuracy lives in summary.json; records start at step 1
         if state.is_world_process_zero and self.progress:
-            self.bar = tqdm(total=state.max_steps, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
+                            dynamic_ncols=True)
         self.t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.rollout_source.on_version(state.global_step, kwargs.get("model"))
+        if self.sink is not None and state.is_world_process_zero and self.trainer.last_groups:
+            self.sink.consumed(state.global_step, self.trainer.last_groups)
+        if self.stop_requested:
+            control.should_training_stop = True
+            control.should_save = bool(args.save_strategy != "no")
         if self.eval_every_steps and (state.global_step % self.eval_every_steps == 0
                                       or state.global_step == state.max_steps):
             self._evaluate(state.global_step)
@@ -60,11 +78,19 @@ class Echo2Callback(TrainerCallback):
         if self.sink is not None and state.is_world_process_zero:
             self.sink.log(record)
         if self.bar is not None:
-            post = {"reward": f"{record.get('reward/mean', float('nan')):.3f}"}
-            if self.evals:
-                post["eval_acc"] = f"{self.evals[-1][1]:.3f}"
-            self.bar.set_postfix(post, refresh=False)
+            self.bar.set_postfix(progress_fields(record, self.evals), refresh=False)
             self.bar.update(state.global_step - self.bar.n)
+
+    def on_save(self, args, state, control, **kwargs):
+        """After TRL saved weights, optimizer, scheduler, RNG and step: add what the rollout plane needs. A
+        checkpoint without this file is incomplete and is not resumed from."""
+        source_state = self.trainer.rollout_source.checkpoint()
+        if state.is_world_process_zero:
+            path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / self.checkpoint_state
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"step": state.global_step, "source": source_state}) + "\n")
+            tmp.replace(path)
+            log.info("checkpoint %s", path.parent)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -75,6 +101,7 @@ class Echo2Callback(TrainerCallback):
         tail = [r for r in self.rewards[-20:] if r == r]
         out = {
             "steps": self.trainer.state.global_step,
+            "stopped_by": self.stop_requested,
             **extra,
             "reward_first": self.rewards[0] if self.rewards else None,
             "reward_last20_mean": sum(tail) / len(tail) if tail else None,
@@ -84,3 +111,17 @@ class Echo2Callback(TrainerCallback):
             self.sink.summary(out)
             self.sink.close()
         return out
+
+
+def progress_fields(record: dict[str, Any], evals: list[tuple[int, float]]) -> dict[str, str]:
+    """The progress bar's fields: reward, mean lag of the batch, learner utilization, dollars, eval accuracy."""
+    out = {"reward": f"{record.get('reward/mean', float('nan')):.3f}"}
+    if record.get("buffer/staleness_mean") is not None:
+        out["lag"] = f"{record['buffer/staleness_mean']:.1f}"
+    if record.get("train/learner_utilization") is not None:
+        out["util"] = f"{record['train/learner_utilization']:.2f}"
+    if record.get("cost/usd") is not None:
+        out["$"] = f"{record['cost/usd']:.4f}"
+    if evals:
+        out["eval"] = f"{evals[-1][1]:.3f}"
+    return out

@@ -86,6 +86,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
         # echo2 writes its own per-step records and progress bar; drop HF's printer of raw log dicts.
         self.remove_callback(PrinterCallback)
         self.rollouts_consumed = 0
+        self.last_groups: list[RolloutGroup] = []  # the batch of the step in progress (for the consumed log)
 
     def backend(self) -> str:
         """What runs the optimizer: ``deepspeed-zero<N>``, ``ddp`` or ``single``."""
@@ -129,6 +130,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
         t0 = time.perf_counter()
         self._t_start = self._t_start or t0
         groups = self._collect(rows)
+        self.last_groups = groups
         self._idle_s = time.perf_counter() - t0
         self._idle_total_s += self._idle_s
         if len(groups) != len(rows) or any(len(g.rollouts) != group_size for g in groups):

@@ -9,16 +9,25 @@ The coordinator and the broadcaster run in a process of their own (service.py), 
 neither the learner's GIL nor its core. The learner never generates and never waits for a broadcast; it waits
 only when fewer than P admissible groups are buffered (``train/learner_idle_s``). Prompts come from the task's
 training set in the coordinator's own seeded order, so the rows TRL's sampler hands to ``collect`` are unused.
+
+Restarts. If the coordinator process dies, the next call starts a new one on the same port from the ledger's
+journal (ledger.py: what was in flight or buffered is counted lost / dropped, ``coordinator_restart``, and its
+prompts re-queued), republishes the current weights, and repeats the call; workers reconnect by themselves
+(agent.py). At most ``coordinator_restarts`` times within ``restart_window_s`` (a crash loop is an error). A learner resumed from a checkpoint starts its
+coordinator from the journal length the checkpoint recorded (``resume``), with the data position of then.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
+from urllib.parse import urlsplit
 
+from echo2.rollout.ledger import journal_path
 from echo2.rollout.protocols import RolloutContext
-from echo2.rollout.service import CoordinatorProcess
+from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
 from echo2.rollout.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -29,37 +38,88 @@ class AsyncRolloutSource:
 
     def __init__(self, ctx: RolloutContext, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_timeout_s: float = 30.0, take_timeout_s: float = 900.0, groups_per_pull: int = 4,
-                 coordinator_cores: list[int] | None = None):
+                 coordinator_cores: list[int] | None = None, coordinator_restarts: int = 3,
+                 restart_window_s: float = 600.0):
         if ctx.publish_interval < 1:
             raise ValueError(f"broadcast.interval={ctx.publish_interval}: must be >= 1")
         s = ctx.sampling
-        self.ctx, self.take_timeout_s = ctx, take_timeout_s
+        self.ctx, self.take_timeout_s, self.cores = ctx, take_timeout_s, coordinator_cores
+        self.max_restarts, self.restart_window_s = coordinator_restarts, restart_window_s
+        self.restart_times: list[float] = []
+        self.restarts = 0
         self.pool = ctx.pool
-        self.coordinator = CoordinatorProcess(
-            task=ctx.task, tokenizer=ctx.tokenizer, make_broadcaster=ctx.make_broadcaster,
-            log_path=os.path.join(ctx.run_dir, "coordinator.log"), cores=coordinator_cores, coordinator_kwargs=dict(
-                token=ctx.token, staleness=ctx.staleness, prompts_per_step=ctx.prompts_per_step, group_size=s.n,
-                vocab_size=len(ctx.tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
-                groups_per_pull=groups_per_pull, seed=ctx.seed, sampling={
-                    "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
-                # a plain dict: Hydra hands dicts in ``ctx`` on as DictConfigs tied to the whole (unpicklable) tree
-                activation={k: ctx.activation[k] for k in ctx.activation} if ctx.activation else None))
+        self.version = ctx.resume["version"] if ctx.resume else 0
+        self.policy: Any = None  # the live model, kept to republish after a coordinator restart
+        self.kwargs = dict(
+            token=ctx.token, staleness=ctx.staleness, prompts_per_step=ctx.prompts_per_step, group_size=s.n,
+            vocab_size=len(ctx.tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
+            groups_per_pull=groups_per_pull, seed=ctx.seed, journal=journal_path(ctx.run_dir), sampling={
+                "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
+            # a plain dict: Hydra hands dicts in ``ctx`` on as DictConfigs tied to the whole (unpicklable) tree
+            activation={k: ctx.activation[k] for k in ctx.activation} if ctx.activation else None)
+        recover = {"resume_offset": ctx.resume["journal_offset"]} if ctx.resume else None
+        self.coordinator = self._spawn(recover)
+        self.kwargs["port"] = urlsplit(self.coordinator.url).port  # a restarted coordinator listens where this one did
         self.pool.start(self.coordinator.url, ctx.token, ctx.model_path, ctx.run_dir)
+
+    def _spawn(self, recover: dict | None) -> CoordinatorProcess:
+        return CoordinatorProcess(
+            task=self.ctx.task, tokenizer=self.ctx.tokenizer, make_broadcaster=self.ctx.make_broadcaster,
+            log_path=os.path.join(self.ctx.run_dir, "coordinator.log"), cores=self.cores,
+            coordinator_kwargs=dict(self.kwargs, recover=recover, version=self.version))
+
+    def _call(self, name: str, *args: Any) -> Any:
+        """``coordinator.name(*args)``; if the coordinator process is gone, restart it (within budget) and retry."""
+        try:
+            return getattr(self.coordinator, name)(*args)
+        except CoordinatorDied as e:
+            now = time.monotonic()
+            self.restart_times = [t for t in self.restart_times if now - t < self.restart_window_s]
+            if len(self.restart_times) >= self.max_restarts:
+                raise CoordinatorDied(f"{e}; it was restarted {len(self.restart_times)} times in the last "
+                                      f"{self.restart_window_s:.0f} s (rollout.source.coordinator_restarts, "
+                                      "restart_window_s): giving up") from e
+            self.restart_times.append(now)
+            self.restarts += 1
+            log.error("%s: starting a new one from the journal (restart %d)", e, self.restarts)
+            self.coordinator.abandon()
+            self.coordinator = self._spawn({"restart": True})
+            if self.policy is not None:  # workers need weights at the current version to be useful again
+                self.coordinator.publish_state_dict(self.version, self.policy.state_dict())
+            return getattr(self.coordinator, name)(*args)
 
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
         # The learner times this call itself (train/learner_idle_s).
-        return self.coordinator.take(len(rows), timeout_s=self.take_timeout_s)
+        return self._call("take", len(rows), self.take_timeout_s)
 
     def on_version(self, version: int, policy: Any) -> None:
-        self.coordinator.set_version(version)
+        self.version, self.policy = version, policy
+        self._call("set_version", version)
         if version % self.ctx.publish_interval == 0:
-            self.coordinator.publish_state_dict(version, policy.state_dict())
+            self._call("publish_state_dict", version, policy.state_dict())
+
+    def on_resume(self, version: int, policy: Any) -> None:
+        """A resumed learner's first act: publish its restored weights, so that workers catch up to them."""
+        self.version, self.policy = version, policy
+        self._call("publish_state_dict", version, policy.state_dict())
+
+    def checkpoint(self) -> dict[str, Any]:
+        """What a learner checkpoint must hold to resume this source: the version and the journal's length."""
+        return {"version": self.version, "journal_offset": self._call("mark")}
 
     def metrics(self) -> dict[str, float]:
-        return self.coordinator.metrics()  # the coordinator's and the broadcaster's
+        out = self._call("metrics")  # the coordinator's and the broadcaster's
+        out["rollout/coordinator_restarts"] = float(self.restarts)
+        return out
 
     def close(self) -> dict[str, Any]:
         self.pool.stop()
-        accounting = self.coordinator.close()
+        try:
+            accounting = self.coordinator.close()
+        except CoordinatorDied as e:  # died at the very end: the journal still has the books
+            log.error("%s; the books are in %s", e, self.kwargs["journal"])
+            self.coordinator.abandon()
+            accounting = {}
+        accounting["coordinator_restarts"] = self.restarts
         log.info("rollout accounting: %s", accounting)
         return accounting

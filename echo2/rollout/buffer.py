@@ -50,12 +50,13 @@ class StalenessBuffer:
         self.groups.append((version, group))
         return True
 
-    def evict_stale(self, step: int) -> int:
-        """Drop every queued group step ``step`` may not consume; they can only get staler. Returns the count."""
-        keep = deque((x, g) for x, g in self.groups if admissible(step, x, self.staleness))
-        n = len(self.groups) - len(keep)
+    def evict_stale(self, step: int) -> list[Any]:
+        """Remove every queued group step ``step`` may not consume (they can only get staler); returns them."""
+        keep, gone = deque(), []
+        for x, g in self.groups:
+            (keep.append((x, g)) if admissible(step, x, self.staleness) else gone.append(g))
         self.groups = keep
-        return n
+        return gone
 
     def take(self, n: int, step: int) -> list[tuple[int, Any]] | None:
         """The ``n`` oldest groups for learner step ``step``, or None (taking nothing) if fewer are queued.

@@ -14,23 +14,25 @@ It runs as threads (an HTTP server and a reaper) of its own process (service.py)
 ``take`` / ``set_version`` calls over a pipe; the learner only blocks in ``take`` when the buffer is short, which
 is the idle time ``train/learner_idle_s`` reports.
 
-Accounting (rollouts, G per group): dispatched = consumed + dropped[reason] + lost[reason] + in flight + buffered.
+Accounting (rollouts, G per group): dispatched = consumed + dropped[reason] + lost[reason] + in flight + buffered,
+kept by the ledger (ledger.py), which journals every transition so that a restarted coordinator, or a learner
+resumed from a checkpoint, carries on with the same books and data position.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import random
+import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from echo2.rollout.activation import Activation
 from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
+from echo2.rollout.ledger import Ledger
 from echo2.rollout.scoring import Scorer, encode_prompt
 from echo2.rollout.types import Completion, Rollout, RolloutGroup
 from echo2.rollout.wire import BadRequest, JsonServer
@@ -59,6 +61,7 @@ class InFlight:
     worker_id: str
     row: dict[str, Any]
     prompt_ids: list[int]
+    row_index: int
 
 
 class Coordinator:
@@ -66,7 +69,11 @@ class Coordinator:
                  prompts_per_step: int, group_size: int, sampling: dict[str, Any], vocab_size: int,
                  host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
                  groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
-                 activation: dict | None = None):
+                 activation: dict | None = None, journal: str | None = None, recover: dict | None = None,
+                 version: int = 0):
+        """``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
+        ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
+        checkpoint taken at journal length N; ``version``: the learner's version then."""
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
         self.S, self.P, self.G = staleness, prompts_per_step, group_size
         self.sampling, self.vocab_size = sampling, vocab_size
@@ -75,22 +82,15 @@ class Coordinator:
         self.broadcaster = broadcaster
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
-        self.version = 0
+        self.version = version
         # Batches handed to the learner: the next batch taken is for step ``batches_taken``. Between a take at
         # step t and set_version(t+1) the learner is mid-step; dispatch must already judge for step t+1, or it
         # hands out work that is stale on arrival (measured: 21 % of rollouts dropped at S=0 without this).
-        self.batches_taken = 0
+        self.batches_taken = version
         self.workers: dict[str, WorkerInfo] = {}
         self.in_flight: dict[str, InFlight] = {}
-        self.requeued: deque[dict[str, Any]] = deque()
-        self.rows = self._row_stream(dataset, seed)
-        self.group_ids = (f"g{i}" for i in itertools.count())
-        self.worker_ids = (f"w{i}" for i in itertools.count())
-        self.rollouts = Counter()  # dispatched, received
-        self.by_worker = Counter()  # worker id -> rollouts received from it (kept after it leaves)
-        self.dropped = Counter()  # reason -> rollouts
-        self.lost = Counter()  # reason -> rollouts
-        self.retired = Counter()  # reason -> workers
+        self.dataset = dataset
+        self.ledger = _ledger(journal, recover, group_size, len(dataset), seed)
         self.registered = 0
         self.closed = False
         self.activation = Activation(activation or {}, staleness, prompts_per_step * group_size)
@@ -112,16 +112,6 @@ class Coordinator:
     def url(self) -> str:
         return self.server.url()
 
-    @staticmethod
-    def _row_stream(dataset: Any, seed: int):
-        """Rows in a fresh seeded shuffle each epoch, forever."""
-        rng = random.Random(seed)
-        for epoch in itertools.count():
-            order = list(range(len(dataset)))
-            rng.shuffle(order)
-            for i in order:
-                yield dataset[i]
-
     # ---------------------------------------------------------------- worker-facing routes
 
     def _worker(self, body: dict) -> WorkerInfo:
@@ -138,7 +128,7 @@ class Coordinator:
             relay_addr = body.get("relay")
             if relay_addr is not None and not (isinstance(relay_addr, str) and relay_addr.rpartition(":")[2].isdigit()):
                 raise BadRequest("'relay' must be 'host:port'")
-            worker = WorkerInfo(next(self.worker_ids), body.get("snapshot_url"), str(body.get("engine", "?")),
+            worker = WorkerInfo(self.ledger.new_worker_id(), body.get("snapshot_url"), str(body.get("engine", "?")),
                                 relay_addr, **{k: _nonneg(body, k, default) for k, default in (
                                     ("usd_per_hour", 0.0), ("down_mbit", 1000.0), ("up_mbit", 1000.0),
                                     ("rtt_ms", 0.0))})
@@ -185,11 +175,10 @@ class Coordinator:
             next_step = max(self.version, self.batches_taken)
             if not worth_dispatching(next_step, worker.version, ahead, self.P, self.S):
                 break
-            row = self.requeued.popleft() if self.requeued else next(self.rows)
-            gid = next(self.group_ids)
+            gid, index = self.ledger.draw()
+            row = self.dataset[index]
             ids = encode_prompt(self.tokenizer, row["prompt"])
-            self.in_flight[gid] = InFlight(worker.worker_id, row, ids)
-            self.rollouts["dispatched"] += self.G
+            self.in_flight[gid] = InFlight(worker.worker_id, row, ids, index)
             work.append({"group_id": gid, "prompt_ids": ids})
         return work
 
@@ -205,30 +194,30 @@ class Coordinator:
                 gid = str(res.get("group_id")) if isinstance(res, dict) else None
                 flight = self.in_flight.get(gid)
                 if flight is None or flight.worker_id != worker.worker_id:
+                    # a replay, a duplicate, a result the reaper already gave up on, or work never dispatched
                     rejected.append({"group_id": gid, "reason": "not_in_flight_for_this_worker"})
+                    self.ledger.refuse("not_in_flight_for_this_worker")
+                    log.warning("worker %s: result for group %s refused: not in flight for it", worker.worker_id, gid)
                     continue
                 claimed.append((gid, self.in_flight.pop(gid), res))
         scored = []
         for gid, flight, res in claimed:  # parse and score outside the lock
             try:
-                group = self._parse_group(flight, res)
+                group = self._parse_group(gid, flight, res)
                 self.scorer.score(group)
                 scored.append((gid, flight, group))
             except BadRequest as e:
                 rejected.append({"group_id": gid, "reason": str(e)})
                 with self.lock:  # the rollouts were generated but are unusable; the prompt goes back
-                    self.dropped["invalid"] += self.G
-                    self.requeued.append(flight.row)
+                    self.ledger.drop(gid, "invalid", requeue=True)
                 log.warning("worker %s: group %s rejected: %s", worker.worker_id, gid, e)
         with self.lock:
             for gid, flight, group in scored:
-                self.rollouts["received"] += self.G
-                self.by_worker[worker.worker_id] += self.G
+                self.ledger.received(gid, worker.worker_id)
                 if self.buffer.admit(group, group.version, self.version):
                     accepted.append(gid)
                 else:  # generated by weights the learner has not published: a lying or broken worker
-                    self.dropped["future_version"] += self.G
-                    self.requeued.append(flight.row)
+                    self.ledger.drop(gid, "future_version", requeue=True)
                     rejected.append({"group_id": gid, "reason": "future_version"})
             rate = body.get("rollouts_per_s")
             if isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0:  # a report, not a trust
@@ -236,7 +225,7 @@ class Coordinator:
             self.lock.notify_all()
         return {"accepted": accepted, "rejected": rejected, "version": self.version}
 
-    def _parse_group(self, flight: InFlight, res: dict) -> RolloutGroup:
+    def _parse_group(self, gid: str, flight: InFlight, res: dict) -> RolloutGroup:
         version = _int(res, "version", 0, 1 << 40)
         comps = res.get("completions")
         if not isinstance(comps, list) or len(comps) != self.G:
@@ -260,7 +249,7 @@ class Coordinator:
                 raise BadRequest(f"finish_reason {finish!r}")
             comp = Completion(ids, [float(x) for x in lps], finish)
             rollouts.append(Rollout(prompt_ids=flight.prompt_ids, completion=comp, version=version))
-        return RolloutGroup(row=flight.row, rollouts=rollouts)
+        return RolloutGroup(row=flight.row, rollouts=rollouts, group_id=gid, row_index=flight.row_index)
 
     def _snapshot_delivered(self, worker_id: str, version: int) -> None:
         with self.lock:
@@ -283,19 +272,18 @@ class Coordinator:
         with self.lock:
             return {"version": self.version, "buffered_groups": len(self.buffer),
                     "in_flight_groups": len(self.in_flight), "workers": sorted(self.workers),
-                    "registered": self.registered, "by_worker": dict(self.by_worker)}
+                    "registered": self.registered, "by_worker": dict(self.ledger.by_worker)}
 
     # ---------------------------------------------------------------- liveness
 
     def _retire(self, worker_id: str, reason: str) -> None:
         """Remove a worker; its in-flight groups are lost (counted) and their prompts re-queued. Holds the lock."""
         self.workers.pop(worker_id, None)
-        self.retired[reason] += 1
+        self.ledger.retire(worker_id, reason)
         self.activation.dirty = True
         for gid in [g for g, f in self.in_flight.items() if f.worker_id == worker_id]:
-            flight = self.in_flight.pop(gid)
-            self.lost[reason] += self.G
-            self.requeued.append(flight.row)
+            del self.in_flight[gid]
+            self.ledger.lose(gid, reason)
         if self.broadcaster is not None:
             self.broadcaster.remove_peer(worker_id)
         log.log(logging.INFO if reason == "worker_left" else logging.WARNING, "worker %s retired: %s", worker_id, reason)
@@ -318,7 +306,7 @@ class Coordinator:
         with self.lock:
             self.version = version
             self.activation.step_done(self.workers, time.monotonic())
-            self.dropped["stale"] += self.buffer.evict_stale(version) * self.G
+            self._evict_stale()
             self.lock.notify_all()  # long-polling workers may now be worth dispatching to
 
     def take(self, n: int, timeout_s: float | None = None) -> list[RolloutGroup]:
@@ -326,10 +314,10 @@ class Coordinator:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.lock:
             while True:
-                self.dropped["stale"] += self.buffer.evict_stale(self.version) * self.G
+                self._evict_stale()
                 got = self.buffer.take(n, self.version)
                 if got is not None:
-                    self.rollouts["consumed"] += n * self.G
+                    self.ledger.consumed([g.group_id for _, g in got])
                     self.batches_taken += 1
                     self.activation.took(time.monotonic())
                     self.lock.notify_all()  # room under the in-flight cap: wake long-polling workers
@@ -340,14 +328,26 @@ class Coordinator:
                                        f"({len(self.buffer)} buffered, {len(self.workers)} workers)")
                 self.lock.wait(timeout=1.0 if remaining is None else min(remaining, 1.0))
 
+    def _evict_stale(self) -> None:
+        for group in self.buffer.evict_stale(self.version):
+            self.ledger.drop(group.group_id, "stale", requeue=False)
+
+    def mark(self) -> int:
+        """A point to resume from (the learner is between steps): the journal's length now."""
+        with self.lock:
+            return self.ledger.position()
+
     def metrics(self) -> dict[str, float]:
         with self.lock:
+            led = self.ledger
             out = {"buffer/groups": float(len(self.buffer)), "buffer/in_flight_groups": float(len(self.in_flight)),
-                   "buffer/dropped_stale": float(self.dropped["stale"]),
-                   "rollout/dispatched": float(self.rollouts["dispatched"]),
-                   "rollout/received": float(self.rollouts["received"]),
-                   "rollout/lost": float(sum(self.lost.values())), "rollout/workers": float(len(self.workers)),
-                   "rollout/rejected_requests": float(sum(self.server.rejected.values()))}
+                   "buffer/dropped_stale": float(led.dropped["stale"]),
+                   "rollout/dispatched": float(led.rollouts["dispatched"]),
+                   "rollout/received": float(led.rollouts["received"]),
+                   "rollout/dropped": float(sum(led.dropped.values())),
+                   "rollout/lost": float(sum(led.lost.values())), "rollout/workers": float(len(self.workers)),
+                   "rollout/rejected_requests": float(sum(self.server.rejected.values())),
+                   "rollout/refused_results": float(sum(self.ledger.refused.values()))}
             for w in self.workers.values():
                 out[f"rollout/throughput/{w.worker_id}"] = w.rollouts_per_s
             out.update(self.activation.metrics(self.workers))
@@ -356,23 +356,31 @@ class Coordinator:
     def accounting(self) -> dict[str, Any]:
         """Every dispatched rollout is consumed, dropped (with reason) or lost (with reason)."""
         with self.lock:
-            return {"dispatched": self.rollouts["dispatched"], "received": self.rollouts["received"],
-                    "consumed": self.rollouts["consumed"], "dropped": _nonzero(self.dropped),
-                    "lost": _nonzero(self.lost),
-                    "in_flight": len(self.in_flight) * self.G, "buffered": len(self.buffer) * self.G,
-                    "by_worker": dict(self.by_worker), "workers_retired": _nonzero(self.retired)}
+            return {**self.ledger.accounting(), "requests_rejected": _nonzero(self.server.rejected)}
+
+    def abort(self) -> None:
+        """Stop serving without settling the books: the learner died, and a resume will book what is open."""
+        with self.lock:
+            self.closed = True
+            self.ledger.close()
+            self.lock.notify_all()
+        self.server.close()
 
     def close(self) -> dict[str, Any]:
         """Stop serving; what is still buffered or in flight is counted (dropped / lost at shutdown)."""
         with self.lock:
             self.closed = True
-            self.dropped["unconsumed_at_end"] += len(self.buffer) * self.G
+            for _, group in self.buffer.groups:
+                self.ledger.drop(group.group_id, "unconsumed_at_end", requeue=False)
             self.buffer.groups.clear()
-            self.lost["in_flight_at_end"] += len(self.in_flight) * self.G
+            for gid in self.in_flight:
+                self.ledger.lose(gid, "in_flight_at_end", requeue=False)
             self.in_flight.clear()
             self.lock.notify_all()
         self.server.close()
-        return self.accounting()
+        accounting = self.accounting()
+        self.ledger.close()
+        return accounting
 
 
 def _int(body: dict, key: str, lo: int, hi: int) -> int:
@@ -391,3 +399,22 @@ def _nonneg(body: dict, key: str, default: float) -> float:
 
 def _nonzero(counter: Counter) -> dict[str, int]:
     return {k: v for k, v in counter.items() if v}
+
+
+def _ledger(journal: str | None, recover: dict | None, group_size: int, n_rows: int, seed: int) -> Ledger:
+    if recover and journal is None:
+        raise ValueError("recovering the coordinator needs its journal")
+    if recover and recover.get("restart"):
+        led = Ledger.after_coordinator_restart(journal, group_size, n_rows, seed)
+        log.warning("coordinator restarted from %s: %s", journal, led.accounting())
+        return led
+    if recover:
+        led = Ledger.after_learner_resume(journal, int(recover["resume_offset"]), group_size, n_rows, seed)
+        log.info("coordinator resumed from %s at byte %d: %s", journal, recover["resume_offset"], led.accounting())
+        return led
+    led = Ledger(group_size, n_rows, seed)
+    if journal is not None:
+        if os.path.exists(journal):
+            os.unlink(journal)  # a fresh run in a used directory: the old journal is not this run's
+        led.open_journal(journal)
+    return led

@@ -17,6 +17,20 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def _child_setup(pin):
+    """Runs in the agent's process before exec: pin it (optional) and ask Linux to SIGTERM it when the learner
+    dies, even by SIGKILL, so that it stops its engine and leaves instead of retrying a coordinator that is gone."""
+    def setup():
+        if pin is not None:
+            pin()
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+    return setup
+
+
 class StaticPool:
     """Agents are started by someone else (a rented GPU box, a SLURM array) and join with the token.
     ``workers`` optionally lists the expected ones with prices and links (for planning: echo2.plan)."""
@@ -79,7 +93,7 @@ class LocalPool:
             out = open(self.log_dir / f"worker{i}.log", "ab")
             self._logs.append(out)
             cmd += ["--engine-log", str(self.log_dir / f"worker{i}.engine.log")]
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pin)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_child_setup(pin))
         self.procs.append(proc)
         log.info("started local worker %d (pid %d, engine %s, vLLM threads on core %d%s)", i, proc.pid, self.engine,
                  core, ", pinned" if pin else "")

@@ -28,6 +28,7 @@ class RolloutContext:
     publish_interval: int
     token: str
     activation: dict | None = None  # conf/activation, plus the broadcast mode (for the coordinator's planner)
+    resume: dict | None = None  # what the source's checkpoint() returned, when the learner resumes from one
 
 
 class Engine(Protocol):
@@ -61,6 +62,15 @@ class RolloutSource(Protocol):
 
     def metrics(self) -> dict[str, float]:
         """Called once per step after ``collect``; namespaced counters the source wants logged."""
+        ...
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Called when the learner saves a checkpoint (between steps); JSON-able state to resume the source from,
+        handed back as ``RolloutContext.resume``."""
+        ...
+
+    def on_resume(self, version: int, policy: Any) -> None:
+        """Called once when a resumed learner starts, with its restored version and weights."""
         ...
 
     def close(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@
        on_version set_version(v)    one-way
                  publish(v, blob)   one-way; the bytes go through a file in shared memory (/dev/shm), not the pipe
        metrics   metrics()          request → reply  (also status(), for tests and tools)
+       on_save   mark()             request → reply (the journal's length: where a resume starts from)
        close     close()            request → reply (the rollout accounting); then the process exits
 
     waits for (learner): a reply to take, i.e. P admissible groups;   unblocked by: worker pushes in the child
@@ -16,7 +17,8 @@ round trip per step plus unpickling its batch. The pipe carries pickles, but it 
 processes of this run, never the network: workers only ever reach the coordinator's JSON routes.
 
 If the learner dies (even kill -9) the child notices its parent's sentinel and exits; if the child dies the
-learner's next call raises with the child's exit code and log path.
+learner's next call raises CoordinatorDied with the child's exit code and log path, and the source starts a new
+one from the ledger's journal (async_source.py).
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ class CoordinatorProcess:
     def metrics(self) -> dict[str, float]:
         return self._call("metrics")
 
+    def mark(self) -> int:
+        """The journal's length now: a learner checkpoint taken between steps resumes from here."""
+        return self._call("mark")
+
     def status(self) -> dict[str, Any]:
         return self._call("status")
 
@@ -107,6 +113,13 @@ class CoordinatorProcess:
             self._kill()
             self.conn.close()
             shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+
+    def abandon(self) -> None:
+        """Forget a dead (or hopeless) coordinator: reap it and free what this handle holds."""
+        self.closed = True
+        self._kill()
+        self.conn.close()
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -165,13 +178,17 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
         "publish": lambda version, path: broadcaster.publish(version, _read_once(path)),
         "metrics": lambda: {**coordinator.metrics(), **broadcaster.metrics()},
         "status": coordinator.status,
+        "mark": coordinator.mark,
     }
     one_way = {"version", "publish"}
     while True:
         try:
             name, *args = conn.recv()
-        except (EOFError, OSError):  # the learner is gone without saying close
-            name, args = "close", []
+        except (EOFError, OSError):  # the learner is gone without saying close (killed): leave the journal as
+            log.warning("learner process gone; coordinator exiting")  # it is, for a resume to book what was open
+            broadcaster.close()
+            coordinator.abort()
+            return
         if name == "close":
             broadcaster.close()
             accounting = coordinator.close()

@@ -44,6 +44,13 @@ class SyncRolloutSource:
     def on_version(self, version: int, policy: Any) -> None:
         """Nothing to publish: the next ``collect`` is handed the updated policy itself."""
 
+    def checkpoint(self) -> dict[str, Any]:
+        """Nothing to keep: the rows come from TRL's sampler, which the learner's checkpoint restores."""
+        return {}
+
+    def on_resume(self, version: int, policy: Any) -> None:
+        pass
+
     def metrics(self) -> dict[str, float]:
         return {"rollout/received": float(self._generated), "rollout/generate_s": self._generate_s}
 

@@ -49,10 +49,13 @@ class Rollout:
 
 @dataclass
 class RolloutGroup:
-    """The G rollouts of one prompt (``row`` is the dataset row: prompt plus reward columns)."""
+    """The G rollouts of one prompt (``row`` is the dataset row: prompt plus reward columns). ``group_id`` and
+    ``row_index`` (into the task's training set) name it in the consumed-rollout log; -1: not known."""
 
     row: dict[str, Any]
     rollouts: list[Rollout]
+    group_id: str = ""
+    row_index: int = -1
 
     @property
     def version(self) -> int:

@@ -1,0 +1,270 @@
+"""Compare runs: PNG plots and a markdown table from their run directories.
+
+    python -m echo2.report RUN_DIR [RUN_DIR ...] [--out DIR] [--smooth 10]
+    python -m echo2.report multirun/2026-11-30/10-00-00/*     # every job of a sweep
+
+Reads each run's ``metrics.jsonl``, ``summary.json``, ``consumed.jsonl`` and ``.hydra/overrides.yaml`` (the
+label: the overrides that differ between the runs, else the directory name) and writes to --out (default: the
+current directory):
+
+    reward.png        reward against learner step, wall-clock time and dollars (moving average of --smooth steps)
+    staleness.png     histogram of the lag of every consumed group (step - version; from consumed.jsonl)
+    utilization.png   learner utilization over time (1 - time waiting for rollouts / wall, per window)
+    broadcast.png     time of each dissemination round against run time (broadcast/time_s)
+    report.md         one row per run: steps, wall, reward, eval accuracy, utilization, staleness, rollouts, $
+
+The same table (for one run) ends every training run: ``summary_table``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import textwrap
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+
+def load(run_dir: str | Path) -> dict[str, Any]:
+    d = Path(run_dir)
+    if not (d / "metrics.jsonl").exists():
+        raise FileNotFoundError(f"{d}: no metrics.jsonl (not an echo2 run directory?)")
+    records = _jsonl(d / "metrics.jsonl")
+    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+    consumed = _jsonl(d / "consumed.jsonl") if (d / "consumed.jsonl").exists() else []
+    overrides = []
+    if (d / ".hydra" / "overrides.yaml").exists():
+        import yaml
+
+        overrides = list(yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text()) or [])
+    return {"dir": d, "records": records, "summary": summary, "consumed": consumed, "overrides": overrides}
+
+
+def _jsonl(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a torn last line of a killed run
+            pass
+    return out
+
+
+def labels(runs: list[dict]) -> list[str]:
+    """Each run's overrides that not every run shares (a sweep's axes), else its directory name."""
+    common = set.intersection(*(set(r["overrides"]) for r in runs)) if runs else set()
+    out = []
+    for r in runs:
+        own = sorted(o for o in r["overrides"] if o not in common and not o.startswith("hydra."))
+        out.append(" ".join(own) if own else r["dir"].name)
+    if len(set(out)) < len(out):  # not distinguishing: fall back on the directories
+        out = [r["dir"].name for r in runs]
+    return out
+
+
+def row(run: dict) -> dict[str, Any]:
+    """The numbers of one run (from its summary, else its last records)."""
+    recs, s = run["records"], run["summary"]
+    last = recs[-1] if recs else {}
+    rewards = [r["reward/mean"] for r in recs if r.get("reward/mean") is not None]
+    tail = rewards[-20:]
+    lags = staleness(run)
+    acc = s.get("rollout_accounting") or {}
+    evals = s.get("eval_accuracy_by_step") or {str(r["step"]): r["eval/accuracy"] for r in recs
+                                                if r.get("eval/accuracy") is not None}
+    return {
+        "steps": s.get("steps", last.get("step", 0)),
+        "wall_s": s.get("wall_s", last.get("time_s")),
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last20": sum(tail) / len(tail) if tail else None,
+        "eval_accuracy": evals[max(evals, key=int)] if evals else None,
+        "utilization": last.get("train/learner_utilization"),
+        "staleness_mean": sum(k * n for k, n in lags.items()) / sum(lags.values()) if lags else
+        _mean([r.get("buffer/staleness_mean") for r in recs]),
+        "consumed": acc.get("consumed"), "dropped": sum((acc.get("dropped") or {}).values()) if acc else None,
+        "lost": sum((acc.get("lost") or {}).values()) if acc else None,
+        "usd": last.get("cost/usd"),
+    }
+
+
+def staleness(run: dict) -> Counter:
+    """Lag (learner step - 1 - policy version) of every consumed group: step t trains version t-1's successor."""
+    return Counter(c["step"] - 1 - v for c in run["consumed"] for v in c["versions"])
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _fmt(x: Any, spec: str = ".3f") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return format(x, spec) if isinstance(x, float) else str(x)
+
+
+COLUMNS = [("steps", "steps", "d"), ("wall_s", "wall s", ".1f"), ("reward_first", "reward first", ".3f"),
+           ("reward_last20", "reward last 20", ".3f"), ("eval_accuracy", "eval acc", ".3f"),
+           ("utilization", "learner util", ".2f"), ("staleness_mean", "mean lag", ".2f"),
+           ("consumed", "consumed", "d"), ("dropped", "dropped", "d"), ("lost", "lost", "d"), ("usd", "$", ".4f")]
+
+
+def markdown(runs: list[dict]) -> str:
+    names = labels(runs)
+    lines = ["| run | " + " | ".join(c[1] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for name, run in zip(names, runs, strict=True):
+        r = row(run)
+        lines.append(f"| {name} | " + " | ".join(_fmt(r[k], spec) for k, _, spec in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def summary_table(summary: dict[str, Any], records: list[dict]) -> str:
+    """The end-of-run table (rich, for the terminal)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    r = row({"records": records, "summary": summary, "consumed": [], "dir": Path("."), "overrides": []})
+    acc = summary.get("rollout_accounting") or {}
+    t = Table(title="echo2 run summary", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for key, label, spec in COLUMNS:
+        t.add_row(label, _fmt(r[key], spec))
+    for what in ("dropped", "lost"):
+        for reason, n in sorted((acc.get(what) or {}).items()):
+            t.add_row(f"  {what}: {reason}", str(n))
+    console = Console(width=100, record=True, force_terminal=False)
+    with console.capture() as cap:
+        console.print(t)
+    return cap.get()
+
+
+def plot(runs: list[dict], out: Path, smooth: int = 10) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = [textwrap.fill(n, 40) for n in labels(runs)]  # long override lists wrap in the legends
+    written = []
+
+    def ma(xs):
+        acc, q = [], []
+        for x in xs:
+            q.append(x)
+            q = q[-smooth:]
+            acc.append(sum(q) / len(q))
+        return acc
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for name, run in zip(names, runs, strict=True):
+        recs = [r for r in run["records"] if r.get("reward/mean") is not None]
+        y = ma([r["reward/mean"] for r in recs])
+        axes[0].plot([r["step"] for r in recs], y, label=name)
+        axes[1].plot([r["time_s"] for r in recs], y, label=name)
+        cost = [(r.get("cost/usd"), v) for r, v in zip(recs, y, strict=True) if r.get("cost/usd") is not None]
+        if cost and max(c for c, _ in cost) > 0:
+            axes[2].plot([c for c, _ in cost], [v for _, v in cost], label=name)
+    for ax, xl in zip(axes, ("learner step", "wall-clock s", "cumulative $"), strict=True):
+        ax.set_xlabel(xl)
+        ax.set_ylabel(f"reward (moving average of {smooth})")
+        ax.grid(alpha=0.3)
+    if not axes[2].lines:
+        axes[2].text(0.5, 0.5, "no cost recorded\n(every worker at $0/h)", ha="center", va="center",
+                     transform=axes[2].transAxes)
+    axes[0].legend(fontsize=8)
+    written.append(_save(fig, out / "reward.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    hists = [(name, staleness(run)) for name, run in zip(names, runs, strict=True)]
+    width = 0.8 / max(1, len(hists))
+    for i, (name, h) in enumerate(hists):
+        total = sum(h.values()) or 1
+        ks = sorted(h)
+        ax.bar([k + i * width for k in ks], [h[k] / total for k in ks], width=width, label=name)
+    lags = sorted({k for _, h in hists for k in h})
+    ax.set_xticks([k + (len(hists) - 1) * width / 2 for k in lags], [str(k) for k in lags])
+    ax.set_xlabel("lag of a consumed group (versions)")
+    ax.set_ylabel("fraction of groups")
+    if not any(h for _, h in hists):
+        ax.text(0.5, 0.5, "no consumed.jsonl (sync runs have lag 0)", ha="center", transform=ax.transAxes)
+    ax.legend(fontsize=8)
+    written.append(_save(fig, out / "staleness.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, run in zip(names, runs, strict=True):
+        t, u = utilization_series(run["records"], window=smooth)
+        ax.plot(t, u, label=name)
+    ax.set_xlabel("wall-clock s")
+    ax.set_ylabel(f"learner utilization (window of {smooth} steps)")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    written.append(_save(fig, out / "utilization.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, run in zip(names, runs, strict=True):
+        pts = [(r["time_s"], r["broadcast/time_s"]) for r in run["records"] if r.get("broadcast/time_s")]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker=".", linestyle="none", label=name)
+    ax.set_xlabel("wall-clock s")
+    ax.set_ylabel("last dissemination round (s)")
+    if not ax.lines:
+        ax.text(0.5, 0.5, "no broadcasts (sync runs)", ha="center", transform=ax.transAxes)
+    else:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, out / "broadcast.png"))
+    return written
+
+
+def utilization_series(records: list[dict], window: int = 10) -> tuple[list[float], list[float]]:
+    """(time, 1 - idle/wall) over each window of ``window`` steps."""
+    t, u = [], []
+    for i in range(window, len(records), max(1, window // 2)):
+        a, b = records[i - window], records[i]
+        wall = b["time_s"] - a["time_s"]
+        idle = sum(r.get("train/learner_idle_s", 0.0) for r in records[i - window + 1:i + 1])
+        if wall > 0:
+            t.append(b["time_s"])
+            u.append(max(0.0, 1 - idle / wall))
+    return t, u
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m echo2.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    p.add_argument("--out", default=".", help="where the PNGs and report.md go")
+    p.add_argument("--smooth", type=int, default=10, help="moving-average window, in steps")
+    args = p.parse_args(argv)
+    dirs = [d for d in args.runs if (Path(d) / "metrics.jsonl").exists()]
+    skipped = sorted(set(args.runs) - set(dirs))
+    if not dirs:
+        p.error(f"no run directory among {args.runs} (each needs a metrics.jsonl)")
+    runs = [load(d) for d in dirs]
+    out = Path(args.out)
+    files = plot(runs, out, args.smooth)
+    table = markdown(runs)
+    (out / "report.md").write_text(table)
+    files.append(out / "report.md")
+    print(table)
+    if skipped:
+        print(f"skipped (no metrics.jsonl): {' '.join(skipped)}")
+    print("wrote " + " ".join(str(f) for f in files))
+
+
+if __name__ == "__main__":
+    main()

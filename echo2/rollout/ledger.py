@@ -1,0 +1,272 @@
+"""The rollout books, the data position, and their journal: what survives a coordinator or learner restart.
+
+Every prompt group the coordinator hands out has one life, and the ledger records each transition:
+
+    draw ──► in flight ──► received ──► buffered ──► consumed            (a learner step trained on it)
+                 │             │            └──────► dropped[reason]     (stale, discarded_by_resume, ...)
+                 │             └───────────────────► dropped[reason]     (invalid, future_version)
+                 └─────────────────────────────────► lost[reason]        (worker_dead, coordinator_restart, ...)
+
+so that, in rollouts (G per group), ``dispatched = consumed + Σ dropped + Σ lost + in flight + buffered``
+always. The data position is the row stream (a seeded shuffle per epoch of the training set's indices) plus
+the queue of rows handed back for another try (a lost or invalid group's prompt is generated again).
+
+**The journal** (``<run dir>/rollouts.journal``): one JSON line per transition, appended under the
+coordinator's lock and written through to the OS at once (line buffering; a killed process loses nothing it
+wrote, a crashed machine may lose the tail). Replaying it rebuilds the exact books, the data position and the
+open groups. Two uses:
+
+* **coordinator restart** (its process died): replay; the groups still open were in the dead process's memory,
+  so in-flight ones are lost and buffered ones dropped, with reason ``coordinator_restart``; their prompts
+  go back to the queue.
+* **learner resume** from the checkpoint at step k, which records the journal's length at that moment: the
+  data position goes back to step k's (rows drawn after it are drawn again; groups open at k have their
+  prompts re-queued), while the books keep everything the dead run did after k: its consumed rollouts
+  trained steps that were thrown away (dropped, ``discarded_by_resume``), its open groups at death are
+  lost / dropped with reason ``learner_restart``.
+
+Either way a ``state`` line records the recovered state, so replaying the whole journal again gives it back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+IN_FLIGHT, BUFFERED = "in_flight", "buffered"
+
+
+def index_stream(n_rows: int, seed: int, skip: int = 0):
+    """Row indices in a fresh seeded shuffle each epoch, forever, without the first ``skip``."""
+    rng = random.Random(seed)
+    for _epoch in itertools.count():
+        order = list(range(n_rows))
+        rng.shuffle(order)
+        for i in order:
+            if skip:
+                skip -= 1
+                continue
+            yield i
+
+
+@dataclass
+class Ledger:
+    group_size: int
+    n_rows: int
+    seed: int = 0
+    drawn: int = 0  # rows taken from the stream so far
+    next_group: int = 0
+    next_worker: int = 0
+    requeue: deque = field(default_factory=deque)  # row indices to hand out again, before new ones
+    open: dict = field(default_factory=dict)  # group id -> [row index, IN_FLIGHT | BUFFERED]
+    rollouts: Counter = field(default_factory=Counter)  # dispatched, received, consumed
+    dropped: Counter = field(default_factory=Counter)  # reason -> rollouts
+    lost: Counter = field(default_factory=Counter)  # reason -> rollouts
+    by_worker: Counter = field(default_factory=Counter)  # worker id -> rollouts received from it
+    retired: Counter = field(default_factory=Counter)  # reason -> workers removed (dead, left)
+    refused: Counter = field(default_factory=Counter)  # reason -> results refused unread (replays, ...)
+    journal: Any = None  # an open text file, or None
+    valid_bytes: int | None = None  # set by replay: the journal's length up to its last whole line
+
+    def __post_init__(self):
+        self._stream = index_stream(self.n_rows, self.seed, self.drawn)
+
+    # ------------------------------------------------------------------ transitions (the caller holds its lock)
+    # Each one is an event: applied here exactly as replay applies it (``_apply``), then journaled.
+
+    def draw(self) -> tuple[str, int]:
+        """A new group: (group id, row index), the row from the re-queue first, else the stream."""
+        requeued = bool(self.requeue)
+        row = self.requeue[0] if requeued else next(self._stream)
+        gid = f"g{self.next_group}"
+        self._event("d", gid, row, int(requeued))
+        return gid, row
+
+    def received(self, gid: str, worker_id: str) -> None:
+        self._event("r", gid, worker_id)
+
+    def consumed(self, gids: list[str]) -> None:
+        self._event("c", gids)
+
+    def drop(self, gid: str, reason: str, requeue: bool) -> None:
+        """A group that came back but will not be trained on (stale, invalid, ...)."""
+        self._event("x", gid, reason, int(requeue))
+
+    def lose(self, gid: str, reason: str, requeue: bool = True) -> None:
+        """A group that never came back (its worker died, the coordinator died, the run ended)."""
+        self._event("l", gid, reason, int(requeue))
+
+    def retire(self, worker_id: str, reason: str) -> None:
+        self._event("t", worker_id, reason)
+
+    def refuse(self, reason: str) -> None:
+        self._event("f", reason)
+
+    def new_worker_id(self) -> str:
+        wid = f"w{self.next_worker}"
+        self._event("w", wid)
+        return wid
+
+    def _event(self, kind: str, *args: Any) -> None:
+        self._apply(kind, list(args))
+        self._write(kind, *args)
+
+    # ------------------------------------------------------------------ the books
+
+    def accounting(self) -> dict[str, Any]:
+        states = Counter(s for _, s in self.open.values())
+        return {"dispatched": self.rollouts["dispatched"], "received": self.rollouts["received"],
+                "consumed": self.rollouts["consumed"], "dropped": _nonzero(self.dropped), "lost": _nonzero(self.lost),
+                "in_flight": states[IN_FLIGHT] * self.group_size, "buffered": states[BUFFERED] * self.group_size,
+                "by_worker": dict(self.by_worker), "workers_retired": _nonzero(self.retired),
+                "results_refused": _nonzero(self.refused)}
+
+    # ------------------------------------------------------------------ journal
+
+    def open_journal(self, path: str) -> int:
+        """Append transitions to ``path`` from now on; returns its length (a resume point). A replayed ledger
+        first cuts off a torn last line, so that what follows it is not glued to it."""
+        if self.valid_bytes is not None and os.path.getsize(path) > self.valid_bytes:
+            os.truncate(path, self.valid_bytes)
+        self.journal = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (closed by close())
+        return self.position()
+
+    def position(self) -> int:
+        """The journal's length in bytes: everything up to here is a state a checkpoint can return to."""
+        return self.journal.tell() if self.journal is not None else 0
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+
+    def _write(self, *event: Any) -> None:
+        if self.journal is not None:
+            self.journal.write(json.dumps(event, separators=(",", ":")) + "\n")
+
+    def checkpoint(self) -> None:
+        """Write the whole state as one line (replay restarts from it)."""
+        self._write("s", self.state())
+
+    def state(self) -> dict[str, Any]:
+        return {"drawn": self.drawn, "next_group": self.next_group, "next_worker": self.next_worker,
+                "requeue": list(self.requeue), "open": self.open, "rollouts": self.rollouts,
+                "dropped": self.dropped, "lost": self.lost, "by_worker": self.by_worker, "retired": self.retired,
+                "refused": self.refused}
+
+    @classmethod
+    def replay(cls, path: str, group_size: int, n_rows: int, seed: int, upto: int | None = None) -> "Ledger":
+        """The ledger as the journal at ``path`` left it (its first ``upto`` bytes only, if given)."""
+        led = cls(group_size, n_rows, seed)
+        with open(path, "rb") as f:
+            data = f.read() if upto is None else f.read(upto)
+        lines = data.split(b"\n")
+        led.valid_bytes = len(data) - len(lines[-1])
+        if lines[-1] and upto is None:  # no newline at the end: the process died mid-write; that line never happened
+            log.warning("journal %s: ignoring a torn last line (%d bytes)", path, len(lines[-1]))
+        for lineno, line in enumerate(lines[:-1], 1):
+            try:
+                kind, *args = json.loads(line)
+                led._apply(kind, args)
+            except Exception as e:
+                raise ValueError(f"journal {path} line {lineno}: {type(e).__name__}: {e}") from e
+        return led._restream()
+
+    def _apply(self, kind: str, args: list) -> None:
+        G = self.group_size
+        if kind == "d":
+            gid, row, requeued = args
+            if requeued:
+                if not self.requeue or self.requeue.popleft() != row:
+                    raise ValueError(f"group {gid}: row {row} was not next in the re-queue")
+            else:
+                self.drawn += 1
+            self.next_group = max(self.next_group, int(gid[1:]) + 1)
+            self.open[gid] = [row, IN_FLIGHT]
+            self.rollouts["dispatched"] += G
+        elif kind == "r":
+            gid, worker = args
+            self.open[gid][1] = BUFFERED
+            self.rollouts["received"] += G
+            self.by_worker[worker] += G
+        elif kind == "c":
+            for gid in args[0]:
+                del self.open[gid]
+            self.rollouts["consumed"] += len(args[0]) * G
+        elif kind in ("x", "l"):
+            gid, reason, requeue = args
+            row, _ = self.open.pop(gid)
+            (self.dropped if kind == "x" else self.lost)[reason] += G
+            if requeue:
+                self.requeue.append(row)
+        elif kind == "w":
+            self.next_worker = max(self.next_worker, int(args[0][1:]) + 1)
+        elif kind == "t":
+            self.retired[args[1]] += 1
+        elif kind == "f":
+            self.refused[args[0]] += 1
+        elif kind == "s":
+            s = args[0]
+            self.drawn, self.next_group, self.next_worker = s["drawn"], s["next_group"], s["next_worker"]
+            self.requeue, self.open = deque(s["requeue"]), {k: list(v) for k, v in s["open"].items()}
+            self.rollouts, self.dropped = Counter(s["rollouts"]), Counter(s["dropped"])
+            self.lost, self.by_worker = Counter(s["lost"]), Counter(s["by_worker"])
+            self.retired, self.refused = Counter(s.get("retired", {})), Counter(s.get("refused", {}))
+        else:
+            raise ValueError(f"unknown event {kind!r}")
+
+    def _restream(self) -> "Ledger":
+        self._stream = index_stream(self.n_rows, self.seed, self.drawn)
+        return self
+
+    # ------------------------------------------------------------------ recovery
+
+    @classmethod
+    def after_coordinator_restart(cls, path: str, group_size: int, n_rows: int, seed: int) -> "Ledger":
+        """The books a new coordinator starts from after its predecessor died: open groups are gone."""
+        led = cls.replay(path, group_size, n_rows, seed)
+        led.open_journal(path)
+        for gid, (_row, state) in sorted(led.open.items(), key=lambda kv: int(kv[0][1:])):
+            if state == IN_FLIGHT:
+                led.lose(gid, "coordinator_restart")
+            else:
+                led.drop(gid, "coordinator_restart", requeue=True)
+        led.checkpoint()
+        return led
+
+    @classmethod
+    def after_learner_resume(cls, path: str, offset: int, group_size: int, n_rows: int, seed: int) -> "Ledger":
+        """The books and data position for a learner resuming from the checkpoint taken at journal length
+        ``offset`` (see the module doc)."""
+        at = cls.replay(path, group_size, n_rows, seed, upto=offset)
+        led = cls.replay(path, group_size, n_rows, seed)
+        after = led.rollouts["consumed"] - at.rollouts["consumed"]
+        if after:
+            led.dropped["discarded_by_resume"] += after
+            led.rollouts["consumed"] -= after
+        for _gid, (_row, state) in led.open.items():
+            (led.lost if state == IN_FLIGHT else led.dropped)["learner_restart"] += group_size
+        led.open = {}
+        # The data position is the checkpoint's: its queue, then the prompts of the groups open then, in order.
+        led.drawn = at.drawn
+        open_at = sorted(at.open.items(), key=lambda kv: int(kv[0][1:]))
+        led.requeue = deque([*at.requeue, *(row for row, _ in (v for _, v in open_at))])
+        led._restream().open_journal(path)
+        led.checkpoint()
+        return led
+
+
+def _nonzero(counter: Counter) -> dict[str, int]:
+    return {k: v for k, v in counter.items() if v}
+
+
+def journal_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "rollouts.journal")

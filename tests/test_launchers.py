@@ -1,0 +1,104 @@
+"""Launchers and the researcher's view: sweeps (own dirs, one wandb group, job names from overrides), submitit,
+SLURM config, join and local launchers, the end-of-run table, and ``python -m echo2.report``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, read_jsonl, run_train, small_coordinator, wait_until
+
+
+@pytest.mark.slow
+def test_a_sweep_has_one_wandb_group_job_names_from_overrides_and_a_report(tmp_path):
+    """The issue's sweep shape, shrunk: staleness x broadcast over async runs with local hf workers."""
+    sweep = tmp_path / "sweep"
+    out = run_train(["-m", "rollout.staleness=0,2", "broadcast=pipelined,one_to_many", "pool.engine=hf",
+                     "run.steps=3", "run.eval_every_steps=0", "run.progress=false", f"hydra.sweep.dir={sweep}"],
+                    tmp_path, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
+    assert len(jobs) == 4, [p.name for p in sweep.iterdir()]
+    infos = [json.loads((j / "summary.json").read_text())["wandb"] for j in jobs]
+    assert len({i["group"] for i in infos}) == 1 and infos[0]["group"] == f"{sweep.parent.name}_{sweep.name}"
+    names = {i["name"] for i in infos}
+    assert names == {f"broadcast={b},rollout.staleness={s}" for b in ("one_to_many", "pipelined") for s in (0, 2)}
+    for job, info in zip(jobs, infos, strict=True):  # the run dir is named from the same overrides (and the rest)
+        assert set(info["name"].split(",")) <= set(job.name.split("_", 1)[1].split(",")), (job.name, info["name"])
+    assert out.stdout.count("echo2 run summary") == 4, out.stdout[-2000:]
+
+    report = tmp_path / "report"
+    rep = subprocess.run([sys.executable, "-m", "echo2.report", *map(str, jobs), "--out", str(report)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    for png in ("reward.png", "staleness.png", "utilization.png", "broadcast.png"):
+        assert (report / png).stat().st_size > 10_000, png
+    table = (report / "report.md").read_text().splitlines()
+    assert len(table) == 2 + 4 and "broadcast=one_to_many rollout.staleness=2" in "\n".join(table)
+    assert all(row.count("|") == table[0].count("|") for row in table)
+
+
+@pytest.mark.slow
+def test_submitit_runs_a_sweep_as_separate_jobs(tmp_path):
+    """hydra/launcher=submitit_local: the SLURM path (submitit pickles each job and runs it in a process of its
+    own), on this machine."""
+    sweep = tmp_path / "sweep"
+    out = run_train(["-m", "hydra/launcher=submitit_local", "seed=0,1", "rollout=sync", "run.steps=2",
+                     "run.eval_every_steps=0", "run.wandb=disabled", "run.progress=false",
+                     f"hydra.sweep.dir={sweep}"], tmp_path, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit())
+    assert [len(read_jsonl(j / "metrics.jsonl")) for j in jobs] == [2, 2]
+    assert list((sweep / ".submitit").glob("*/*_result.pkl")), "not run through submitit"
+
+
+def test_the_slurm_launcher_config_composes(tmp_path):
+    out = run_train(["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "--cfg", "hydra"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SlurmLauncher" in out.stdout and "partition: gpu" in out.stdout and "max_num_timeout: 3" in out.stdout
+
+
+def test_join_needs_a_token_and_then_joins_a_running_learner(tiny_model_dir, tmp_path):
+    env = dict(os.environ, ECHO2_PYTHON=sys.executable)
+    env.pop("ECHO2_TOKEN", None)
+    refused = subprocess.run(["launchers/join.sh", "http://127.0.0.1:1"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode != 0 and "ECHO2_TOKEN" in refused.stderr
+    coord = small_coordinator(tiny_model_dir)
+    agent = subprocess.Popen(["launchers/join.sh", coord.url, "--model", tiny_model_dir, "--engine", "hf"], cwd=ROOT,
+                             env=dict(env, ECHO2_TOKEN="secret"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: coord.status()["registered"] == 1, timeout_s=120)
+        assert coord.status()["registered"] == 1
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+        coord.close()
+    assert agent.returncode == 0
+
+
+@pytest.mark.slow
+def test_local_launcher_runs_the_learner_with_n_agents(tmp_path):
+    out = run_train(["3", "pool.engine=hf", "run.steps=3", "run.eval_every_steps=0", "run.wandb=disabled",
+                     f"hydra.run.dir={tmp_path}"], tmp_path, launcher=["launchers/local.sh"], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(list((tmp_path / "workers").glob("worker?.log"))) == 3
+
+
+def test_report_refuses_a_directory_that_is_not_a_run(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "echo2.report", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "metrics.jsonl" in out.stderr
+
+
+def test_progress_fields_show_lag_utilization_and_dollars():
+    from echo2.learner.callbacks import progress_fields
+
+    f = progress_fields({"reward/mean": 0.5, "buffer/staleness_mean": 1.5, "train/learner_utilization": 0.8,
+                         "cost/usd": 0.0123}, [(10, 0.75)])
+    assert f == {"reward": "0.500", "lag": "1.5", "util": "0.80", "$": "0.0123", "eval": "0.750"}

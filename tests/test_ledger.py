@@ -1,0 +1,132 @@
+"""The ledger's journal: replay gives back the exact books and data position, at any prefix; recovery after a
+coordinator restart or a learner resume keeps the accounting identity and the checkpoint's data position."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from echo2.rollout.ledger import BUFFERED, IN_FLIGHT, Ledger, index_stream
+
+G, ROWS = 4, 7
+
+
+def balanced(acc):
+    return acc["dispatched"] == (acc["consumed"] + sum(acc["dropped"].values()) + sum(acc["lost"].values())
+                                 + acc["in_flight"] + acc["buffered"])
+
+
+def drive(led: Ledger, rng: random.Random, n: int, marks: list | None = None) -> None:
+    """``n`` random transitions, as a coordinator would make them; ``marks`` collects (position, state)."""
+    for _ in range(n):
+        flying = [g for g, (_, s) in led.open.items() if s == IN_FLIGHT]
+        buffered = [g for g, (_, s) in led.open.items() if s == BUFFERED]
+        op = rng.random()
+        if op < 0.35 or not led.open:
+            led.draw()
+        elif op < 0.55 and flying:
+            led.received(rng.choice(flying), f"w{rng.randrange(3)}")
+        elif op < 0.65 and flying:
+            led.lose(rng.choice(flying), "worker_dead")
+        elif op < 0.7 and flying:
+            led.drop(rng.choice(flying), "invalid", requeue=True)
+        elif op < 0.85 and len(buffered) >= 2:
+            led.consumed(buffered[:2])
+        elif op < 0.9 and buffered:
+            led.drop(buffered[0], "stale", requeue=False)
+        elif op < 0.92:
+            led.new_worker_id()
+        elif op < 0.93:
+            led.retire(f"w{rng.randrange(3)}", rng.choice(["worker_dead", "worker_left"]))
+        elif op < 0.94:
+            led.refuse("not_in_flight_for_this_worker")
+        if marks is not None and rng.random() < 0.1:
+            marks.append((led.position(), json.loads(json.dumps(led.state()))))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_replay_of_any_prefix_gives_back_the_state_then(tmp_path, seed):
+    path = str(tmp_path / "j")
+    led = Ledger(G, ROWS, seed)
+    led.open_journal(path)
+    marks = []
+    drive(led, random.Random(seed), 400, marks)
+    marks.append((led.position(), json.loads(json.dumps(led.state()))))
+    assert len(marks) > 5
+    for position, state in marks:
+        assert json.loads(json.dumps(Ledger.replay(path, G, ROWS, seed, upto=position).state())) == state
+    # the stream goes on where it was: the next rows drawn are the same
+    again = Ledger.replay(path, G, ROWS, seed)
+    led.requeue.clear(), again.requeue.clear()
+    assert [led.draw()[1] for _ in range(10)] == [again.draw()[1] for _ in range(10)]
+    assert balanced(led.accounting())
+
+
+def test_a_torn_last_line_is_ignored_and_a_corrupt_one_is_an_error(tmp_path):
+    path = tmp_path / "j"
+    led = Ledger(G, ROWS)
+    led.open_journal(str(path))
+    led.draw(), led.draw()
+    led.close()
+    with open(path, "a") as f:
+        f.write('["d","g2",')  # the process died mid-line
+    assert Ledger.replay(str(path), G, ROWS, 0).accounting()["dispatched"] == 2 * G
+    new = Ledger.after_coordinator_restart(str(path), G, ROWS, 0)  # cuts the torn line off before appending
+    new.close()
+    assert Ledger.replay(str(path), G, ROWS, 0).state() == new.state()
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], '["?"]', *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="line 2: ValueError: unknown event"):
+        Ledger.replay(str(path), G, ROWS, 0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_coordinator_restart_counts_what_was_open_and_requeues_its_prompts(tmp_path, seed):
+    path = str(tmp_path / "j")
+    led = Ledger(G, ROWS, seed)
+    led.open_journal(path)
+    drive(led, random.Random(seed), 300)
+    open_before = dict(led.open)
+    requeue_before = list(led.requeue)
+    led.close()  # the process dies
+
+    new = Ledger.after_coordinator_restart(path, G, ROWS, seed)
+    acc = new.accounting()
+    assert balanced(acc) and acc["in_flight"] == acc["buffered"] == 0
+    n_flying = sum(s == IN_FLIGHT for _, s in open_before.values())
+    assert acc["lost"].get("coordinator_restart", 0) == n_flying * G
+    assert acc["dropped"].get("coordinator_restart", 0) == (len(open_before) - n_flying) * G
+    assert sorted(new.requeue) == sorted(requeue_before + [r for r, _ in open_before.values()])
+    assert new.next_group == led.next_group and new.next_worker == led.next_worker
+    drive(new, random.Random(seed + 100), 50)  # carries on; a second replay sees all of it
+    assert Ledger.replay(path, G, ROWS, seed).state() == new.state()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_learner_resume_rewinds_the_data_position_and_books_the_dead_runs_work(tmp_path, seed):
+    path = str(tmp_path / "j")
+    rng = random.Random(seed)
+    led = Ledger(G, ROWS, seed)
+    led.open_journal(path)
+    drive(led, rng, 200)
+    offset, at = led.position(), Ledger.replay(path, G, ROWS, seed)  # the checkpoint
+    drive(led, rng, 150)  # the run goes on, then is killed
+    final = led.accounting()
+    led.close()
+
+    new = Ledger.after_learner_resume(path, offset, G, ROWS, seed)
+    acc = new.accounting()
+    assert balanced(acc) and acc["in_flight"] == acc["buffered"] == 0
+    assert acc["dispatched"] == final["dispatched"]  # nothing the dead run handed out is forgotten
+    assert acc["consumed"] == at.rollouts["consumed"]  # trained-on rollouts: those of the steps kept
+    assert acc["dropped"].get("discarded_by_resume", 0) == final["consumed"] - at.rollouts["consumed"]
+    assert acc["lost"].get("learner_restart", 0) == final["in_flight"]
+    assert acc["dropped"].get("learner_restart", 0) == final["buffered"]
+    # data position: the checkpoint's re-queue, then the prompts of the groups open then, then its stream
+    expect = [*at.requeue, *(at.open[g][0] for g in sorted(at.open, key=lambda g: int(g[1:])))]
+    stream = index_stream(ROWS, seed, skip=at.drawn)
+    expect += [next(stream) for _ in range(10)]
+    assert [new.draw()[1] for _ in range(len(expect))] == expect
+    assert int(new.draw()[0][1:]) > int(max(led.state()["open"] or ["g0"], key=lambda g: int(g[1:]))[1:])
