@@ -102,3 +102,25 @@ def test_progress_fields_show_lag_utilization_and_dollars():
     f = progress_fields({"reward/mean": 0.5, "buffer/staleness_mean": 1.5, "train/learner_utilization": 0.8,
                          "cost/usd": 0.0123}, [(10, 0.75)])
     assert f == {"reward": "0.500", "lag": "1.5", "util": "0.80", "$": "0.0123", "eval": "0.750"}
+
+
+@pytest.mark.slow
+def test_wan_launcher_puts_each_worker_in_its_own_shaped_host(tmp_path):
+    from echo2.broadcast import testbed
+
+    why = testbed.available()
+    if why:
+        pytest.skip(f"require_netns: {why}")
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, "launchers/wan.py", "--workers", "2", "--link-mbit", "50", "--rtt-ms", "20",
+                          "--engine", "hf", "--port", "29611", "--", "run.steps=5", "run.eval_every_steps=0",
+                          "run.wandb=disabled", "run.progress=false", f"hydra.run.dir={tmp_path}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 5 and len(summary["rollout_accounting"]["by_worker"]) == 2
+    logs = [(tmp_path / "workers" / f"worker{i}.log").read_text() for i in (0, 1)]
+    assert all("registered as" in log for log in logs)
+    coordinator = (tmp_path / "coordinator.log").read_text()  # each worker joined from its own host's address
+    assert "snapshots at http://127.100.0.11:" in coordinator and "snapshots at http://127.100.0.12:" in coordinator
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before

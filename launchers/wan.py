@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""The learner plus N local worker agents, each in its own emulated WAN host (network namespaces, shaped links,
+a delay line: echo2/broadcast/testbed.py). Needs root and iptables (Linux).
+
+    sudo .venv/bin/python launchers/wan.py --workers 3 --link-mbit 100 --rtt-ms 40 -- run.steps=100 pool.engine=hf
+    sudo .venv/bin/python launchers/wan.py --workers 4 --link-mbit 50 --learner-uplink-mbit 200 -- broadcast=one_to_many
+
+The learner (train.py with pool=static) runs on host 0, worker i (python -m echo2.worker) on host i; every
+worker's up- and downlink is shaped to --link-mbit, the learner's to --learner-uplink-mbit, and every pair of
+hosts is --rtt-ms apart. Arguments after ``--`` go to train.py. Ctrl-C stops the learner after its step (it
+writes its summary), then the workers; the namespaces are removed on exit, also on failure. Worker logs go to
+<run dir>/workers/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--link-mbit", type=float, default=100.0, help="each worker's uplink and downlink")
+    p.add_argument("--learner-uplink-mbit", type=float, default=None, help="default: --link-mbit")
+    p.add_argument("--rtt-ms", type=float, default=40.0, help="between any two hosts")
+    p.add_argument("--model", default=None, help="the workers' weights (default: the tiny model, built here)")
+    p.add_argument("--engine", default=None, choices=["vllm", "hf"], help="workers' engine (default: vllm if installed)")
+    p.add_argument("--port", type=int, default=29600, help="the coordinator's port on the learner host")
+    p.add_argument("train_args", nargs="*", help="after --: hydra overrides for train.py")
+    args = p.parse_args(argv)
+
+    from echo2.broadcast import testbed
+
+    why = testbed.available()
+    if why:
+        p.error(f"the emulated WAN {why}; run without it: launchers/local.sh N")
+    model = args.model
+    if model is None:
+        from echo2.models.tiny import build_tiny
+
+        model = build_tiny()
+    run_dir = next((a.split("=", 1)[1] for a in args.train_args if a.startswith("hydra.run.dir=")),
+                   str(ROOT / "outputs" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S-wan")))
+    (Path(run_dir) / "workers").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, ECHO2_TOKEN=os.environ.get("ECHO2_TOKEN") or secrets.token_urlsafe(24))
+    up = args.learner_uplink_mbit or args.link_mbit
+    links = [testbed.HostLink(up, up)] + [testbed.HostLink(args.link_mbit, args.link_mbit)] * args.workers
+    with testbed.NetnsTestbed(links, rtt_ms=args.rtt_ms) as tb:
+        host0 = tb.addr(0)
+        learner = tb.popen(0, [sys.executable, "train.py", "pool=static", f"rollout.source.host={host0}",
+                               f"rollout.source.port={args.port}", f"broadcast.sender.host={host0}",
+                               f"hydra.run.dir={run_dir}", f"activation.learner_uplink_mbit={up}",
+                               *[a for a in args.train_args if not a.startswith("hydra.run.dir=")]],
+                           cwd=ROOT, env=env)
+        workers = []
+        for i in range(1, args.workers + 1):
+            cmd = [sys.executable, "-m", "echo2.worker", "--coordinator", f"http://{host0}:{args.port}",
+                   "--model", model, "--listen-host", tb.addr(i), "--downlink-mbit", str(args.link_mbit),
+                   "--uplink-mbit", str(args.link_mbit), "--rtt-ms", str(args.rtt_ms)]
+            if args.engine:
+                cmd += ["--engine", args.engine]
+            log = open(Path(run_dir) / "workers" / f"worker{i - 1}.log", "wb")  # noqa: SIM115 (closed at exit)
+            workers.append(tb.popen(i, cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        print(f"wan: learner on {host0} (run dir {run_dir}), {args.workers} workers at {args.link_mbit} Mbit/s, "
+              f"RTT {args.rtt_ms} ms", flush=True)
+        try:
+            code = learner.wait()
+        except KeyboardInterrupt:  # our Ctrl-C reached the learner too: it stops after its step
+            code = learner.wait()
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.send_signal(signal.SIGTERM)
+            for w in workers:
+                try:
+                    w.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    w.kill()
+            if learner.poll() is None:
+                learner.kill()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
