@@ -222,32 +222,16 @@ class Soak:
                     ev["recover_s"] = time.monotonic() - ev["t"]
                     pending.remove(ev)
             time.sleep(0.2)
-        for p in self.stopped:
-            os.kill(p.pid, signal.SIGCONT)
-        # stop: the learner finishes its step and writes summary.json; then the workers
+        # stop: the learner finishes its step and writes summary.json; then the workers (cleanup)
         self.learner.send_signal(signal.SIGTERM)
         self.learner.wait(timeout=300)
-        for p in self.workers:
-            p.send_signal(signal.SIGTERM)
-        for p in self.all_procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
         return self.report(phase_split, time.monotonic() - t_start, pending)
 
     def cleanup(self) -> None:
         """Whatever happened, leave no process of ours behind (by handle, never by name)."""
-        procs = [p for p in [getattr(self, "learner", None), *self.all_procs] if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        from echo2.rollout.pool import terminate
+
+        terminate([p for p in [getattr(self, "learner", None), *self.all_procs] if p is not None])
 
     def report(self, split: int, wall_s: float, unrecovered: list) -> dict:
         steps = self.steps()

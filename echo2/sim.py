@@ -22,7 +22,6 @@ import argparse
 import heapq
 import itertools
 import json
-import math
 import random
 import statistics
 from collections import Counter, deque

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -78,14 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # our Ctrl-C reached the learner too: it stops after its step
             code = learner.wait()
         finally:
-            for w in workers:
-                if w.poll() is None:
-                    w.send_signal(signal.SIGTERM)
-            for w in workers:
-                try:
-                    w.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    w.kill()
+            from echo2.rollout.pool import terminate
+
+            terminate(workers)
             if learner.poll() is None:
                 learner.kill()
     return code

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from echo2.broadcast import delta, relay
+from echo2.broadcast import delta
 from echo2.broadcast.broadcaster import RelayBroadcaster
 from echo2.broadcast.peer import SnapshotReceiver
 

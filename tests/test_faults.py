@@ -14,6 +14,7 @@ import time
 import pytest
 
 from conftest import ROOT, alive, balanced, descendants, read_jsonl, train, wait_registered, wait_until
+from echo2.rollout.pool import terminate
 
 pytestmark = pytest.mark.slow
 
@@ -204,14 +205,7 @@ def test_a_worker_cut_off_the_network_is_retired_and_rejoins_when_reconnected(tm
             learner.send_signal(signal.SIGTERM)
             learner.wait(timeout=120)
         finally:
-            for p in [learner, *agents]:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in [learner, *agents]:
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            terminate([learner, *agents])
     summary = json.loads((tmp_path / "summary.json").read_text())
     acc = summary["rollout_accounting"]
     assert summary["stopped_by"] == "SIGTERM" and balanced(acc), acc

@@ -12,7 +12,7 @@ flow costs a few thousand packets per second, not ~85 000.
 Usage: python -m echo2.broadcast.delayline --queue 0 --delay-ms 10 [--pair 127.100.0.10,127.100.0.11,40 ...]
        [--stats-every 5] [--duration SECONDS]
 """
-import argparse, heapq, os, select, signal, socket, struct, sys, time, random
+import argparse, heapq, select, signal, socket, struct, sys, time, random
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_QUEUE = 3

@@ -31,6 +31,22 @@ def _child_setup(pin):
     return setup
 
 
+def terminate(procs: list, timeout_s: float = 60.0) -> None:
+    """Stop processes we started, by handle: SIGCONT (a stopped one could not act on SIGTERM), SIGTERM, wait up to
+    ``timeout_s``, then SIGKILL what is left."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d ignored SIGTERM for %.0f s; killing it", p.pid, timeout_s)
+            p.kill()
+            p.wait()
+
+
 class StaticPool:
     """Agents are started by someone else (a rented GPU box, a SLURM array) and join with the token.
     ``workers`` optionally lists the expected ones with prices and links (for planning: echo2.plan)."""
@@ -101,15 +117,6 @@ class LocalPool:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM every agent (each stops its own engine), wait, then SIGKILL stragglers."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("worker pid %d ignored SIGTERM; killing", p.pid)
-                p.kill()
-                p.wait()
+        terminate(self.procs, timeout_s)
         for f in self._logs:
             f.close()
