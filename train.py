@@ -34,6 +34,8 @@ register_configs()
 def find_checkpoint(cfg: DictConfig, run_dir: str) -> str | None:
     """The checkpoint to resume from (run.resume): ``auto``, the newest complete one in the run dir (one whose
     echo2 state was written: a run killed mid-save falls back to the one before); ``never``; or a path."""
+    from echo2.learner.callbacks import CHECKPOINT_STATE
+
     choice = str(cfg.run.resume)
     if choice == "never":
         return None
@@ -46,16 +48,13 @@ def find_checkpoint(cfg: DictConfig, run_dir: str) -> str | None:
     return str(complete[-1]) if complete else None
 
 
-CHECKPOINT_STATE = "echo2_state.json"  # written by Echo2Callback.on_save next to TRL's files
-
-
 def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str | None = None):
     """Build every component from the config, one log line each. Returns (trainer, source, callback).
     ``resume``: a checkpoint to resume from (find_checkpoint); the trainer loads it in ``train()``."""
     from transformers import AutoTokenizer
 
     from echo2.learner.args import grpo_config
-    from echo2.learner.callbacks import Echo2Callback
+    from echo2.learner.callbacks import CHECKPOINT_STATE, Echo2Callback
     from echo2.learner.trainer import Echo2GRPOTrainer
     from echo2.metrics import MetricsSink
     from echo2.rollout.evaluate import Evaluator
@@ -106,8 +105,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
         sink = MetricsSink(run_dir, cfg.run.wandb, cfg.run.project, group, name,
                            OmegaConf.to_container(cfg, resolve=True), resume_step=resumed["step"] if resumed else None)
     evaluator = Evaluator(task, tokenizer, engine) if cfg.run.eval_every_steps else None
-    callback = Echo2Callback(trainer, sink, evaluator, cfg.run.eval_every_steps, cfg.run.progress,
-                             checkpoint_state=CHECKPOINT_STATE)
+    callback = Echo2Callback(trainer, sink, evaluator, cfg.run.eval_every_steps, cfg.run.progress)
     trainer.add_callback(callback)
     return trainer, source, callback
 

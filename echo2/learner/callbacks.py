@@ -19,10 +19,12 @@ from echo2.metrics import MetricsSink, namespaced
 
 log = logging.getLogger(__name__)
 
+CHECKPOINT_STATE = "echo2_state.json"  # what on_save adds to TRL's checkpoint; train.py resumes only where it is
+
 
 class Echo2Callback(TrainerCallback):
     def __init__(self, trainer: Any, sink: MetricsSink | None, evaluator: Any = None, eval_every_steps: int = 0,
-                 progress: bool = True, checkpoint_state: str = "echo2_state.json"):
+                 progress: bool = True):
         self.trainer, self.sink, self.evaluator = trainer, sink, evaluator
         self.eval_every_steps, self.progress = eval_every_steps, progress
         self.bar: tqdm | None = None
@@ -30,7 +32,6 @@ class Echo2Callback(TrainerCallback):
         self.pending: dict[str, float] = {}
         self.evals: list[tuple[int, float]] = []
         self.rewards: list[float] = []
-        self.checkpoint_state = checkpoint_state
         self.stop_requested: str | None = None  # set by train.py's signal handler: end after this step
         for record in sink.previous if sink is not None else []:  # a resumed run's summary covers the whole run
             self.rewards.append(record.get("reward/mean", float("nan")))
@@ -86,7 +87,7 @@ class Echo2Callback(TrainerCallback):
         checkpoint without this file is incomplete and is not resumed from."""
         source_state = self.trainer.rollout_source.checkpoint()
         if state.is_world_process_zero:
-            path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / self.checkpoint_state
+            path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_STATE
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps({"step": state.global_step, "source": source_state}) + "\n")
             tmp.replace(path)

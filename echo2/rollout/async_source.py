@@ -116,9 +116,8 @@ class AsyncRolloutSource:
         self.pool.stop()
         try:
             accounting = self.coordinator.close()
-        except CoordinatorDied as e:  # died at the very end: the journal still has the books
+        except CoordinatorDied as e:  # died at the very end (close() has reaped it): the journal has the books
             log.error("%s; the books are in %s", e, self.kwargs["journal"])
-            self.coordinator.abandon()
             accounting = {}
         accounting["coordinator_restarts"] = self.restarts
         log.info("rollout accounting: %s", accounting)

@@ -347,7 +347,7 @@ class Coordinator:
                    "rollout/dropped": float(sum(led.dropped.values())),
                    "rollout/lost": float(sum(led.lost.values())), "rollout/workers": float(len(self.workers)),
                    "rollout/rejected_requests": float(sum(self.server.rejected.values())),
-                   "rollout/refused_results": float(sum(self.ledger.refused.values()))}
+                   "rollout/refused_results": float(sum(led.refused.values()))}
             for w in self.workers.values():
                 out[f"rollout/throughput/{w.worker_id}"] = w.rollouts_per_s
             out.update(self.activation.metrics(self.workers))

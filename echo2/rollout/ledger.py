@@ -165,20 +165,24 @@ class Ledger:
     @classmethod
     def replay(cls, path: str, group_size: int, n_rows: int, seed: int, upto: int | None = None) -> "Ledger":
         """The ledger as the journal at ``path`` left it (its first ``upto`` bytes only, if given)."""
-        led = cls(group_size, n_rows, seed)
         with open(path, "rb") as f:
             data = f.read() if upto is None else f.read(upto)
+        led = cls(group_size, n_rows, seed)
+        led._replay(data, path, warn_torn=upto is None)
+        return led._restream()
+
+    def _replay(self, data: bytes, path: str, warn_torn: bool = True, first_line: int = 1) -> None:
+        """Apply the whole lines of ``data`` (a piece of the journal at ``path``, from line ``first_line``)."""
         lines = data.split(b"\n")
-        led.valid_bytes = len(data) - len(lines[-1])
-        if lines[-1] and upto is None:  # no newline at the end: the process died mid-write; that line never happened
+        self.valid_bytes = len(data) - len(lines[-1])
+        if lines[-1] and warn_torn:  # no newline at the end: the process died mid-write; that line never happened
             log.warning("journal %s: ignoring a torn last line (%d bytes)", path, len(lines[-1]))
-        for lineno, line in enumerate(lines[:-1], 1):
+        for lineno, line in enumerate(lines[:-1], first_line):
             try:
                 kind, *args = json.loads(line)
-                led._apply(kind, args)
+                self._apply(kind, args)
             except Exception as e:
                 raise ValueError(f"journal {path} line {lineno}: {type(e).__name__}: {e}") from e
-        return led._restream()
 
     def _apply(self, kind: str, args: list) -> None:
         G = self.group_size
@@ -246,8 +250,14 @@ class Ledger:
     def after_learner_resume(cls, path: str, offset: int, group_size: int, n_rows: int, seed: int) -> "Ledger":
         """The books and data position for a learner resuming from the checkpoint taken at journal length
         ``offset`` (see the module doc)."""
-        at = cls.replay(path, group_size, n_rows, seed, upto=offset)
-        led = cls.replay(path, group_size, n_rows, seed)
+        with open(path, "rb") as f:  # one read, one parse: the checkpoint's state, then the rest on top of a copy
+            data = f.read()
+        at = cls(group_size, n_rows, seed)
+        at._replay(data[:offset], path, warn_torn=False)
+        led = cls(group_size, n_rows, seed)
+        led._apply("s", [at.state()])  # copies every container
+        led._replay(data[offset:], path, first_line=data.count(b"\n", 0, offset) + 1)
+        led.valid_bytes = offset + led.valid_bytes
         after = led.rollouts["consumed"] - at.rollouts["consumed"]
         if after:
             led.dropped["discarded_by_resume"] += after
@@ -258,7 +268,7 @@ class Ledger:
         # The data position is the checkpoint's: its queue, then the prompts of the groups open then, in order.
         led.drawn = at.drawn
         open_at = sorted(at.open.items(), key=lambda kv: int(kv[0][1:]))
-        led.requeue = deque([*at.requeue, *(row for row, _ in (v for _, v in open_at))])
+        led.requeue = deque([*at.requeue, *(row for _, (row, _) in open_at)])
         led._restream().open_journal(path)
         led.checkpoint()
         return led

@@ -109,13 +109,11 @@ class CoordinatorProcess:
                 raise CoordinatorDied(f"coordinator did not answer close within {timeout_s} s ({self._where()})")
             return self._reply()
         finally:
-            self.proc.join(timeout=10)
-            self._kill()
-            self.conn.close()
-            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            self.proc.join(timeout=10)  # it exits by itself after answering close
+            self.abandon()
 
     def abandon(self) -> None:
-        """Forget a dead (or hopeless) coordinator: reap it and free what this handle holds."""
+        """Forget the coordinator (dead, hopeless, or done): reap it and free what this handle holds."""
         self.closed = True
         self._kill()
         self.conn.close()
