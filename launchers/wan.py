@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     with testbed.NetnsTestbed(links, rtt_ms=args.rtt_ms) as tb:
         host0 = tb.addr(0)
         learner = tb.popen(0, [sys.executable, "train.py", "pool=static", f"rollout.source.host={host0}",
-                               f"rollout.source.port={args.port}", f"broadcast.sender.host={host0}",
+                               f"rollout.source.port={args.port}", f"rollout.source.min_workers={args.workers}",
+                               f"broadcast.sender.host={host0}",
                                f"hydra.run.dir={run_dir}", f"activation.learner_uplink_mbit={up}",
                                *[a for a in args.train_args if not a.startswith("hydra.run.dir=")]],
                            cwd=ROOT, env=env)

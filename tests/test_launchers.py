@@ -8,10 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, read_jsonl, run_train, small_coordinator, wait_until
+from conftest import ROOT, build_run, descendants, read_jsonl, run_train, small_coordinator, wait_until
 
 
 @pytest.mark.slow
@@ -124,3 +125,14 @@ def test_wan_launcher_puts_each_worker_in_its_own_shaped_host(tmp_path):
     coordinator = (tmp_path / "coordinator.log").read_text()  # each worker joined from its own host's address
     assert "snapshots at http://127.100.0.11:" in coordinator and "snapshots at http://127.100.0.12:" in coordinator
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+def test_min_workers_times_out_with_a_clear_error_and_stops_its_coordinator(tmp_path):
+    before = descendants(os.getpid())
+    with pytest.raises(Exception, match=r"only 0 of rollout.source.min_workers=2 workers registered"):  # via Hydra
+        build_run(tmp_path, ["rollout=async", "pool=static", "rollout.source.min_workers=2",
+                             "rollout.source.take_timeout_s=1"])
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
+            for pid in descendants(os.getpid()) - before}
+    left = {pid: cmd for pid, cmd in left.items() if b"resource_tracker" not in cmd}  # multiprocessing's, for life
+    assert not left, left  # the coordinator process it started was stopped
