@@ -49,15 +49,32 @@ admission rule forbids, so there the rule is not sufficient (paper example: R = 
 T_bcast = 120 s, S = 4, κ = 3: the rule asks 25.6 rollouts/s; here the window is empty and the learner must
 wait whatever μ). The paper's rule also omits T_load and T_batch; here they delay usability like T_bcast.
 
-Queued dissemination. If T_bcast > κ·T_step, rounds run back to back (each sends the latest version): versions
-reach workers every T_bcast seconds, not every κ steps, and a round starts on a version already up to κ·T_step
-old. The model above does not capture that and is then optimistic (``Prediction.queued`` says so); in the
-simulator the learner then advances about (S + 1)/2 steps per round (BENCHMARKS.md, capacity validation).
+Queued dissemination. If T_bcast > κ·T_step, rounds run back to back (each sends the newest published
+version when it starts): versions reach workers every T_bcast seconds, not every κ steps, and each round
+carries a version that was current when the round started, T_bcast + T_load + T_batch before it is usable.
+The closed form above does not see that and is optimistic there; ``predict`` then takes T_step from the
+round map (``queued_step_time_s``; ``mean_step_s`` decides which applies): the same assumptions, with rounds
+made explicit. Round j starts at s_j = max(end of round j−1, publication of the first version newer than
+round j−1's) and carries v_j, the newest version published by s_j; v_j is usable from s_j + L. Rollouts are
+produced at rate μ in step order; step t's R rollouts start once some version ≥ t − S is usable (the dispatch
+cap, buffer.worth_dispatching) and the previous step's are done, and step t trains once its rollouts are done
+and step t−1 has trained.
+The map is iterated to its periodic orbit and T_step is the mean over the second half. Where rounds do not
+queue it gives the closed form's T_step (a test checks), except for κ > 1 with R/μ > T_train, where the
+closed form counts one R/μ per window although all κ·R rollouts must follow the version (the map is right
+there, and is used); where rounds queue, it follows the simulator.
+
+What it says, in the limit that matters (κ = 1, R/μ small): each round's version arrives while the learner
+waits, and unlocks a burst of steps up to v_j + S. The round that starts during a burst samples the learner
+mid-burst; with c = ⌊(T_bcast − T_load − T_batch − R/μ) / T_train⌋ the steps of a burst done by then,
+v_{j+1} − v_{j−1} = S + 1 − max(0, (v_{j−1} − v_{j−2}) − c): about (S + 1)/2 steps per round if bursts
+finish in time, (S + 1 + c)/3 if not (the simulator's S = 1, 2, 4 at T_bcast = 67 s, T_train = 30 s: 1,
+4/3, 2 steps per round), never more than T_bcast/T_train. Each unit of S then buys only a third to a half of
+a step per round, so a faster broadcast (fewer, closer or better-linked workers) is the stronger lever.
 
 Assumptions: steady state; aggregate throughput μ is available to any step's window (workers are
 interchangeable and the dispatcher keeps them busy; the in-flight cap (S+1)·R never binds before the rate
-does); T_train, T_bcast, T_load, μ_i constant; rounds of dissemination never queue behind each other
-(T_bcast ≤ κ·T_step; otherwise versions are skipped and L grows).
+does); T_train, T_bcast, T_load, μ_i constant; generation is continuous (batches only enter through T_batch).
 
 Dissemination time (``bcast_time_s``) per mode, for snapshot M over links with per-worker downlink/uplink B_i
 and learner uplink B_L, one-way latency ℓ and ``piece`` bytes forwarded at a time (relay.py):
@@ -126,7 +143,7 @@ class Prediction:
     idle_s: float  # learner wait per step
     usable_after_s: float  # L = T_bcast + T_load + T_batch
     window_steps: int  # S − κ + 1
-    queued: bool = False  # T_bcast > κ·T_step: rounds queue, the model is optimistic (see the module doc)
+    queued: bool = False  # T_bcast > κ·T_step: rounds queue; T_step comes from the round map (module doc)
 
 
 def predict(rollouts_per_step: float, train_step_s: float, staleness: int, interval: int, bcast_s: float,
@@ -142,8 +159,27 @@ def predict(rollouts_per_step: float, train_step_s: float, staleness: int, inter
     required = R / min(T, room) if feasible else math.inf
     if mu <= 0:
         return Prediction(feasible, required, 0.0, 0.0, math.inf, math.inf, L, k)
-    step = float(step_time_s(R, T, k, L, mu, interval))
-    return Prediction(feasible, required, mu, T / step, step, step - T, L, k, bcast_s > interval * step)
+    closed = float(step_time_s(R, T, k, L, mu, interval))
+    step = float(mean_step_s(R, T, staleness, interval, bcast_s, load_s + batch_s, mu)[0])
+    return Prediction(feasible, required, mu, T / step, step, step - T, L, k, bcast_s > interval * closed)
+
+
+def mean_step_s(rollouts_per_step: float, train_step_s: float, staleness: int, interval: int, bcast_s,
+                after_bcast_s: float, mu) -> np.ndarray:
+    """T_step for each aggregate throughput in ``mu``: the closed form where it holds, the round map where rounds
+    queue (T_bcast > κ·T_step; the closed form's T_step is a lower bound, so testing with it is safe) or where κ > 1
+    and R/μ > T_train (a window with no room must generate all κ·R rollouts after its version is usable, which
+    the closed form counts once). Elsewhere the two agree (tests/test_capacity_model.py)."""
+    mu = np.atleast_1d(np.asarray(mu, dtype=float))
+    bcast_s = np.broadcast_to(np.asarray(bcast_s, dtype=float), mu.shape)
+    k = staleness - interval + 1
+    step = np.asarray(step_time_s(rollouts_per_step, train_step_s, k, bcast_s + after_bcast_s, mu, interval), float)
+    step = np.broadcast_to(step, mu.shape).copy()
+    hard = (bcast_s > interval * step) | ((interval > 1) & (rollouts_per_step > mu * train_step_s))
+    if hard.any():
+        step[hard] = queued_step_time_s(rollouts_per_step, train_step_s, staleness, interval, bcast_s[hard],
+                                        after_bcast_s, mu[hard])
+    return step
 
 
 def step_time_s(rollouts_per_step: float, train_step_s: float, window_steps: int, usable_after_s, mu,
@@ -153,6 +189,47 @@ def step_time_s(rollouts_per_step: float, train_step_s: float, window_steps: int
     waits = np.floor(np.maximum(window_steps, 0) / interval) + 1  # block starts sharing the wait for one version
     idle = np.maximum(0.0, (gen + usable_after_s - window_steps * train_step_s) / waits)
     return np.maximum(train_step_s + idle / interval, gen)
+
+
+def queued_step_time_s(rollouts_per_step: float, train_step_s: float, staleness: int, interval: int,
+                       bcast_s, after_bcast_s, mu, steps: int = 240) -> np.ndarray:
+    """Mean T_step from the round map of the module doc, for each aggregate throughput in ``mu`` (and T_bcast, if an
+    array; vectorised: the exact activation solver prices thousands of sets at once). ``after_bcast_s`` =
+    T_load + T_batch. Averaging over the second half of ``steps`` steps is within ~2 % of the long-run mean
+    (checked against 1,500 steps)."""
+    R, T, S, k = float(rollouts_per_step), float(train_step_s), int(staleness), int(interval)
+    mu = np.atleast_1d(np.asarray(mu, dtype=float))
+    bcast_s = np.broadcast_to(np.asarray(bcast_s, dtype=float), mu.shape)
+    after_bcast_s = np.broadcast_to(np.asarray(after_bcast_s, dtype=float), mu.shape)
+    cols = np.arange(mu.size)
+    gen = R / np.maximum(mu, 1e-300)
+    ends = np.full((steps + 1, mu.size), np.inf)  # when step t's training ends (version t + 1 is published)
+    usable = np.full((steps + 1, mu.size), np.inf)  # round i's version: when usable, and which
+    version = np.full((steps + 1, mu.size), steps + S + 1, dtype=np.int64)  # (a sentinel above any need)
+    usable[0], version[0] = 0.0, 0  # every worker starts with version 0
+    rounds = np.ones(mu.size, dtype=np.int64)
+    first = np.zeros(mu.size, dtype=np.int64)  # the first round whose version the current step may use
+    done = np.zeros(mu.size, dtype=np.int64)  # steps trained by the latest round's start
+    round_end, produced, trained = np.zeros(mu.size), np.zeros(mu.size), np.zeros(mu.size)
+    for t in range(steps):
+        # Start the rounds step t waits for. Computing a round only when needed is exact: it starts before the
+        # version that unblocks step t is usable, so every step done by then is already in ``ends``.
+        while (late := version[rounds - 1, cols] < t - S).any():
+            i = cols[late]
+            first_new = (version[rounds[i] - 1, i] // k + 1) * k  # ≤ t, as κ ≤ S + 1
+            start = np.maximum(round_end[i], ends[first_new - 1, i])
+            while (more := ends[done[i], i] <= start).any():  # round starts only move forward: count on
+                done[i[more]] += 1
+            round_end[i] = start + bcast_s[i]
+            usable[rounds[i], i], version[rounds[i], i] = round_end[i] + after_bcast_s[i], done[i] // k * k
+            rounds[i] += 1
+        while (old := version[first, cols] < t - S).any():
+            first[old] += 1
+        produced = np.maximum(produced, usable[first, cols]) + gen
+        trained = np.maximum(trained, produced) + T
+        ends[t] = trained
+    half = steps // 2
+    return (ends[steps - 1] - ends[half - 1]) / (steps - half)
 
 
 def paper_required_rate(rollouts_per_step: float, train_step_s: float, interval: int, bcast_s: float) -> float:

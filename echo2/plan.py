@@ -122,8 +122,8 @@ def plot(system: System, workers: list[Worker], solver: str, path: str) -> None:
                                   len(workers), min(w.down_mbit for w in workers), min(w.up_mbit for w in workers),
                                   max(w.rtt_ms for w in workers), system.fanout)
     for S in sorted({0, 1, 2, 4, 8, system.staleness}):
-        u = [capacity.predict(system.rollouts_per_step, system.train_step_s, S, 1, bcast, system.load_s, [m],
-                              system.batch_s).utilization for m in mus]
+        u = system.train_step_s / capacity.mean_step_s(system.rollouts_per_step, system.train_step_s, S, 1, bcast,
+                                                       system.load_s + system.batch_s, mus)
         ax1.plot(mus, u, label=f"S={S}")
     ax1.set(xlabel="aggregate rollouts/s", ylabel="predicted learner utilization",
             title=f"{system.broadcast}, T_bcast {bcast:.0f} s (all workers)")

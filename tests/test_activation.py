@@ -52,6 +52,42 @@ def test_broadcast_time_models():
     assert t["tree"][0] > t["pipelined"][0]  # inner nodes upload twice
 
 
+def test_round_map_is_the_closed_form_where_rounds_keep_up():
+    """The round map (rounds explicit) and the closed form derive T_step from the same assumptions; where rounds
+    do not queue they must agree, except for κ > 1 with R/μ > T_train, where the closed form undercounts."""
+    rng, checked = random.Random(5), 0
+    for _ in range(400):
+        S = rng.randint(0, 8)
+        kappa, R, T = rng.randint(1, S + 1), rng.choice([64, 512]), rng.uniform(5, 60)
+        bcast, after, mu = rng.uniform(0.1, 3 * T), rng.uniform(0, 20), rng.uniform(1, 200)
+        closed = float(capacity.step_time_s(R, T, S - kappa + 1, bcast + after, mu, kappa))
+        if bcast > kappa * closed or (kappa > 1 and R / mu > T):
+            continue
+        checked += 1
+        assert capacity.queued_step_time_s(R, T, S, kappa, bcast, after, [mu])[0] == pytest.approx(closed, rel=0.03)
+    assert checked > 200
+
+
+@pytest.mark.parametrize("S, T, steps_per_round", [
+    (1, 30.0, 1.0), (2, 30.0, 4 / 3), (4, 30.0, 2.0),  # bursts outlast c = 1 step: (S + 1 + c)/3 per round
+    (2, 10.0, 1.5), (4, 10.0, 2.5),                   # bursts fit: (S + 1)/2 per round
+    (8, 30.0, 67.3 / 30),                             # never more than T_bcast / T_train: the learner is busy
+])
+def test_round_map_steps_per_round_when_rounds_queue(S, T, steps_per_round):
+    """κ = 1, T_bcast = 67.3 s, T_load + T_batch = 9 s, R/μ = 6 s, so c = ⌊(67.3 − 9 − 6)/T⌋ (module doc)."""
+    p = capacity.predict(512, T, S, 1, 67.3, 9.0, [512 / 6])
+    assert p.queued and 67.3 / p.step_s == pytest.approx(steps_per_round, rel=0.02)
+
+
+def test_round_map_counts_every_window_generation_when_kappa_exceeds_the_window():
+    """S = 1, κ = 2 (window 0), R/μ = 43 s > T_train: both steps' rollouts follow the version, so a 2-step cycle is
+    L + 2·R/μ + T_train (the closed form counts R/μ once)."""
+    R, T, bcast, after, mu = 512, 8.0, 20.0, 5.0, 512 / 43
+    p = capacity.predict(R, T, 1, 2, bcast, after, [mu])
+    assert p.step_s == pytest.approx((bcast + after + 2 * 43 + T) / 2, rel=0.02)
+    assert p.step_s > float(capacity.step_time_s(R, T, 0, bcast + after, mu, 2)) * 1.3
+
+
 # ---------------------------------------------------------------------- activation
 
 def random_instance(rng: random.Random, n: int, classes: bool = True):

@@ -21,12 +21,14 @@ def test_simulation_keeps_the_staleness_bound_and_its_books():
 
 
 def test_capacity_model_tracks_the_simulation():
-    """Measured state (BENCHMARKS.md, capacity validation): where dissemination keeps up with publication the
-    model is within 5 points of the simulation in 25 of 27 cells (max 11); where rounds queue it is optimistic
-    and says so (``queued``). A regression guard on both."""
+    """Measured state (BENCHMARKS.md, capacity validation): within 5 points of the simulation in 25 of the 27 cells
+    where dissemination keeps up (max 11) and in 26 of the 27 where rounds queue (the round map; max 15). A
+    regression guard on both."""
     rows = validate()
-    fits = [abs(r["sim"] - r["model"]) for r in rows if r["bcast_s"] <= r["kappa"] * 30]
-    assert len(fits) == 27 and sum(d <= 0.05 for d in fits) >= 25 and max(fits) <= 0.12
+    keeps_up = [abs(r["sim"] - r["model"]) for r in rows if r["bcast_s"] <= r["kappa"] * 30]
+    queues = [abs(r["sim"] - r["model"]) for r in rows if r["bcast_s"] > r["kappa"] * 30]
+    assert len(keeps_up) == 27 and sum(d <= 0.05 for d in keeps_up) >= 25 and max(keeps_up) <= 0.12
+    assert len(queues) == 27 and sum(d <= 0.05 for d in queues) >= 26 and max(queues) <= 0.16
 
 
 def test_paper_claims_hold_in_the_simulation():

@@ -11,8 +11,11 @@ time, subject to ``min_utilization`` (default 0: the cheapest training per step,
   from (n, d, u, r) bounds that of any such set from above (capacity.bcast_time_s is monotone in each); a DP
   over workers gives, for every (set size n, total price in cents), the largest aggregate throughput; every
   cell is then priced exactly. The true optimum is found in its own structure, so the minimum over all cells
-  is the optimum, for prices in whole cents. Cost O(structures × N² × total cents): fine up to a few dozen
-  workers or a few distinct link classes (the simulator's pools); it refuses bigger instances by name.
+  is the optimum, for prices in whole cents (keeping only the largest μ per cell relies on T_step being
+  non-increasing in μ: true of the closed form, and of the round map up to its ~0.05 % averaging noise).
+  Only each set size's (price, μ) frontier is priced, all at once. Cost O(structures × N² × total cents):
+  fine up to a few dozen workers or a few distinct link classes (the simulator's pools); it refuses bigger
+  instances by name.
 - ``greedy``: the baseline of ECHO-2 as reconstructed: sort by price per rollout/s, take the best prefix.
 - ``all_on``: everything.
 """
@@ -130,43 +133,38 @@ def exact(system: System, workers: list[Worker]) -> Plan:
         raise ValueError(f"activation.solver=exact: {n} workers with {len(downs)}x{len(ups)}x{len(rtts)} distinct "
                          f"link values and ${total / 100:.2f}/h in all would take ~{ops:.1e} operations; use "
                          f"greedy, or group workers into link classes")
-    best, where = None, None
-    R, T = system.rollouts_per_step, system.train_step_s
-    k_window = system.staleness - system.interval + 1
-    for d, u, r in itertools.product(downs, ups, rtts):
-        allowed = [i for i, w in enumerate(workers) if w.down_mbit >= d and w.up_mbit >= u and w.rtt_ms <= r]
+    # Pass 1: for every structure and set size k, the cells (price, μ) that can win, with the structure's T_bcast.
+    cells: list[tuple] = []  # (structure, k, cents, μ, T_bcast) as arrays per (structure, k)
+    structures = [(d, u, r) for d, u, r in itertools.product(downs, ups, rtts)]
+    for s_i, (d, u, r) in enumerate(structures):
+        allowed = _allowed(workers, d, u, r)
         if not allowed:
             continue
-        # dp[k, c]: the largest total μ of k allowed workers costing exactly c cents (-inf: impossible);
-        # took[j][k, c]: whether worker j is in the set that reaches dp[k, c] after j was considered.
-        cap = sum(cents[i] for i in allowed)
-        dp = np.full((len(allowed) + 1, cap + 1), -np.inf)
-        dp[0, 0] = 0.0
-        took = []
-        for i in allowed:
-            c, mu = cents[i], workers[i].rollouts_per_s
-            shifted = np.full_like(dp, -np.inf)
-            shifted[1:, c:] = dp[:-1, : cap + 1 - c] + mu
-            took.append(shifted > dp)
-            dp = np.maximum(dp, shifted)
-        price_h = system.learner_usd_per_hour + np.arange(cap + 1) / 100
+        dp, _ = _dp(workers, cents, allowed, keep_choices=False)
         for k in range(1, len(allowed) + 1):
-            mu = dp[k]
-            ok = np.isfinite(mu) & (mu > 0)
-            if not ok.any():
-                continue
-            bcast = capacity.bcast_time_s(system.broadcast, system.snapshot_bytes, system.learner_uplink_mbit, k, d,
-                                          u, r, system.fanout)
-            step = capacity.step_time_s(R, T, k_window, bcast + system.load_s + system.batch_s, np.where(ok, mu, 1.0),
-                                        system.interval)
-            cost = np.where(ok, price_h / 3600 * step, np.inf)
-            meets = ok & (T / step >= system.min_utilization - 1e-9)
-            pool = np.where(meets, cost, np.inf) if meets.any() else cost
-            c = int(np.argmin(pool))
-            key = (not bool(meets[c]), float(pool[c]), k)
-            if best is None or key < best:
-                best, where = key, (allowed, took, k, c)
-    allowed, took, k, c = where
+            mu = np.where(dp[k] > 0, dp[k], -np.inf)
+            # Only the (price, μ) frontier can win: a dearer cell with no more μ has no shorter T_step (it is
+            # non-increasing in μ), so it costs more and meets min_utilization no better.
+            frontier = np.flatnonzero(mu > np.maximum.accumulate(np.concatenate(([-np.inf], mu[:-1]))))
+            if frontier.size:
+                bcast = capacity.bcast_time_s(system.broadcast, system.snapshot_bytes, system.learner_uplink_mbit, k,
+                                              d, u, r, system.fanout)
+                cells.append((np.full(frontier.size, s_i), np.full(frontier.size, k), frontier, mu[frontier],
+                              np.full(frontier.size, bcast)))
+    # Pass 2: price every candidate at once (the round map is vectorised), pick the best, walk back its choices.
+    if not cells:  # no worker generates anything
+        return evaluate(system, [], "exact")
+    s_of, k_of, c_of, mu, bcast = (np.concatenate(x) for x in zip(*cells))
+    T = system.train_step_s
+    step = capacity.mean_step_s(system.rollouts_per_step, T, system.staleness, system.interval, bcast,
+                                system.load_s + system.batch_s, mu)
+    cost = (system.learner_usd_per_hour + c_of / 100) / 3600 * step
+    misses = T / step < system.min_utilization - 1e-9
+    best = np.lexsort((np.arange(cost.size), k_of, cost, misses))[0]  # meets first, then cost, fewer workers
+    d, u, r = structures[s_of[best]]
+    allowed = _allowed(workers, d, u, r)
+    _, took = _dp(workers, cents, allowed, keep_choices=True)
+    k, c = int(k_of[best]), int(c_of[best])
     chosen = []
     for j in range(len(allowed) - 1, -1, -1):  # walk back through the choices
         if took[j][k, c]:
@@ -174,6 +172,27 @@ def exact(system: System, workers: list[Worker]) -> Plan:
             chosen.append(workers[i])
             k, c = k - 1, c - cents[i]
     return evaluate(system, sorted(chosen, key=lambda w: w.id), "exact")
+
+
+def _allowed(workers: list[Worker], d: float, u: float, r: float) -> list[int]:
+    return [i for i, w in enumerate(workers) if w.down_mbit >= d and w.up_mbit >= u and w.rtt_ms <= r]
+
+
+def _dp(workers: list[Worker], cents: list[int], allowed: list[int], keep_choices: bool):
+    """dp[k, c]: the largest total μ of k allowed workers costing exactly c cents (-inf: impossible);
+    took[j][k, c]: whether worker j is in the set that reaches dp[k, c] after j was considered."""
+    cap = sum(cents[i] for i in allowed)
+    dp = np.full((len(allowed) + 1, cap + 1), -np.inf)
+    dp[0, 0] = 0.0
+    took = []
+    for i in allowed:
+        c, mu = cents[i], workers[i].rollouts_per_s
+        shifted = np.full_like(dp, -np.inf)
+        shifted[1:, c:] = dp[:-1, : cap + 1 - c] + mu
+        if keep_choices:
+            took.append(shifted > dp)
+        dp = np.maximum(dp, shifted)
+    return dp, took
 
 
 def solve(system: System, workers: list[Worker], solver: str = "exact") -> Plan:
