@@ -103,6 +103,7 @@ class ActivationConfig:
     hysteresis: float = 0.1
     replan_every_s: float = 30.0
     load_s: float = 0.0
+    on_change: Optional[str] = None
 
 
 @dataclass

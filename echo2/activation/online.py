@@ -6,8 +6,8 @@
 It owns no sockets, threads or clocks. A plan is replaced when the set of live workers changed, when the
 current plan no longer meets ``min_utilization`` under the latest measurements (μ_i drift, T_train), or when
 the solver's plan is cheaper per step by more than ``hysteresis`` (a fraction): small drifts do not flap
-workers on and off. Deactivated workers stop getting work; ``on_deactivate`` is where a cloud provider's
-"release this instance" would go (the coordinator logs it).
+workers on and off. Deactivated workers stop getting work; the coordinator logs each change and runs
+``activation.on_change`` (a cloud provider's stop/start of instances; echo2/rollout/activation.py).
 """
 
 from __future__ import annotations

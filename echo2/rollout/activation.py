@@ -7,12 +7,17 @@
                       from the broadcaster) → OnlineActivation (echo2/activation/online.py) → active set
 
 Called with the coordinator's lock held; no threads or sockets of its own. Workers that have not reported a
-throughput yet are planned with the mean of those that have (1 rollout/s if none has).
+throughput yet are planned with the mean of those that have (1 rollout/s if none has). A change of the active
+set runs ``activation.on_change`` (a shell command: stop or start cloud instances) in its own process, which
+is reaped, and its exit status logged, on a later call.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
 from dataclasses import asdict
 from typing import Any
 
@@ -24,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class Activation:
-    def __init__(self, cfg: dict[str, Any], staleness: int, rollouts_per_step: int):
+    def __init__(self, cfg: dict[str, Any], staleness: int, rollouts_per_step: int, run_dir: str | None = None):
         # conf/activation's defaults (its schema), plus what train.py adds from the broadcast group
         self.cfg = {**asdict(ActivationConfig()), "interval": 1, "broadcast": "pipelined", **cfg}
         self.staleness, self.R = staleness, rollouts_per_step
@@ -37,6 +42,8 @@ class Activation:
         self.last_step_at: float | None = None
         self.usd = 0.0
         self.step_usd = 0.0
+        self.run_dir = run_dir or os.getcwd()
+        self.hooks: list[subprocess.Popen] = []
 
     def is_active(self, worker_id: str) -> bool:
         return self.active is None or worker_id in self.active
@@ -59,6 +66,7 @@ class Activation:
 
     def replan(self, workers: list, bcast: dict[str, float], now: float) -> bool:
         """Re-plan if due; True if the active set changed."""
+        self._reap_hooks()
         if not workers or self.train_step_s is None or (now < self.next_at and not self.dirty):
             return False
         self.next_at, self.dirty = now + self.cfg["replan_every_s"], False
@@ -75,9 +83,33 @@ class Activation:
             return False
         off = sorted({w.worker_id for w in workers} - new)
         log.info("activation re-plan %d (%s): active %s%s", self.online.replans, self.cfg["solver"], sorted(new),
-                 f"; deactivated {off} (a cloud provider would release them here)" if off else "")
+                 f"; deactivated {off}" if off else "")
+        before = self.active if self.active is not None else frozenset(w.worker_id for w in workers)
         self.active = new
+        self._run_hook(workers, before)
         return True
+
+    def _run_hook(self, workers: list, before: frozenset[str]) -> None:
+        """activation.on_change, told who is on and who was switched on and off (see conf/activation)."""
+        if not self.cfg.get("on_change"):
+            return
+        ids = lambda xs: ",".join(sorted(xs))  # noqa: E731
+        live = frozenset(w.worker_id for w in workers)  # a worker that left is gone, not deactivated
+        env = dict(os.environ, ECHO2_ACTIVE=ids(self.active), ECHO2_ACTIVATED=ids(self.active - before),
+                   ECHO2_DEACTIVATED=ids((before & live) - self.active), ECHO2_REPLAN=str(self.online.replans),
+                   ECHO2_WORKERS_JSON=json.dumps([
+                       {"id": w.worker_id, "snapshot_url": w.snapshot_url, "relay": w.relay,
+                        "usd_per_hour": w.usd_per_hour, "active": w.worker_id in self.active} for w in workers]))
+        with open(os.path.join(self.run_dir, "activation_hook.log"), "ab") as out:
+            self.hooks.append(subprocess.Popen(self.cfg["on_change"], shell=True, cwd=self.run_dir, env=env,
+                                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        log.info("activation.on_change started (pid %d)", self.hooks[-1].pid)
+
+    def _reap_hooks(self) -> None:
+        for p in [p for p in self.hooks if p.poll() is not None]:
+            self.hooks.remove(p)
+            (log.info if p.returncode == 0 else log.warning)("activation.on_change (pid %d) exited with %d", p.pid,
+                                                              p.returncode)
 
     def metrics(self, workers: dict) -> dict[str, float]:
         return {"cost/usd": self.usd, "cost/usd_per_step": self.step_usd,

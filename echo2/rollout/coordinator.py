@@ -93,7 +93,8 @@ class Coordinator:
         self.ledger = _ledger(journal, recover, group_size, len(dataset), seed)
         self.registered = 0
         self.closed = False
-        self.activation = Activation(activation or {}, staleness, prompts_per_step * group_size)
+        self.activation = Activation(activation or {}, staleness, prompts_per_step * group_size,
+                                     run_dir=os.path.dirname(journal) if journal else None)
         self.server = JsonServer(host, port, token, name="coordinator", routes={
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
             "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "GET /status": self._status,
