@@ -1,6 +1,7 @@
 """The broadcast figures of BENCHMARKS.md: ``python -m echo2.broadcast.bench`` over a grid, one table.
 
-Each cell is one CLI run (its own testbed, calibrated first) broadcasting ``--reps`` versions; the median is
+Each cell is one CLI run (its own testbed, calibrated first) broadcasting a warm-up version (it opens the
+connections; its time is the "first version" column) and ``--reps`` versions; the median of these is
 reported. Per grid row: pipelined and one-to-many for each N, ratio = time / physical bound, and
 time(N) / time(1) for each mode.
 
@@ -55,8 +56,8 @@ def main() -> None:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(r) + "\n")
     print("\n| size MB | link Mbit/s | RTT ms | mode | N | time s | bound s | ratio | time(N)/time(1) | "
-          "learner uploads | calibrated RTT ms / goodput Mbit/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "learner uploads | first version s | calibrated RTT ms / goodput Mbit/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         base = next((b for b in rows if b["workers"] == 1 and b["mode"] == r["mode"] and b["size_bytes"] ==
                      r["size_bytes"] and b["link_mbit"] == r["link_mbit"] and b["rtt_ms"] == r["rtt_ms"]), None)
@@ -64,7 +65,7 @@ def main() -> None:
         print(f"| {r['size_bytes'] / 1e6:g} | {r['link_mbit']:g} | {r['rtt_ms']:g} | {r['mode']} | {r['workers']} | "
               f"{r['time_s']:.2f} | {r['bound_s']:.2f} | {r['ratio']:.2f} | "
               f"{r['time_s'] / base['time_s'] if base else float('nan'):.2f} | "
-              f"{r['origin_bytes_per_version'] / r['size_bytes']:.2f} x M | "
+              f"{r['origin_bytes_per_version'] / r['size_bytes']:.2f} x M | {r['first_version_s']:.2f} | "
               f"{cal.get('rtt_ms', float('nan')):.1f} / {cal.get('goodput_mbit', float('nan')):.0f} |")
 
 
