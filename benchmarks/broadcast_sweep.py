@@ -56,8 +56,8 @@ def main() -> None:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(r) + "\n")
     print("\n| size MB | link Mbit/s | RTT ms | mode | N | time s | bound s | ratio | time(N)/time(1) | "
-          "learner uploads | first version s | calibrated RTT ms / goodput Mbit/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "learner uploads | learner informed s | first version s | calibrated RTT ms / goodput Mbit/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         base = next((b for b in rows if b["workers"] == 1 and b["mode"] == r["mode"] and b["size_bytes"] ==
                      r["size_bytes"] and b["link_mbit"] == r["link_mbit"] and b["rtt_ms"] == r["rtt_ms"]), None)
@@ -65,7 +65,8 @@ def main() -> None:
         print(f"| {r['size_bytes'] / 1e6:g} | {r['link_mbit']:g} | {r['rtt_ms']:g} | {r['mode']} | {r['workers']} | "
               f"{r['time_s']:.2f} | {r['bound_s']:.2f} | {r['ratio']:.2f} | "
               f"{r['time_s'] / base['time_s'] if base else float('nan'):.2f} | "
-              f"{r['origin_bytes_per_version'] / r['size_bytes']:.2f} x M | {r['first_version_s']:.2f} | "
+              f"{r['origin_bytes_per_version'] / r['size_bytes']:.2f} x M | {r['informed_s']:.2f} | "
+              f"{r['first_version_s']:.2f} | "
               f"{cal.get('rtt_ms', float('nan')):.1f} / {cal.get('goodput_mbit', float('nan')):.0f} |")
 
 
