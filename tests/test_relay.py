@@ -6,6 +6,7 @@ Sizes are shrunk (a few MB, 256 KiB chunks) so that every test takes seconds; th
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -165,6 +166,31 @@ def test_topology_table(kind, n, fanout, depth):
     for pid, ancestors in plan.items():  # every source list walks up the tree: parent first
         for child, parent in zip([pid] + ancestors, ancestors):
             assert plan[child][0] == parent
+
+
+@pytest.mark.parametrize("links, first", [
+    ([("a", 100e6, 0.10), ("b", 50e6, 0.01)], "a"),   # twice the rate wins, whatever the RTT
+    ([("a", 105e6, 0.10), ("b", 100e6, 0.01)], "b"),  # same rate class (within 10 %): the nearer peer first
+    ([("a", 0.0, 0.01), ("b", 1e6, 0.20)], "b"),      # unmeasured peers go last
+])
+def test_topology_orders_by_measured_rate_then_rtt(links, first):
+    peers = [topology.PeerLink(pid, rate, rtt) for pid, rate, rtt in links]
+    assert topology.order(peers)[0].peer_id == first
+
+
+def test_tcp_rtt_of_a_live_connection():
+    srv = socket.create_server(("127.0.0.1", 0))
+    c = socket.create_connection(srv.getsockname()[:2])
+    conn, _ = srv.accept()
+    try:
+        c.sendall(b"x" * 1000)
+        conn.recv(1000)
+        rtt = relay.tcp_rtt_s(c)
+        assert rtt is None if not hasattr(socket, "TCP_INFO") else 0 < rtt < 0.1  # loopback: microseconds
+        assert relay.tcp_rtt_s(None) is None
+    finally:
+        for s in (c, conn, srv):
+            s.close()
 
 
 def test_token_bucket_rate():

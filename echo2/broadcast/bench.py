@@ -14,8 +14,9 @@ time_s: from ``publish`` until the last worker holds the snapshot, every chunk v
 when its fetch returned; all processes share this machine's monotonic clock), so it includes digesting and
 signing (prepare_s, also reported); informed_s adds the worker's answer reaching the learner (one more path
 latency); the median of ``--reps`` versions, after ``--warmup`` versions that open the relay's persistent
-connections (handshakes, TCP slow start: a run pays that once; reported as first_version_s). bound_s: max(M / learner uplink, M / worker downlink) + one path
-latency (RTT/2), the physical floor of any broadcast; ratio = time_s / bound_s.
+connections (handshakes, TCP slow start: a run pays that once; reported as first_version_s). bound_s:
+max(M / learner uplink, M / worker downlink) + one path latency (RTT/2), the physical floor of any broadcast;
+ratio = time_s / bound_s.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def role_learner(args) -> None:
             if not done.wait_for(lambda: len(delivered.get(v, ())) == len(peers), timeout=args.timeout_s):
                 sys.exit(f"v{v}: only {len(delivered.get(v, ()))} of {len(peers)} workers got it in {args.timeout_s} s")
         informed_s = time.monotonic() - t0
-        hops = sorted((r["depth"], (r.get("first_byte_at") or t0) - t0, r["done_at"] - t0)
+        hops = sorted((r["depth"], (r.get("first_byte_at") or t0) - t0, r["done_at"] - t0, r.get("rtt_s"))
                       for r in bc.last_results.values())
         rows.append({"time_s": max(h[2] for h in hops), "informed_s": informed_s, "prepare_s": bc.last_prepare_s,
                      "hops": hops, "origin_bytes": bc.server.served_bytes - origin_before,
@@ -215,7 +216,7 @@ def measure(args) -> dict:
             "ratio": med / bound, "times_s": times, "informed_s": statistics.median(r["informed_s"] for r in rows),
             "prepare_s": statistics.median(r["prepare_s"] for r in rows),
             "delta_ratio": statistics.median(r["delta_ratio"] for r in rows), "changed": args.changed,
-            "hops": median_row["hops"],  # (depth, first byte s, done s) per worker, for the median version
+            "hops": median_row["hops"],  # (depth, first byte s, done s, TCP RTT to its source s) per worker
             "origin_bytes_per_version": statistics.median(r["origin_bytes"] for r in rows),
             "testbed": args.testbed, "link_mbit": args.link_mbit, "learner_uplink_mbit": uplink,
             "rtt_ms": args.rtt_ms, "reps": args.reps, "warmup": args.warmup, "first_version_s": first["time_s"],

@@ -39,6 +39,7 @@ class Peer:
     client: Client
     relay: tuple[str, int]
     rate_bytes_per_s: float = 0.0  # measured by its last fetch
+    rtt_s: float = 0.0  # TCP's smoothed RTT to its source in its last fetch (0: unknown)
     delivered: int = -1
     retry_at: float = 0.0
     needs_full: bool = False  # its last delta failed (e.g. it no longer holds the base)
@@ -161,7 +162,7 @@ class RelayBroadcaster:
                 for pid in self._due():
                     p = self.peers[pid]
                     kind = base if base is not None and p.delivered == base and not p.needs_full else relay.FULL
-                    groups.setdefault(kind, []).append(topo.PeerLink(pid, p.rate_bytes_per_s))
+                    groups.setdefault(kind, []).append(topo.PeerLink(pid, p.rate_bytes_per_s, p.rtt_s))
                 self.store.pin(version)  # a newer publish must not collect what this round is sending
             try:
                 self._round(version, {b: topo.plan(links, self.kind, self.fanout) for b, links in groups.items()},
@@ -224,6 +225,9 @@ class RelayBroadcaster:
                     peer.needs_full = False
                     self.last_results[pid] = {**result, "base": base, "depth": len(plans[base][pid])}
                     peer.rate_bytes_per_s = float(result.get("bytes_per_s", 0.0))
+                    rtt = result.get("rtt_s")
+                    if isinstance(rtt, (int, float)) and 0 < rtt < 60:  # a peer's report: bounded, or ignored
+                        peer.rtt_s = float(rtt)
                     obj = self.store.get(version, base=base)
                     sent = max(sent, obj.size if obj else 0)
                 if self.on_delivered is not None:

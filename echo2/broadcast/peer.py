@@ -62,7 +62,8 @@ class SnapshotReceiver:
         seconds = time.perf_counter() - t0
         self.on_snapshot(version, snap.buf)  # a bytes-like buffer; the callback copies what it keeps
         return {"ok": True, "version": version, "seconds": seconds, "bytes_per_s": wire_bytes / max(seconds, 1e-9),
-                "first_byte_at": snap.first_byte_at, "done_at": time.monotonic()}  # monotonic: same host only
+                "first_byte_at": snap.first_byte_at, "done_at": time.monotonic(),  # monotonic: same host only
+                "rtt_s": self.fetcher.last_rtt_s}
 
     def _fetch_delta(self, version: int, base: int, sources, full_manifest) -> tuple[relay.Snapshot, int]:
         """Pull the delta of ``version`` against ``base`` (held here), apply it, and check the result against the

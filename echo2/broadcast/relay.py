@@ -238,6 +238,18 @@ def request_mac(token: str, version: int, base: int, start: int, end: int) -> st
     return _mac(token, {"version": version, "base": base, "start": start, "end": end})
 
 
+def tcp_rtt_s(sock: socket.socket | None) -> float | None:
+    """The kernel's smoothed RTT estimate of a connection (Linux TCP_INFO ``tcpi_rtt``, microseconds at byte 68),
+    or None where it is not available."""
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except OSError:
+        return None
+    return struct.unpack_from("I", info, 68)[0] / 1e6 if len(info) >= 72 else None
+
+
 # ---------------------------------------------------------------------- serving
 
 
@@ -346,6 +358,7 @@ class Fetcher:
         self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
         self.conns: dict[tuple[str, int], socket.socket] = {}
         self.lock = threading.Lock()  # one fetch at a time per node
+        self.last_rtt_s: float | None = None  # TCP's smoothed RTT to the source of the last fetch (topology order)
 
     def fetch(self, version: int, sources: list[tuple[str, int]], base: int = FULL) -> Snapshot:
         """Fetch ``version`` (or its delta against ``base``) completely and verified, trying ``sources`` in order;
@@ -360,6 +373,7 @@ class Fetcher:
                     break
                 try:
                     snap = self._stream(src, version, base, snap)
+                    self.last_rtt_s = tcp_rtt_s(self.conns.get(src))
                 except (OSError, ConnectionError, BadSnapshot) as e:
                     dead.add(src)
                     self._drop(src)

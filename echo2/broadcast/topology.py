@@ -4,8 +4,9 @@
     tree:   origin → p1 → {p2, p3}, p2 → {p4, p5}, ...   (binary heap order with ``fanout`` children per node)
     star:   origin → every peer                 one-to-many: the origin's uplink carries N·M (the baseline)
 
-Peers are placed fastest first (measured download rate, then lower RTT): in a tree an inner node uploads to
-``fanout`` children, so the best-connected peers belong near the root; in a chain the slowest link bounds the
+Peers are placed fastest first (measured download rate, rates within 10 % counting as equal; then lower
+measured RTT, the kernel's smoothed estimate on the peer's connection to its source): in a tree an inner node
+uploads to ``fanout`` children, so the best-connected peers belong near the root; in a chain the slowest link bounds the
 rate wherever it sits, but putting slow peers last keeps their stalls from delaying the others' bytes.
 Each peer's source list is its ancestors, nearest first; the origin is always the last resort, so a dead or
 stalled relay is routed around by moving one step up the tree.
@@ -13,20 +14,29 @@ stalled relay is routed around by moving one step up the tree.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 KINDS = ("chain", "tree", "star")
+
+
+RATE_TIE = 1.1  # download rates within this factor are the same link class: then the lower RTT goes first
 
 
 @dataclass(frozen=True)
 class PeerLink:
     peer_id: str
     rate_bytes_per_s: float = 0.0  # measured in earlier broadcasts; 0 = unknown (placed last)
-    rtt_s: float = 0.0
+    rtt_s: float = 0.0  # measured in earlier broadcasts (TCP's smoothed RTT to its source); 0 = unknown
 
 
 def order(peers: list[PeerLink]) -> list[PeerLink]:
-    return sorted(peers, key=lambda p: (-p.rate_bytes_per_s, p.rtt_s, p.peer_id))
+    """Fastest first; within a rate class (RATE_TIE: measured rates are never exactly equal, and a chain's peers
+    all measure its bottleneck), nearest first, since each hop adds its latency to everyone after it."""
+    def rate_class(p: PeerLink) -> float:
+        return -math.floor(math.log(p.rate_bytes_per_s, RATE_TIE)) if p.rate_bytes_per_s > 0 else math.inf
+
+    return sorted(peers, key=lambda p: (rate_class(p), p.rtt_s, p.peer_id))
 
 
 def plan(peers: list[PeerLink], kind: str = "chain", fanout: int = 2) -> dict[str, list[str]]:
