@@ -97,7 +97,9 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
                                args=grpo_config(cfg, run_dir, world_size), train_dataset=train_set,
                                rollout_source=source, correction=cfg.rollout.correction,
                                is_bounds=(cfg.rollout.is_min, cfg.rollout.is_max))
-    log.info("learner %s on %d process(es): %s", type(trainer).__name__, world_size, trainer.backend())
+    log.info("learner %s on %d process(es): %s, %s, weights %s%s", type(trainer).__name__, world_size,
+             trainer.backend(), trainer.accelerator.device, next(trainer.model.parameters()).dtype,
+             ", bf16 autocast" if trainer.args.bf16 else "")
 
     sink = None
     if rank == 0:
