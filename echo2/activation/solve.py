@@ -135,7 +135,7 @@ def exact(system: System, workers: list[Worker]) -> Plan:
                          f"greedy, or group workers into link classes")
     # Pass 1: for every structure and set size k, the cells (price, μ) that can win, with the structure's T_bcast.
     cells: list[tuple] = []  # (structure, k, cents, μ, T_bcast) as arrays per (structure, k)
-    structures = [(d, u, r) for d, u, r in itertools.product(downs, ups, rtts)]
+    structures = list(itertools.product(downs, ups, rtts))
     for s_i, (d, u, r) in enumerate(structures):
         allowed = _allowed(workers, d, u, r)
         if not allowed:
@@ -151,7 +151,8 @@ def exact(system: System, workers: list[Worker]) -> Plan:
                                               d, u, r, system.fanout)
                 cells.append((np.full(frontier.size, s_i), np.full(frontier.size, k), frontier, mu[frontier],
                               np.full(frontier.size, bcast)))
-    # Pass 2: price every candidate at once (the round map is vectorised), pick the best, walk back its choices.
+    # Pass 2: price every candidate at once (the round map is vectorised), pick the best, walk back its choices
+    # (the winning structure's DP is run again with its choice tables: keeping every structure's would cost memory).
     if not cells:  # no worker generates anything
         return evaluate(system, [], "exact")
     s_of, k_of, c_of, mu, bcast = (np.concatenate(x) for x in zip(*cells))

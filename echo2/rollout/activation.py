@@ -81,23 +81,22 @@ class Activation:
         new = self.online.update(system, specs)
         if new is None:
             return False
-        off = sorted({w.worker_id for w in workers} - new)
-        log.info("activation re-plan %d (%s): active %s%s", self.online.replans, self.cfg["solver"], sorted(new),
-                 f"; deactivated {off}" if off else "")
-        before = self.active if self.active is not None else frozenset(w.worker_id for w in workers)
+        live = frozenset(w.worker_id for w in workers)
+        before = self.active if self.active is not None else live  # before a first plan, everyone works
+        on, off = new - before, (before & live) - new  # a worker that left is gone, not deactivated
+        log.info("activation re-plan %d (%s): active %s%s%s", self.online.replans, self.cfg["solver"], sorted(new),
+                 f"; activated {sorted(on)}" if on else "", f"; deactivated {sorted(off)}" if off else "")
         self.active = new
-        self._run_hook(workers, before)
+        self._run_hook(workers, on, off)
         return True
 
-    def _run_hook(self, workers: list, before: frozenset[str]) -> None:
+    def _run_hook(self, workers: list, on: frozenset[str], off: frozenset[str]) -> None:
         """activation.on_change, told who is on and who was switched on and off (see conf/activation)."""
         if not self.cfg.get("on_change"):
             return
         ids = lambda xs: ",".join(sorted(xs))  # noqa: E731
-        live = frozenset(w.worker_id for w in workers)  # a worker that left is gone, not deactivated
-        env = dict(os.environ, ECHO2_ACTIVE=ids(self.active), ECHO2_ACTIVATED=ids(self.active - before),
-                   ECHO2_DEACTIVATED=ids((before & live) - self.active), ECHO2_REPLAN=str(self.online.replans),
-                   ECHO2_WORKERS_JSON=json.dumps([
+        env = dict(os.environ, ECHO2_ACTIVE=ids(self.active), ECHO2_ACTIVATED=ids(on), ECHO2_DEACTIVATED=ids(off),
+                   ECHO2_REPLAN=str(self.online.replans), ECHO2_WORKERS_JSON=json.dumps([
                        {"id": w.worker_id, "snapshot_url": w.snapshot_url, "relay": w.relay,
                         "usd_per_hour": w.usd_per_hour, "active": w.worker_id in self.active} for w in workers]))
         with open(os.path.join(self.run_dir, "activation_hook.log"), "ab") as out:
