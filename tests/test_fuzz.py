@@ -71,11 +71,11 @@ def test_relay_server_refuses_garbage_and_keeps_serving(origin, frame):
     data = b""
     with socket.create_connection(origin.addr, timeout=5) as s:
         s.sendall(frame)
-        s.shutdown(socket.SHUT_WR)
         try:
+            s.shutdown(socket.SHUT_WR)  # ENOTCONN when it already refused the frame and reset the connection
             while chunk := s.recv(65536):
                 data += chunk
-        except ConnectionResetError:  # it closed on unread garbage; the refusal may be lost with the reset
+        except OSError:  # it closed on unread garbage (a reset); the refusal may be lost with it
             pass
     if data:  # whatever it answered is a refusal: no weights for anyone without the token
         (n,) = struct.unpack("!I", data[:4])
