@@ -174,8 +174,13 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         errors.append(f"rollout.correction={r.correction!r}: expected none, tis or mask")
     if not 0 <= r.is_min <= 1 <= r.is_max:
         errors.append(f"rollout.is_min={r.is_min}, is_max={r.is_max}: need 0 <= is_min <= 1 <= is_max")
-    if not 0 < r.top_p <= 1 or r.temperature <= 0:
-        errors.append(f"rollout.temperature={r.temperature} / top_p={r.top_p}: need temperature > 0, 0 < top_p <= 1")
+    if r.temperature <= 0:
+        errors.append(f"rollout.temperature={r.temperature}: must be > 0")
+    if r.top_p != 1 or r.top_k != 0:
+        errors.append(f"rollout.top_p={r.top_p}, top_k={r.top_k}: truncated sampling is not supported. The engines "
+                      "report logprobs of the truncated, renormalised distribution, while the learner scores the full "
+                      "softmax at the temperature, so every importance ratio would be biased. Keep top_p=1, top_k=0 "
+                      "and lower rollout.temperature to sharpen sampling.")
     if cfg.task.max_completion_length < 1:
         errors.append(f"task.max_completion_length={cfg.task.max_completion_length}: must be >= 1")
     if cfg.run.steps < 1:

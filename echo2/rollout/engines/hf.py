@@ -1,19 +1,49 @@
 """The transformers engine: ``model.generate`` with behaviour logprobs, for machines without vLLM and tests.
 
-Logprobs are read from the *processed* scores (after temperature, top-k, top-p), i.e. the distribution the
-token was actually drawn from, the same convention as vLLM's ``processed_logprobs``. With top-k and top-p
-off they equal ``log_softmax(logits / T)``, exactly what the learner recomputes, so on-policy ratios are 1.
+Logprobs are read from the *processed* scores, i.e. the distribution the token was actually drawn from, the
+same convention as vLLM's ``processed_logprobs``. Sampling is the full softmax at temperature T, so they equal
+``log_softmax(logits / T)``, exactly what the learner recomputes, and on-policy ratios are 1. That takes care:
+``generate`` fills every knob left unset from the model's ``generation_config.json`` (Qwen3 ships top_k 20,
+top_p 0.95; a list-valued one such as ``suppress_tokens`` cannot even be set to "off" from outside), then from the
+library's defaults (top_k 50). So the model's generation config is set aside while generating, and top-k and
+top-p are turned off explicitly (``FULL_SOFTMAX``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
 from echo2.rollout.types import Completion, SamplingParams
+
+# The library's defaults for what neither we nor (set aside) the model's generation config state are neutral,
+# except top_k (50): every knob that could truncate is stated here as off.
+FULL_SOFTMAX = dict(top_k=0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0)
+
+
+@contextmanager
+def own_generation_config(model: Any):
+    """Set the model's generation config aside (a neutral one) while ``generate`` runs: see the module doc."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+@torch.no_grad()
+def probe_logprobs(model: Any, token_ids: Sequence[int]) -> list[float]:
+    """log p(token_ids[i] | token_ids[:i]) at temperature 1 for i >= 1: the learner's side of a worker's check that
+    it serves the version it claims (the worker computes the same with its engine after applying it)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(token_ids)], device=device)
+    logps = model(ids).logits[0, :-1].float().log_softmax(-1)
+    return logps.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
 
 
 class HFEngine:
@@ -25,6 +55,9 @@ class HFEngine:
     def generate(
         self, policy: Any, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, greedy: bool = False
     ) -> list[list[Completion]]:
+        if params.top_p < 1 or params.top_k > 0:
+            raise ValueError(f"top_p={params.top_p}, top_k={params.top_k}: truncated sampling would bias every "
+                             "importance ratio (the learner scores the full softmax); use top_p=1, top_k=0")
         device = next(policy.parameters()).device
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
@@ -35,9 +68,8 @@ class HFEngine:
         n = 1 if greedy else params.n
         gen_cfg = GenerationConfig(
             do_sample=not greedy,
-            temperature=params.temperature if not greedy else None,
-            top_p=params.top_p if not greedy else None,
-            top_k=(params.top_k or None) if not greedy else None,
+            temperature=params.temperature if not greedy else 1.0,
+            **FULL_SOFTMAX,
             max_new_tokens=params.max_tokens,
             num_return_sequences=n,
             pad_token_id=self.pad_token_id,
@@ -45,9 +77,10 @@ class HFEngine:
             output_scores=True,
             return_dict_in_generate=True,
         )
-        out = policy.generate(
-            input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=gen_cfg
-        )
+        with own_generation_config(policy):
+            out = policy.generate(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=gen_cfg
+            )
         new_tokens = out.sequences[:, width:].cpu()
         # scores: one (B*n, V) tensor per generated position, already temperature/top-k/top-p processed.
         logps = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu()
@@ -83,12 +116,19 @@ class HFWorkerEngine:
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         return self.engine.generate(self.model, prompt_ids, params)
 
-    def load_weights(self, version: int, blob: bytes) -> None:
+    def load_weights(self, version: int, blob) -> dict:
         from echo2.broadcast.snapshot import decode
 
         missing, unexpected = self.model.load_state_dict(decode(blob), strict=False)
-        if unexpected or [m for m in missing if "rotary" not in m]:
+        # A tied weight is stored once (snapshot.tensors); its other name shares the loaded tensor here.
+        tied = {name for name, p in self.model.named_parameters(remove_duplicate=False)
+                if any(p is q for n, q in self.model.named_parameters() if n != name)}
+        if unexpected or [m for m in missing if "rotary" not in m and m not in tied]:
             raise ValueError(f"snapshot v{version} does not fit the model: missing {missing}, unexpected {unexpected}")
+        return {}
+
+    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        return probe_logprobs(self.model, token_ids)
 
     def close(self) -> None:
         pass
