@@ -119,7 +119,7 @@ def test_broadcaster_rounds_late_joiner_and_one_to_many_cost():
     got: dict[str, list[int]] = {}
 
     def receiver(name):
-        return SnapshotReceiver(TOKEN, lambda v, blob, n=name: got.setdefault(n, []).append(v)).start()
+        return SnapshotReceiver(TOKEN, lambda v, blob, _m, n=name: got.setdefault(n, []).append(v)).start()
 
     def wait(cond, timeout=20):
         deadline = time.monotonic() + timeout

@@ -51,7 +51,8 @@ def fill(url, token, groups, receiver=None):
 
 def test_take_publish_metrics_and_close_over_the_pipe(tiny_model_dir, tmp_path):
     received = []
-    receiver = SnapshotReceiver("secret", lambda v, blob: received.append((v, bytes(blob)))).start()
+    receiver = SnapshotReceiver("secret", lambda v, blob, manifest: received.append((v, bytes(blob), manifest["probe"])))
+    receiver.start()
     coord = start(tiny_model_dir, tmp_path)
     try:
         assert coord.proc.pid != os.getpid() and coord.proc.is_alive()
@@ -61,12 +62,16 @@ def test_take_publish_metrics_and_close_over_the_pipe(tiny_model_dir, tmp_path):
         assert all(r.reward is not None and r.version == 0 for g in groups for r in g.rollouts)  # scored there
         coord.set_version(1)
         blob = b"not really safetensors, but bytes are bytes"
-        coord.publish(1, blob)
+        probe = {"token_ids": [3, 4], "logprobs": [-0.5], "dtype": "float32"}
+        coord.publish(1, blob, probe)
         deadline = time.monotonic() + 10
         while not received and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert received == [(1, blob)]  # pulled through the relay, every chunk checked against the signed manifest
-        assert not list(coord.snapshot_dir.iterdir()), "the child removes a snapshot file once read"
+        # pulled through the relay, every chunk checked against the signed manifest, which carries the probe
+        assert received == [(1, blob, probe)]
+        for v in (2, 3):  # the learner keeps only the last two staged memory files open
+            coord.publish(v, blob)
+        assert len(coord.staged) == 2
         m = coord.metrics()
         assert m["rollout/received"] == 2 * G and "broadcast/bytes" in m
         with pytest.raises(TimeoutError, match="admissible"):
@@ -77,7 +82,7 @@ def test_take_publish_metrics_and_close_over_the_pipe(tiny_model_dir, tmp_path):
         acc = coord.close()
         receiver.close()
     assert acc["consumed"] == 2 * G and acc["dispatched"] == 2 * G, acc
-    assert not coord.proc.is_alive() and not coord.snapshot_dir.exists()
+    assert not coord.proc.is_alive() and not coord.staged
 
 
 def test_a_dead_coordinator_is_a_clear_error(tiny_model_dir, tmp_path):

@@ -14,9 +14,10 @@ class Broadcaster(Protocol):
     """Set by the coordinator: ``on_delivered(peer_id, version)`` after a worker holds a verified snapshot,
     so a worker long-polling with an old version is told at once to apply it."""
 
-    def publish(self, version: int, blob: bytes) -> None:
-        """Called every κ learner steps with the new weights as snapshot bytes (``snapshot.encode``); returns at
-        once (the send runs in the background; a newer snapshot supersedes one not yet sent)."""
+    def publish(self, version: int, blob: bytes, probe: dict | None = None) -> None:
+        """Called every κ learner steps with the new weights as snapshot bytes (``snapshot.encode``) and the
+        learner's probe logprobs of them (for the workers' check); returns at once (the send runs in the
+        background; a newer snapshot supersedes one not yet sent)."""
         ...
 
     def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None) -> None:

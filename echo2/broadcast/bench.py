@@ -46,7 +46,7 @@ def role_peer(args) -> None:
     from echo2.broadcast.peer import SnapshotReceiver
 
     link = relay.Link(up_mbit=args.up_mbit, down_mbit=args.down_mbit, latency_s=args.latency_ms / 1e3)
-    r = SnapshotReceiver(os.environ["ECHO2_TOKEN"], lambda v, blob: None, host=args.host, link=link).start()
+    r = SnapshotReceiver(os.environ["ECHO2_TOKEN"], lambda v, blob, manifest: None, host=args.host, link=link).start()
     print(json.dumps({"url": r.url, "relay": r.relay_addr}), flush=True)
     sys.stdin.read()  # until the driver closes our stdin
     r.close()

@@ -80,16 +80,16 @@ class RelayBroadcaster:
 
     # ------------------------------------------------------------------ the Broadcaster protocol
 
-    def publish(self, version: int, blob: bytes) -> None:
+    def publish(self, version: int, blob: bytes, probe: dict | None = None) -> None:
         with self.cond:
-            self.incoming = (version, blob, time.monotonic())
+            self.incoming = (version, blob, probe, time.monotonic())
             self.cond.notify_all()
 
-    def _prepare(self, version: int, blob: bytes) -> None:
+    def _prepare(self, version: int, blob: bytes, probe: dict | None = None) -> None:
         """Digest and sign the snapshot; encode a delta against the previous one when that is smaller."""
         t0 = time.perf_counter()
         prev = self.store.newest_complete()
-        manifest = relay.make_manifest(self.token, version, blob, self.chunk_bytes)
+        manifest = relay.make_manifest(self.token, version, blob, self.chunk_bytes, probe=probe)
         self.store.put(relay.Snapshot(manifest, blob))
         base, ratio = None, 1.0
         if self.sparse_delta and prev is not None and prev.version < version:
@@ -149,9 +149,9 @@ class RelayBroadcaster:
                     return
                 incoming, self.incoming = self.incoming, None
             if incoming is not None:
-                version, blob, published_at = incoming
+                version, blob, probe, published_at = incoming
                 self.published_at = {version: published_at}
-                self._prepare(version, blob)
+                self._prepare(version, blob, probe)
                 continue  # a newer publish may already be waiting: digest that first (latest wins)
             with self.cond:
                 if self.latest is None or not self._due():

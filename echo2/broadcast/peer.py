@@ -3,8 +3,8 @@
     broadcaster ──POST /fetch {v, base, sources}──► SnapshotReceiver ──pull v (or its delta vs base) from
                                                         │   sources[0], else the next ──► ...
                                                         │  serves its own children from the same buffer meanwhile
-                                                        └─ on_snapshot(v, bytes) once every chunk of the full
-                                                           snapshot checks; answers {seconds, bytes_per_s}
+                                                        └─ on_snapshot(v, buffer, manifest) once every chunk of
+                                                           the full snapshot checks; answers {seconds, bytes_per_s}
 
 The worker agent owns one (and so does ``python -m echo2.broadcast.bench``, which measures exactly this code).
 """
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class SnapshotReceiver:
-    def __init__(self, token: str, on_snapshot: Callable[[int, Any], None], host: str = "127.0.0.1",
+    def __init__(self, token: str, on_snapshot: Callable[[int, Any, dict], None], host: str = "127.0.0.1",
                  advertise_host: str | None = None, link: relay.Link | None = None, stall_timeout_s: float = 10.0,
                  control_port: int = 0, relay_port: int = 0):
         self.token, self.on_snapshot = token, on_snapshot
@@ -60,7 +60,9 @@ class SnapshotReceiver:
         except (ConnectionError, OSError, relay.BadSnapshot, ValueError) as e:
             raise BadRequest(f"v{version}: {e}") from None
         seconds = time.perf_counter() - t0
-        self.on_snapshot(version, snap.buf)  # a bytes-like buffer; the callback copies what it keeps
+        # A bytes-like buffer (a MemoryFile as received here) that the relay keeps serving: never written again,
+        # so the callback may keep a reference rather than a copy. The manifest is verified (signed by the learner).
+        self.on_snapshot(version, snap.buf, snap.manifest)
         return {"ok": True, "version": version, "seconds": seconds, "bytes_per_s": wire_bytes / max(seconds, 1e-9),
                 "first_byte_at": snap.first_byte_at, "done_at": time.monotonic(),  # monotonic: same host only
                 "rtt_s": self.fetcher.last_rtt_s}

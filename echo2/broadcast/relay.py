@@ -29,7 +29,6 @@ import hashlib
 import hmac
 import json
 import logging
-import mmap
 import os
 import socket
 import struct
@@ -40,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from echo2.broadcast.link import Link
+from echo2.broadcast.snapshot import MemoryFile
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,10 @@ def _mac(token: str, payload: dict[str, Any]) -> str:
 
 
 def make_manifest(token: str, version: int, blob: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES,
-                  base: int = FULL) -> dict:
-    """``base``: FULL for a whole snapshot, else the version a sparse delta (delta.py) is taken against."""
+                  base: int = FULL, probe: dict | None = None) -> dict:
+    """``base``: FULL for a whole snapshot, else the version a sparse delta (delta.py) is taken against.
+    ``probe``: the learner's logprobs of fixed tokens under this version (``{"token_ids", "logprobs", "dtype"}``),
+    signed with the rest, which a worker compares with its engine's after applying the snapshot."""
     mv = memoryview(blob)
     # Chunks are digested in parallel (hashlib releases the GIL on big buffers): one core did 500 MB in 0.64 s,
     # all of it before the first byte could leave the learner.
@@ -72,14 +74,14 @@ def make_manifest(token: str, version: int, blob: bytes | memoryview, chunk_byte
         chunks = list(pool.map(lambda span: hashlib.sha256(span).hexdigest(), spans))
     root = hashlib.sha256("".join(chunks).encode()).hexdigest()
     body = {"version": version, "base": base, "size": len(mv), "chunk_bytes": chunk_bytes, "chunks": chunks,
-            "root": root}
+            "root": root, "probe": probe}
     return {**body, "mac": _mac(token, body)}
 
 
 def verify_manifest(token: str, manifest: Any) -> dict:
     if not isinstance(manifest, dict):
         raise BadSnapshot("manifest is not an object")
-    body = {k: manifest.get(k) for k in ("version", "base", "size", "chunk_bytes", "chunks", "root")}
+    body = {k: manifest.get(k) for k in ("version", "base", "size", "chunk_bytes", "chunks", "root", "probe")}
     if not hmac.compare_digest(_mac(token, body), str(manifest.get("mac", ""))):
         raise BadSnapshot(f"manifest of v{body['version']}: signature does not match")
     size, cb, chunks = body["size"], body["chunk_bytes"], body["chunks"]
@@ -102,10 +104,11 @@ class Snapshot:
         self.manifest, self.version, self.size = manifest, manifest["version"], manifest["size"]
         self.key = (self.version, manifest["base"])  # the full snapshot v, or the delta of v against a base
         self.chunk_bytes = manifest["chunk_bytes"]
-        # A complete snapshot is served from the caller's bytes (no copy); an arriving one gets an anonymous map,
-        # zero pages the kernel provides as bytes land: a bytearray would be zeroed up front (measured: ~0.3 s
-        # per relay hop for 200 MB, added to every hop's first byte, since children wait for the parent's buffer).
-        self.buf = blob if blob is not None else (mmap.mmap(-1, self.size) if self.size else bytearray())
+        # A complete snapshot is served from the caller's bytes (no copy); an arriving one gets a memory file, zero
+        # pages the kernel provides as bytes land: a bytearray would be zeroed up front (measured: ~0.3 s per relay
+        # hop for 200 MB, added to every hop's first byte, since children wait for the parent's buffer). A worker's
+        # vLLM engine maps the same file to apply it (snapshot.MemoryFile): no copy of the snapshot in between.
+        self.buf = blob if blob is not None else (MemoryFile(self.size) if self.size else bytearray())
         self.received = self.visible = self.size if blob is not None else 0
         self.checked = len(manifest["chunks"]) if blob is not None else 0  # chunks digested so far, in order
         self.bad: set[int] = set()

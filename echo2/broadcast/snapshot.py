@@ -1,27 +1,114 @@
-"""Snapshot bytes: the policy's state dict as safetensors (no code runs on load, unlike pickle).
+"""Snapshot bytes: the policy's state dict as safetensors (no code runs on load, unlike pickle), and the memory
+they live in on a worker (``MemoryFile``: the relay receives into it, the engine maps it; ``views`` reads tensors
+out of it without a copy).
 
 Their authentication (a manifest of chunk digests signed by the learner) is the relay's: relay.py.
 """
 
 from __future__ import annotations
 
+import json
+import mmap
+import os
+import struct
+import weakref
+from collections.abc import Iterator
 from typing import Any
+
+
+def tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict's tensors on CPU, each stored once: a tied weight (Qwen3's LM head is its embedding matrix)
+    appears under its first name only (``model.embed_tokens.weight``), as in the model's own checkpoint; the
+    engines tie the other name to it."""
+    out, seen = {}, set()
+    for name, t in state_dict.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else name
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().cpu().contiguous()
+    return out
 
 
 def encode(state_dict: dict[str, Any]) -> bytes:
     import safetensors.torch
 
-    return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()})
+    return safetensors.torch.save(tensors(state_dict))
 
 
 def save(state_dict: dict[str, Any], path: str) -> None:
     """The bytes ``encode`` would return, written straight to ``path`` (no in-memory copy of the whole snapshot)."""
     import safetensors.torch
 
-    safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, path)
+    safetensors.torch.save_file(tensors(state_dict), path)
 
 
-def decode(blob: bytes) -> dict[str, Any]:
-    import safetensors.torch
+def decode(blob) -> dict[str, Any]:
+    """The tensors of snapshot bytes: views into ``blob`` where it is writable memory (a MemoryFile: no copy),
+    else a copy made by safetensors."""
+    if isinstance(blob, (bytes, memoryview)):
+        import safetensors.torch
 
-    return safetensors.torch.load(blob)
+        return safetensors.torch.load(bytes(blob))
+    return dict(views(blob))
+
+
+def _dtypes() -> dict[str, Any]:
+    """safetensors dtype codes -> torch dtypes (the ones a model checkpoint holds)."""
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool}
+
+
+def views(buf) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every tensor of a safetensors buffer, each a view into ``buf`` (no copy).
+
+    ``buf`` must be writable (torch.frombuffer warns on read-only memory): a MemoryFile, or a map made
+    copy-on-write."""
+    import torch
+
+    dtypes = _dtypes()
+    (header_len,) = struct.unpack_from("<Q", buf, 0)
+    header = json.loads(bytes(memoryview(buf)[8:8 + header_len]))
+    base = 8 + header_len
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = dtypes[meta["dtype"]]
+        lo, hi = meta["data_offsets"]
+        count = (hi - lo) // dtype.itemsize
+        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + lo) if count else torch.empty(0, dtype=dtype)
+        yield name, t.view(meta["shape"])
+
+
+class MemoryFile(mmap.mmap):
+    """A writable memory buffer that another local process can map too: an anonymous memory file (``memfd``).
+
+    Why not /dev/shm: containers often mount it at 64 MB, far below one snapshot; a memory file has no such limit
+    (it is memory like any other, counted as shared). Why not an anonymous map: no other process could reach it.
+    Pages are the kernel's zero pages until written, so a buffer that fills as bytes arrive costs no up-front
+    zeroing. ``path`` (``/proc/<pid>/fd/<n>``) opens it from another process of the same user while this object
+    lives: the vLLM engine maps the snapshot from there instead of reading a copy of it.
+    """
+
+    def __new__(cls, size: int, name: str = "echo2-snapshot"):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            self = super().__new__(cls, fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.path = f"/proc/{os.getpid()}/fd/{fd}"
+        weakref.finalize(self, os.close, fd)
+        return self
+
+
+def memory_file(data: bytes | memoryview) -> MemoryFile:
+    """``data`` copied into a new MemoryFile (for callers that hold plain bytes)."""
+    buf = MemoryFile(len(data))
+    buf[:] = data
+    return buf

@@ -4,9 +4,8 @@ Nothing here touches a model hub: the tokenizer is a `tokenizers` WordLevel mode
 the model is `Qwen3ForCausalLM` from a config. Both are saved once into a cache folder keyed by a hash of
 their settings, so every process (learner ranks, workers, tests) loads the same files.
 
-Two choices are forced by vLLM on CPU (see shared/research/stack.md and vllm-cpu.md):
-``head_dim`` stays at 32 (vLLM's CPU attention rejects 16), and embeddings are untied (vLLM's
-``reload_weights`` leaves a tied LM head stale).
+``head_dim`` stays at 32: vLLM's CPU attention rejects 16. Embeddings are untied by default (``tie_word_embeddings``
+builds a tied one, as Qwen3-0.6B and -4B are, for the tests of the worker's weight apply).
 
     python -c "from echo2.models.tiny import build_tiny; print(build_tiny())"
 """
@@ -40,6 +39,7 @@ def build_tiny(
     head_dim: int = 32,
     max_position_embeddings: int = 64,
     init_seed: int = 0,
+    tie_word_embeddings: bool = False,
     cache_dir: str | None = None,
 ) -> str:
     """Build (once) and return the folder holding the tiny model and its tokenizer."""
@@ -54,6 +54,8 @@ def build_tiny(
         max_position_embeddings=max_position_embeddings,
         init_seed=init_seed,
     )
+    if tie_word_embeddings:  # only when set, so that the untied models keep their cache folders
+        spec["tie_word_embeddings"] = True
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     out = root / "models" / f"tiny-{key}"
@@ -102,7 +104,7 @@ def _write_tiny(out: Path, spec: dict) -> None:
         num_key_value_heads=spec["num_key_value_heads"],
         head_dim=spec["head_dim"],
         max_position_embeddings=spec["max_position_embeddings"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.get("tie_word_embeddings", False),
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=2,

