@@ -100,8 +100,9 @@ TOPOLOGIES = {"chain": "chain", "tree": "tree", "star": "star", "pipelined": "ch
 
 
 @dataclass(frozen=True)
-class Link:
-    """One worker's network: Mbit/s down and up, round-trip time to the learner (ms)."""
+class WorkerLink:
+    """One worker's network as the model sees it: Mbit/s down and up, round-trip time to the learner (ms).
+    (The relay's emulated access link for tests is echo2.broadcast.link.Link.)"""
 
     down_mbit: float
     up_mbit: float
@@ -135,7 +136,7 @@ def topology_of(mode: str) -> str:
     return TOPOLOGIES[mode]
 
 
-def links_bcast_time_s(mode: str, snapshot_bytes: float, learner_uplink_mbit: float, links: list[Link],
+def links_bcast_time_s(mode: str, snapshot_bytes: float, learner_uplink_mbit: float, links: list[WorkerLink],
                        fanout: int = 2) -> float:
     if not links:
         return 0.0
