@@ -215,3 +215,19 @@ def test_a_tree_relay_with_fanout_3_is_planned_with_fanout_3(tiny_model_dir):
     tree3 = capacity.bcast_time_s("tree", 8e9, uplink, 9, 500.0, 200.0, 40.0, fanout=3)
     assert planner.online.last.bcast_s == pytest.approx(tree3)
     assert tree3 != pytest.approx(capacity.bcast_time_s("tree", 8e9, uplink, 9, 500.0, 200.0, 40.0, fanout=2))
+
+
+def test_train_hands_the_relay_shape_to_the_coordinator_process(tmp_path, caplog):
+    """The same through train.build and the coordinator's own process (settings cross a process boundary)."""
+    import logging
+
+    from conftest import build_run
+
+    caplog.set_level(logging.INFO)  # the coordinator process logs at the learner's level, as train.py sets it
+    _, _, source, _ = build_run(tmp_path, ["rollout=async", "pool=static", "broadcast.sender.topology=tree",
+                                           "broadcast.sender.fanout=3"])
+    try:
+        assert source.coordinator.status()["registered"] == 0  # it answers: it started with these settings
+    finally:
+        source.close()
+    assert "planned for a tree relay (fanout 3)" in (tmp_path / "coordinator.log").read_text()

@@ -10,7 +10,9 @@ Pure: no Hydra, sockets or threads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -40,3 +42,9 @@ class BroadcastShape:
         sender = broadcast["sender"]
         return cls(topology=sender.get("topology", cls.topology), fanout=int(sender.get("fanout", cls.fanout)),
                    interval=int(broadcast["interval"]))
+
+
+def detached(cls: type[T], value: Any) -> T | None:
+    """``value`` as a plain ``cls`` instance: Hydra hands a dataclass passed to ``instantiate`` on as a config node
+    tied to its whole tree (which may not pickle); this rebuilds it from its fields. None stays None."""
+    return value if value is None or isinstance(value, cls) else cls(**value)

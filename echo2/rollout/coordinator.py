@@ -95,9 +95,11 @@ class Coordinator:
         self.ledger = _ledger(journal, recover, group_size, len(dataset), seed)
         self.registered = 0
         self.closed = False
-        activation = activation or ActivationSettings()
-        self.activation = OnlinePlanner(activation, broadcast_shape or BroadcastShape(), staleness=staleness,
+        activation, shape = activation or ActivationSettings(), broadcast_shape or BroadcastShape()
+        self.activation = OnlinePlanner(activation, shape, staleness=staleness,
                                         rollouts_per_step=prompts_per_step * group_size)
+        log.info("activation: %s solver, planned for a %s relay (fanout %d), a snapshot every %d steps",
+                 activation.solver, shape.topology, shape.fanout, shape.interval)
         self.on_change = OnChangeHook(activation.on_change, run_dir=os.path.dirname(journal) if journal else None)
         self.server = JsonServer(host, port, token, name="coordinator", routes={
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
