@@ -107,12 +107,10 @@ class Simulation:
         self.seq = itertools.count()
         self.buffer: deque[int] = deque()  # the versions of scored groups, in arrival order
         self.version = 0  # optimizer steps applied
-        self.taken = 0  # batches handed to the learner (one ahead of version while it computes)
-        self.learner_busy = False
+        self.taken, self.learner_busy = 0, False  # batches handed to the learner (one ahead while it computes)
         self.published = 0  # newest version published (every κ steps)
         self.round_busy, self.round_version = False, -1  # the broadcast round in progress and its version
-        self.compute_s = 0.0
-        self.lags: Counter = Counter()
+        self.compute_s, self.lags = 0.0, Counter()  # learner compute; consumed groups by lag
         self.in_flight = 0  # groups held by workers
         self.dispatched = self.stale = self.lost = 0  # groups
 
@@ -186,8 +184,7 @@ class Simulation:
     def on_join(self, now: float, w: SimWorker) -> None:
         """A worker joins: it downloads the latest round's version from a peer and applies it before working."""
         cfg = self.cfg
-        w.alive, w.version, w.pending = True, -1, self.round_version
-        w.busy = True
+        w.alive, w.busy, w.version, w.pending = True, True, -1, self.round_version
         self.at(now + cfg.snapshot_bytes * 8 / (w.spec.down_mbit * 1e6 * capacity.GOODPUT) + cfg.load_s,
                 self.on_applied, w, w.epoch, max(self.round_version, 0))
         self.at(now + self.rng.expovariate(cfg.churn_per_worker_hour / 3600), self.on_leave, w, w.epoch)
@@ -212,8 +209,7 @@ class Simulation:
             return
         for _ in range(cfg.prompts_per_step):
             self.lags[self.version - self.buffer.popleft()] += 1
-        self.taken += 1
-        self.learner_busy = True
+        self.taken, self.learner_busy = self.taken + 1, True
         self.compute_s += cfg.train_step_s
         self.at(now + cfg.train_step_s, self.on_step_done)
         self.dispatch(now)
