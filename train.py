@@ -53,6 +53,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     ``resume``: a checkpoint to resume from (find_checkpoint); the trainer loads it in ``train()``."""
     from transformers import AutoTokenizer
 
+    from echo2.activation.settings import BroadcastShape
     from echo2.learner.args import grpo_config
     from echo2.learner.callbacks import CHECKPOINT_STATE, Echo2Callback
     from echo2.learner.trainer import Echo2GRPOTrainer
@@ -87,8 +88,8 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
                          pool=instantiate(cfg.pool),
                          publish_interval=cfg.broadcast.interval, token=token,
                          resume=resumed["source"] if resumed and resumed["source"] else None,
-                         activation={**OmegaConf.to_container(cfg.activation), "interval": cfg.broadcast.interval,
-                                     "broadcast": _mode(cfg.broadcast.sender.get("topology", "chain"))})
+                         activation=OmegaConf.to_object(cfg.activation),
+                         broadcast_shape=BroadcastShape.of(cfg.broadcast))
     source = instantiate(cfg.rollout.source, ctx=ctx)
     log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(source).__name__,
              cfg.rollout.staleness, cfg.rollout.prompts_per_step, cfg.rollout.group_size, token_origin)
@@ -142,11 +143,6 @@ def _swept_keys(argv: list[str]) -> set[str]:
     except Exception:
         return set()
     return {o.key_or_group for o in overrides if o.is_sweep_override()}
-
-
-def _mode(topology: str) -> str:
-    """The capacity model's name for a relay topology."""
-    return {"chain": "pipelined", "star": "one_to_many"}.get(topology, topology)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -76,11 +76,13 @@ Assumptions: steady state; aggregate throughput μ is available to any step's wi
 interchangeable and the dispatcher keeps them busy; the in-flight cap (S+1)·R never binds before the rate
 does); T_train, T_bcast, T_load, μ_i constant; generation is continuous (batches only enter through T_batch).
 
-Dissemination time (``bcast_time_s``) per mode, for snapshot M over links with per-worker downlink/uplink B_i
-and learner uplink B_L, one-way latency ℓ and ``piece`` bytes forwarded at a time (relay.py):
-  one_to_many:  max(N·M / B_L, max_i M / B_i) + ℓ                 (the learner's uplink carries N copies)
-  pipelined:    M / min(B_L, B_i, up_i) + N·(ℓ + piece / B)      (chain: each byte crosses each link once)
-  tree(f):      M / min(B_L / f, B_i, up_i / f) + depth·(ℓ + piece / B)   (inner nodes upload f copies)
+Dissemination time (``bcast_time_s``) per relay topology (``broadcast.sender.topology``: the relay's own names;
+the broadcast options' names ``one_to_many`` and ``pipelined`` are accepted for star and chain), for snapshot M
+over links with per-worker downlink/uplink B_i and learner uplink B_L, one-way latency ℓ and ``piece`` bytes
+forwarded at a time (relay.py):
+  star:     max(N·M / B_L, max_i M / B_i) + ℓ                 (one-to-many: the learner's uplink carries N copies)
+  chain:    M / min(B_L, B_i, up_i) + N·(ℓ + piece / B)      (pipelined: each byte crosses each link once)
+  tree(f):  M / min(B_L / f, B_i, up_i / f) + depth·(ℓ + piece / B)   (f = fanout: inner nodes upload f copies)
 with a goodput factor (0.956: TCP over MTU 1500 on a wire-rate shaper) on every rate.
 """
 
@@ -93,11 +95,14 @@ import numpy as np
 
 GOODPUT = 1448 / 1514  # TCP payload per wire byte at MTU 1500: what an HTB-shaped link (or a real one) carries
 PIECE_BYTES = 256 << 10  # echo2.broadcast.relay.PIECE_BYTES: the cut-through granularity
+# The relay's topology names (broadcast.sender.topology), and the broadcast options' names for two of them.
+TOPOLOGIES = {"chain": "chain", "tree": "tree", "star": "star", "pipelined": "chain", "one_to_many": "star"}
 
 
 @dataclass(frozen=True)
-class Link:
-    """One worker's network: Mbit/s down and up, round-trip time to the learner (ms)."""
+class WorkerLink:
+    """One worker's network as the model sees it: Mbit/s down and up, round-trip time to the learner (ms).
+    (The relay's emulated access link for tests is echo2.broadcast.link.Link.)"""
 
     down_mbit: float
     up_mbit: float
@@ -109,23 +114,29 @@ def bcast_time_s(mode: str, snapshot_bytes: float, learner_uplink_mbit: float, w
     """Seconds until the last of ``workers`` holds the snapshot, given the slowest downlink and uplink among them
     and the longest RTT (see the module doc for each formula). Depends on the active set only through these
     four numbers, and grows as any of them gets worse: what exact activation relies on."""
+    topology = topology_of(mode)
     if workers <= 0:
         return 0.0
     rate = lambda mbit: mbit * 1e6 / 8 * goodput  # noqa: E731  bytes/s of payload
     latency_s = rtt_ms / 2e3
-    if mode == "one_to_many":
+    if topology == "star":
         return max(workers * snapshot_bytes / rate(learner_uplink_mbit), snapshot_bytes / rate(down_mbit)) + latency_s
-    if mode == "pipelined":  # every relay's uplink counts (conservative: the chain's last uploads nothing)
+    if topology == "chain":  # every relay's uplink counts (conservative: the chain's last uploads nothing)
         bottleneck = min(learner_uplink_mbit, down_mbit, up_mbit if workers > 1 else math.inf)
         return snapshot_bytes / rate(bottleneck) + workers * (latency_s + PIECE_BYTES / rate(bottleneck))
-    if mode == "tree":
-        depth = math.ceil(math.log(workers * (fanout - 1) + 1, fanout)) if fanout > 1 else workers
-        bottleneck = min(learner_uplink_mbit / fanout, down_mbit, up_mbit / fanout if workers > 1 else math.inf)
-        return snapshot_bytes / rate(bottleneck) + depth * (latency_s + PIECE_BYTES / rate(bottleneck))
-    raise ValueError(f"broadcast mode {mode!r}: expected one_to_many, pipelined or tree")
+    depth = math.ceil(math.log(workers * (fanout - 1) + 1, fanout)) if fanout > 1 else workers
+    bottleneck = min(learner_uplink_mbit / fanout, down_mbit, up_mbit / fanout if workers > 1 else math.inf)
+    return snapshot_bytes / rate(bottleneck) + depth * (latency_s + PIECE_BYTES / rate(bottleneck))
 
 
-def links_bcast_time_s(mode: str, snapshot_bytes: float, learner_uplink_mbit: float, links: list[Link],
+def topology_of(mode: str) -> str:
+    """The relay topology (chain, tree, star) a broadcast mode names; raises on anything else."""
+    if mode not in TOPOLOGIES:
+        raise ValueError(f"broadcast topology {mode!r}: expected one of {sorted(TOPOLOGIES)}")
+    return TOPOLOGIES[mode]
+
+
+def links_bcast_time_s(mode: str, snapshot_bytes: float, learner_uplink_mbit: float, links: list[WorkerLink],
                        fanout: int = 2) -> float:
     if not links:
         return 0.0

@@ -12,6 +12,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from echo2.activation.settings import ActivationSettings
+
 
 @dataclass
 class ModelConfig:
@@ -94,16 +96,8 @@ class BroadcastConfig:
     sender: Any = MISSING
 
 
-@dataclass
-class ActivationConfig:
-    solver: str = "all_on"
-    learner_usd_per_hour: float = 0.0
-    learner_uplink_mbit: float = 1000.0
-    min_utilization: float = 0.0
-    hysteresis: float = 0.1
-    replan_every_s: float = 30.0
-    load_s: float = 0.0
-    on_change: Optional[str] = None
+# The activation group's schema is the online planner's own typed settings (one definition of each key).
+ActivationConfig = ActivationSettings
 
 
 @dataclass

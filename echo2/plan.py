@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--snapshot-mb", type=float, required=True)
     p.add_argument("--learner-usd-per-hour", type=float, required=True)
     p.add_argument("--learner-uplink-mbit", type=float, required=True)
-    p.add_argument("--broadcast", choices=["pipelined", "one_to_many", "tree"], default="pipelined")
+    p.add_argument("--broadcast", choices=sorted(capacity.TOPOLOGIES), default="pipelined",
+                   help="the relay topology (broadcast.sender.topology: chain, tree, star; or the broadcast "
+                        "option's name: pipelined = chain, one_to_many = star)")
+    p.add_argument("--fanout", type=int, default=2, help="children per relaying peer, for --broadcast tree")
     p.add_argument("--load-s", type=float, default=0.0, help="seconds to apply a snapshot in the engine")
     p.add_argument("--batch-s", type=float, default=0.0, help="seconds of one worker batch")
     p.add_argument("--min-utilization", type=float, default=0.0, help="learner utilization floor (0..1)")
@@ -65,8 +68,10 @@ def main(argv: list[str] | None = None) -> None:
     if not 1 <= a.interval <= a.staleness + 1:
         p.error(f"--interval {a.interval} needs 1 <= κ <= S+1 (S={a.staleness})")
     workers = load_pool(a.pool)
-    system = System(a.rollouts_per_step, a.train_step_s, a.staleness, a.interval, a.snapshot_mb * 1e6,
-                    a.learner_usd_per_hour, a.learner_uplink_mbit, a.broadcast, a.load_s, a.batch_s,
+    system = System(rollouts_per_step=a.rollouts_per_step, train_step_s=a.train_step_s, staleness=a.staleness,
+                    interval=a.interval, snapshot_bytes=a.snapshot_mb * 1e6,
+                    learner_usd_per_hour=a.learner_usd_per_hour, learner_uplink_mbit=a.learner_uplink_mbit,
+                    broadcast=a.broadcast, fanout=a.fanout, load_s=a.load_s, batch_s=a.batch_s,
                     min_utilization=a.min_utilization)
     plan = solve(system, workers, a.solver)
     pred = plan.prediction

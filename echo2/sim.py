@@ -74,6 +74,9 @@ class SimResult:
     active: tuple[str, ...]
     bcast_s: float
     predicted: capacity.Prediction
+    dispatched_groups: int = 0
+    buffered_groups: int = 0  # at the end
+    in_flight_groups: int = 0  # at the end
 
     def summary(self) -> dict:
         lags = list(self.staleness.elements())
@@ -85,129 +88,166 @@ class SimResult:
                 "bcast_s": self.bcast_s}
 
 
-def simulate(cfg: SimConfig, workers: list[Worker]) -> SimResult:
-    """Run ``cfg.steps`` learner steps with ``workers`` all active (choose them with activation first)."""
-    rng = random.Random(cfg.seed)
-    P, G, S = cfg.prompts_per_step, cfg.group_size, cfg.staleness
-    pool = [SimWorker(w) for w in workers]
-    n = len(pool)
-    bcast = capacity.bcast_time_s(cfg.broadcast, cfg.snapshot_bytes, cfg.learner_uplink_mbit, n,
-                                  min(w.down_mbit for w in workers), min(w.up_mbit for w in workers),
-                                  max(w.rtt_ms for w in workers))
-    events: list = []
-    seq = itertools.count()
+class Simulation:
+    """One run: an event queue, the learner, the workers, the broadcast rounds and the coordinator's buffer.
 
-    def at(t, kind, *args):
-        heapq.heappush(events, (t, next(seq), kind, args))
+    Each event has its own ``on_*`` method; after every event the learner takes a batch if it can (``learn``) and
+    idle workers are given work or a snapshot to apply (``dispatch``), as the coordinator would. Staleness is
+    judged by the buffer's own rules (echo2/rollout/buffer.py: ``admissible``, ``worth_dispatching``); eviction
+    looks only at the head of the queue (``evict_stale``), unlike the coordinator's buffer."""
 
-    buffer: deque = deque()  # versions of scored groups, arrival order
-    state = {"version": 0, "taken": 0, "learner_busy": False, "published": 0, "round_busy": False,
-             "round_version": -1, "compute_s": 0.0, "stale": 0, "lost": 0, "requeue": 0}
-    lags: Counter = Counter()
-    in_flight_total = [0]
+    def __init__(self, cfg: SimConfig, workers: list[Worker]):
+        self.cfg, self.workers = cfg, workers
+        self.rng = random.Random(cfg.seed)
+        self.pool = [SimWorker(w) for w in workers]
+        self.bcast_s = capacity.bcast_time_s(cfg.broadcast, cfg.snapshot_bytes, cfg.learner_uplink_mbit, len(workers),
+                                             min(w.down_mbit for w in workers), min(w.up_mbit for w in workers),
+                                             max(w.rtt_ms for w in workers))
+        self.events: list = []
+        self.seq = itertools.count()
+        self.buffer: deque[int] = deque()  # the versions of scored groups, in arrival order
+        self.version = 0  # optimizer steps applied
+        self.taken, self.learner_busy = 0, False  # batches handed to the learner (one ahead while it computes)
+        self.published = 0  # newest version published (every κ steps)
+        self.round_busy, self.round_version = False, -1  # the broadcast round in progress and its version
+        self.compute_s, self.lags = 0.0, Counter()  # learner compute; consumed groups by lag
+        self.in_flight = 0  # groups held by workers
+        self.dispatched = self.stale = self.lost = 0  # groups
 
-    def ahead():
-        return len(buffer) + in_flight_total[0]
+    def at(self, t: float, handler, *args) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), handler, args))
 
-    def try_dispatch(now):
-        next_step = max(state["version"], state["taken"])
-        for w in pool:
+    def run(self) -> SimResult:
+        cfg = self.cfg
+        self.at(0.0, self.on_start)
+        if cfg.churn_per_worker_hour > 0:
+            for w in self.pool:
+                self.at(self.rng.expovariate(cfg.churn_per_worker_hour / 3600), self.on_leave, w, w.epoch)
+        now = 0.0
+        while self.events and self.version < cfg.steps:
+            now, _, handler, args = heapq.heappop(self.events)
+            handler(now, *args)
+            self.learn(now)
+            self.dispatch(now)
+        usd = now / 3600 * (cfg.learner_usd_per_hour + sum(w.usd_per_hour for w in self.workers))
+        predicted = capacity.predict(cfg.prompts_per_step * cfg.group_size, cfg.train_step_s, cfg.staleness,
+                                     cfg.interval, self.bcast_s, cfg.load_s, [w.rollouts_per_s for w in self.workers],
+                                     residual_batch_s(cfg, self.workers))
+        return SimResult(self.version, now, self.compute_s / now if now else 0.0, self.lags, self.stale, self.lost,
+                         usd, tuple(w.id for w in self.workers), self.bcast_s, predicted, self.dispatched,
+                         len(self.buffer), self.in_flight)
+
+    # ---------------------------------------------------------------- events
+
+    def on_start(self, now: float) -> None:
+        """Nothing happens but the first dispatch."""
+
+    def on_step_done(self, now: float) -> None:
+        """The learner's step ends: a new version; every κ-th is published and a round starts if none runs."""
+        self.learner_busy = False
+        self.version += 1
+        self.evict_stale()
+        if self.version % self.cfg.interval == 0:
+            self.published = self.version
+            self.start_round(now)
+
+    def on_delivered(self, now: float, version: int) -> None:
+        """A round ends: every live worker holds ``version`` (it applies it between batches)."""
+        self.round_busy = False
+        for w in self.pool:
+            if w.alive:
+                w.pending = max(w.pending, version)
+        self.start_round(now)
+
+    def on_applied(self, now: float, w: SimWorker, epoch: int, version: int) -> None:
+        if epoch == w.epoch:
+            w.version, w.busy = max(w.version, version), False
+
+    def on_batch_done(self, now: float, w: SimWorker, epoch: int) -> None:
+        """A worker's batch is scored and buffered, each group with the version that generated it."""
+        if epoch != w.epoch:
+            return
+        self.buffer.extend(w.in_flight)
+        self.in_flight -= len(w.in_flight)
+        w.in_flight, w.busy = [], False
+
+    def on_leave(self, now: float, w: SimWorker, epoch: int) -> None:
+        """A worker leaves: its in-flight groups are lost (their prompts are re-queued: generated again by
+        someone else); a replacement joins ``rejoin_s`` later."""
+        if epoch != w.epoch or not w.alive:
+            return
+        self.lost += len(w.in_flight)
+        self.in_flight -= len(w.in_flight)
+        w.alive, w.busy, w.in_flight, w.epoch = False, False, [], w.epoch + 1
+        self.at(now + self.cfg.rejoin_s, self.on_join, w)
+
+    def on_join(self, now: float, w: SimWorker) -> None:
+        """A worker joins: it downloads the latest round's version from a peer and applies it before working."""
+        cfg = self.cfg
+        w.alive, w.busy, w.version, w.pending = True, True, -1, self.round_version
+        self.at(now + cfg.snapshot_bytes * 8 / (w.spec.down_mbit * 1e6 * capacity.GOODPUT) + cfg.load_s,
+                self.on_applied, w, w.epoch, max(self.round_version, 0))
+        self.at(now + self.rng.expovariate(cfg.churn_per_worker_hour / 3600), self.on_leave, w, w.epoch)
+
+    # ---------------------------------------------------------------- what the coordinator and learner do
+
+    def evict_stale(self) -> None:
+        """Drop the groups at the head of the queue that the current step may not consume. Only the head: a stale
+        group queued behind an admissible one stays, and may be consumed (the coordinator's StalenessBuffer
+        scans the whole queue)."""
+        while self.buffer and not admissible(self.version, self.buffer[0], self.cfg.staleness):
+            self.buffer.popleft()
+            self.stale += 1
+
+    def learn(self, now: float) -> None:
+        """The learner, when idle, takes the P oldest admissible groups (after evicting stale ones)."""
+        cfg = self.cfg
+        if self.learner_busy or self.version >= cfg.steps:
+            return
+        self.evict_stale()
+        if len(self.buffer) < cfg.prompts_per_step:
+            return
+        for _ in range(cfg.prompts_per_step):
+            self.lags[self.version - self.buffer.popleft()] += 1
+        self.taken, self.learner_busy = self.taken + 1, True
+        self.compute_s += cfg.train_step_s
+        self.at(now + cfg.train_step_s, self.on_step_done)
+        self.dispatch(now)
+
+    def dispatch(self, now: float) -> None:
+        """Each idle worker applies a delivered snapshot, or pulls up to ``groups_per_pull`` groups that are worth
+        generating (the coordinator's cap, judged for the step the learner is on or about to start)."""
+        cfg = self.cfg
+        next_step = max(self.version, self.taken)
+        for w in self.pool:
             if not w.alive or w.busy:
                 continue
             if w.pending > w.version:  # apply between batches
                 w.busy = True
-                at(now + cfg.load_s, "applied", w, w.epoch, w.pending)
+                self.at(now + cfg.load_s, self.on_applied, w, w.epoch, w.pending)
                 continue
+            ahead = len(self.buffer) + self.in_flight
             batch = 0
-            while batch < cfg.groups_per_pull and worth_dispatching(next_step, w.version, ahead() + batch, P, S):
+            while batch < cfg.groups_per_pull and worth_dispatching(next_step, w.version, ahead + batch,
+                                                                   cfg.prompts_per_step, cfg.staleness):
                 batch += 1
             if batch:
                 w.busy, w.in_flight = True, [w.version] * batch
-                in_flight_total[0] += batch
-                at(now + batch * G / w.spec.rollouts_per_s, "batch_done", w, w.epoch)
+                self.in_flight += batch
+                self.dispatched += batch
+                self.at(now + batch * cfg.group_size / w.spec.rollouts_per_s, self.on_batch_done, w, w.epoch)
 
-    def try_learn(now):
-        if state["learner_busy"] or state["version"] >= cfg.steps:
+    def start_round(self, now: float) -> None:
+        """Broadcast the newest published version, unless a round is running or it was already sent."""
+        if self.round_busy or self.published <= self.round_version:
             return
-        t = state["version"]
-        while buffer and not admissible(t, buffer[0], S):
-            buffer.popleft()
-            state["stale"] += 1
-        if len(buffer) < P:
-            return
-        for _ in range(P):
-            lags[t - buffer.popleft()] += 1
-        state["taken"] += 1
-        state["learner_busy"] = True
-        state["compute_s"] += cfg.train_step_s
-        at(now + cfg.train_step_s, "step_done")
-        try_dispatch(now)
+        self.round_busy, self.round_version = True, self.published
+        self.at(now + self.bcast_s, self.on_delivered, self.published)
 
-    def start_round(now):
-        if state["round_busy"] or state["published"] <= state["round_version"]:
-            return
-        state["round_busy"], state["round_version"] = True, state["published"]
-        at(now + bcast, "delivered", state["published"])
 
-    at(0.0, "kick")
-    if cfg.churn_per_worker_hour > 0:
-        for w in pool:
-            at(rng.expovariate(cfg.churn_per_worker_hour / 3600), "leave", w, w.epoch)
-    now = 0.0
-    while events and state["version"] < cfg.steps:
-        now, _, kind, args = heapq.heappop(events)
-        if kind == "step_done":
-            state["learner_busy"] = False
-            state["version"] += 1
-            buffer_before = len(buffer)
-            while buffer and not admissible(state["version"], buffer[0], S):
-                buffer.popleft()
-            state["stale"] += buffer_before - len(buffer)
-            if state["version"] % cfg.interval == 0:
-                state["published"] = state["version"]
-                start_round(now)
-        elif kind == "delivered":
-            (v,) = args
-            state["round_busy"] = False
-            for w in pool:
-                if w.alive:
-                    w.pending = max(w.pending, v)
-            start_round(now)
-        elif kind == "applied":
-            w, epoch, v = args
-            if epoch == w.epoch:
-                w.version, w.busy = max(w.version, v), False
-        elif kind == "batch_done":
-            w, epoch = args
-            if epoch != w.epoch:
-                continue
-            for x in w.in_flight:
-                buffer.append(x)
-            in_flight_total[0] -= len(w.in_flight)
-            w.in_flight, w.busy = [], False
-        elif kind == "leave":
-            w, epoch = args
-            if epoch != w.epoch or not w.alive:
-                continue
-            state["lost"] += len(w.in_flight)  # re-queued prompts: generated again by someone else
-            in_flight_total[0] -= len(w.in_flight)
-            w.alive, w.busy, w.in_flight, w.epoch = False, False, [], w.epoch + 1
-            at(now + cfg.rejoin_s, "join", w)
-        elif kind == "join":
-            (w,) = args
-            w.alive, w.version, w.pending = True, -1, state["round_version"]  # catches up from a peer
-            w.busy = True
-            at(now + cfg.snapshot_bytes * 8 / (w.spec.down_mbit * 1e6 * capacity.GOODPUT) + cfg.load_s, "applied",
-               w, w.epoch, max(state["round_version"], 0))
-            at(now + rng.expovariate(cfg.churn_per_worker_hour / 3600), "leave", w, w.epoch)
-        try_learn(now)
-        try_dispatch(now)
-    hours = now / 3600
-    usd = hours * (cfg.learner_usd_per_hour + sum(w.usd_per_hour for w in workers))
-    predicted = capacity.predict(P * G, cfg.train_step_s, S, cfg.interval, bcast, cfg.load_s,
-                                 [w.rollouts_per_s for w in workers], residual_batch_s(cfg, workers))
-    return SimResult(state["version"], now, state["compute_s"] / now if now else 0.0, lags, state["stale"],
-                     state["lost"], usd, tuple(w.id for w in workers), bcast, predicted)
+def simulate(cfg: SimConfig, workers: list[Worker]) -> SimResult:
+    """Run ``cfg.steps`` learner steps with ``workers`` all active (choose them with activation first)."""
+    return Simulation(cfg, workers).run()
 
 
 def residual_batch_s(cfg: SimConfig, workers: list[Worker]) -> float:

@@ -147,14 +147,29 @@ def balanced(acc):
     return acc["dispatched"] == total + acc["in_flight"] + acc["buffered"] and acc["in_flight"] == acc["buffered"] == 0
 
 
-def wait_until(condition, timeout_s=300):
-    """Hold the learner (we are in its callback) until ``condition()``; a starting vLLM takes 25-60 s here."""
+def wait_until(condition, timeout_s=300, what: str | None = None):
+    """Wait (we may be holding the learner in its callback) until ``condition()``; a starting vLLM takes 25-60 s here.
+
+    Fails the test, naming ``what`` (default: the condition's source line), if it has not come true in time:
+    a test must not go on as if it had."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or _source_of(condition)}")
         time.sleep(0.5)
 
 
-def wait_registered(source, n):
-    wait_until(lambda: source.coordinator.status()["registered"] >= n)
+def _source_of(fn) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(fn).strip()
+    except (OSError, TypeError):
+        return repr(fn)
+
+
+def wait_registered(source, n, timeout_s=300):
+    wait_until(lambda: source.coordinator.status()["registered"] >= n, timeout_s,
+               what=f"{n} workers registered with the coordinator")

@@ -166,3 +166,68 @@ def test_online_replanning_has_hysteresis():
     online2 = OnlineActivation("exact", hysteresis=0.1)
     online2.update(system, workers)
     assert online2.update(system, [replace(workers[0], rollouts_per_s=4.0), *workers[1:]]) is None
+
+
+# ---------------------------------------------------------------------- the coordinator's planner
+
+
+def test_the_capacity_model_takes_the_relays_topology_names():
+    args = (8e9, 10000, 6, 500, 200, 40)
+    assert capacity.bcast_time_s("chain", *args) == capacity.bcast_time_s("pipelined", *args)
+    assert capacity.bcast_time_s("star", *args) == capacity.bcast_time_s("one_to_many", *args)
+    assert capacity.bcast_time_s("tree", *args, fanout=3) != capacity.bcast_time_s("tree", *args, fanout=2)
+    with pytest.raises(ValueError, match="expected one of"):
+        capacity.bcast_time_s("ring", *args)
+
+
+def test_a_tree_relay_with_fanout_3_is_planned_with_fanout_3(tiny_model_dir):
+    """broadcast.sender.topology=tree, fanout=3 reaches the coordinator's planner as composed (the relay's own
+    names, no translation), and the plan's dissemination time is the capacity model's for a fan-out-3 tree."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from conftest import compose
+    from echo2.activation.settings import BroadcastShape
+    from echo2.rollout.coordinator import Coordinator
+    from echo2.rollout.scoring import Scorer
+    from echo2.tasks.arith import ArithTask
+
+    cfg = compose(["broadcast.sender.topology=tree", "broadcast.sender.fanout=3", "activation.solver=all_on"])
+    shape = BroadcastShape.of(cfg.broadcast)
+    assert shape == BroadcastShape(topology="tree", fanout=3, interval=1)
+    task, tok = ArithTask(level="copy", train_size=20), AutoTokenizer.from_pretrained(tiny_model_dir)
+    coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, token="t", staleness=2, prompts_per_step=2,
+                        group_size=2, vocab_size=len(tok), sampling={}, activation=OmegaConf.to_object(cfg.activation),
+                        broadcast_shape=shape)  # not started: no sockets, only its planner is used
+    planner = coord.activation
+    system = planner.system(snapshot_bytes=8e9)
+    assert (system.broadcast, system.fanout, system.interval) == ("tree", 3, 1)
+
+    workers = [SimpleNamespace(worker_id=f"w{i}", usd_per_hour=0.0, rollouts_per_s=5.0, down_mbit=500.0,
+                               up_mbit=200.0, rtt_ms=40.0) for i in range(9)]
+    planner.took(0.0)
+    planner.step_done({}, 10.0)  # T_train measured: 10 s
+    change = planner.replan(workers, 8e9, now=10.0)
+    assert change is not None and change.active == {w.worker_id for w in workers}
+    uplink = cfg.activation.learner_uplink_mbit
+    tree3 = capacity.bcast_time_s("tree", 8e9, uplink, 9, 500.0, 200.0, 40.0, fanout=3)
+    assert planner.online.last.bcast_s == pytest.approx(tree3)
+    assert tree3 != pytest.approx(capacity.bcast_time_s("tree", 8e9, uplink, 9, 500.0, 200.0, 40.0, fanout=2))
+
+
+def test_train_hands_the_relay_shape_to_the_coordinator_process(tmp_path, caplog):
+    """The same through train.build and the coordinator's own process (settings cross a process boundary)."""
+    import logging
+
+    from conftest import build_run
+
+    caplog.set_level(logging.INFO)  # the coordinator process logs at the learner's level, as train.py sets it
+    _, _, source, _ = build_run(tmp_path, ["rollout=async", "pool=static", "broadcast.sender.topology=tree",
+                                           "broadcast.sender.fanout=3"])
+    try:
+        assert source.coordinator.status()["registered"] == 0  # it answers: it started with these settings
+    finally:
+        source.close()
+    assert "planned for a tree relay (fanout 3)" in (tmp_path / "coordinator.log").read_text()

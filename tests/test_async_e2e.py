@@ -52,7 +52,8 @@ def test_activation_turns_off_a_worker_that_does_not_pay_and_costs_add_up(tmp_pa
         return out
 
     # the call that switched the dear worker off (hooks run in the background, from the run dir)
-    wait_until(lambda: any(off for _, off, _ in changes().values()), timeout_s=30)
+    wait_until(lambda: any(off for _, off, _ in changes().values()), timeout_s=30,
+               what="an on_change hook call that switched a worker off")
     seen = changes()
     for active, off, workers in seen.values():  # each call is told one consistent story
         assert active == ",".join(sorted(w["id"] for w in workers if w["active"])), seen

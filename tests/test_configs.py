@@ -1,4 +1,5 @@
-"""Every config composes, every option instantiates, typos and impossible settings fail early."""
+"""Every option of every group composes and passes validation; the tiny model, the arith and gsm8k tasks and the
+hub models' ids instantiate; typos, wrong types and impossible settings fail early, naming the key."""
 
 from __future__ import annotations
 

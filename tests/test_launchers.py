@@ -74,7 +74,7 @@ def test_join_needs_a_token_and_then_joins_a_running_learner(tiny_model_dir, tmp
     agent = subprocess.Popen(["launchers/join.sh", coord.url, "--model", tiny_model_dir, "--engine", "hf"], cwd=ROOT,
                              env=dict(env, ECHO2_TOKEN="secret"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_until(lambda: coord.status()["registered"] == 1, timeout_s=120)
+        wait_until(lambda: coord.status()["registered"] == 1, timeout_s=120, what="the joined agent to register")
         assert coord.status()["registered"] == 1
     finally:
         agent.send_signal(signal.SIGTERM)

@@ -117,3 +117,58 @@ def test_trl_loss_types_stay_selectable(tmp_path, loss_type, extra):
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 1 and math.isfinite(losses[0])
+
+
+def first_step(tmp_path, correction, shift):
+    """One sync learner step with ``rollout.correction=correction`` and every behaviour logprob lowered by
+    ``shift`` nats. Returns (token ids of the batch, flattened gradient before the optimizer step, parameter
+    change, the step's log record). Gradient clipping is off so the gradient is the loss's own."""
+    from transformers import TrainerCallback
+
+    cfg, trainer, source, _ = build(tmp_path / f"{correction}-{shift}", [
+        "run.steps=1", f"rollout.correction={correction}", "learner.max_grad_norm=1e9"])
+    trainer.rollout_source = ShiftedLogprobs(source, shift)
+    seen = {}
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            seen["grad"] = torch.cat([p.grad.detach().flatten().clone() for p in trainer.model.parameters()])
+
+    trainer.add_callback(Grab())
+    before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
+    trainer.train()
+    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    ids = [r.completion.token_ids for g in trainer.last_groups for r in g.rollouts]
+    record = next(h for h in trainer.state.log_history if "rollout/consumed" in h)
+    return ids, seen["grad"], after - before, record
+
+
+def close(a, b, rtol=1e-3):
+    return (a - b).norm() <= rtol * b.norm()
+
+
+def test_importance_weights_change_the_update(tmp_path):
+    """rollout.correction=tis / mask end to end, on the same batch (same seed) with the behaviour logprobs
+    lowered by 1.5 nats, so every token's weight w = pi_learner / pi_behaviour is e^1.5 (~4.5), above
+    rollout.is_max (2): tis truncates every weight to 2, which exactly doubles the gradient of the on-policy
+    batch (w ~ 1); mask zeroes every token, so there is no gradient and no parameter moves. With a 0.3-nat
+    shift (w = 1.35, inside the bounds) mask keeps the weight and scales the gradient by e^0.3. Without the
+    correction the same shift moves the parameters differently again (the clipped ratio against behaviour)."""
+    ids0, g0, d0, _ = first_step(tmp_path, "tis", 0.0)
+    assert g0.norm() > 0
+    ids, g_tis, d_tis, rec_tis = first_step(tmp_path, "tis", 1.5)
+    assert ids == ids0, "not the same batch: the comparison below would mean nothing"
+    assert rec_tis["rollout/is_frac_corrected"] == 1.0 and rec_tis["rollout/is_weight_mean"] == pytest.approx(2.0)
+    assert close(g_tis, 2 * g0), ((g_tis - 2 * g0).norm(), g0.norm())
+    assert not close(g_tis, g0, rtol=0.1)
+
+    ids, g_mask, d_mask, rec_mask = first_step(tmp_path, "mask", 1.5)
+    assert ids == ids0 and rec_mask["rollout/is_weight_mean"] == 0.0
+    assert g_mask.abs().max() == 0 and d_mask.abs().max() == 0 and d_tis.abs().max() > 0
+
+    ids, g_in, _, rec_in = first_step(tmp_path, "mask", 0.3)
+    assert ids == ids0 and rec_in["rollout/is_frac_corrected"] == 0.0
+    assert close(g_in, math.exp(0.3) * g0), ((g_in - math.exp(0.3) * g0).norm(), g0.norm())
+
+    ids, _, d_none, _ = first_step(tmp_path, "none", 1.5)
+    assert ids == ids0 and not close(d_none, d_tis, rtol=0.1)

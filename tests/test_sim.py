@@ -16,6 +16,9 @@ def test_simulation_keeps_the_staleness_bound_and_its_books():
     for S in (0, 1, 3):
         r = simulate(SimConfig(staleness=S, steps=80, churn_per_worker_hour=2.0, rejoin_s=60), workers)
         assert r.steps == 80 and max(r.staleness) <= S and sum(r.staleness.values()) == 80 * 64
+        # the books, in groups: every dispatched group is consumed, dropped stale, lost, buffered or in flight
+        assert r.dispatched_groups == (sum(r.staleness.values()) + r.dropped_stale_groups + r.lost_groups
+                                       + r.buffered_groups + r.in_flight_groups)
         assert 0 < r.utilization <= 1 and r.usd > 0
     assert r.lost_groups > 0  # churn happened and was counted
 

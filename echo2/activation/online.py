@@ -8,6 +8,7 @@ current plan no longer meets ``min_utilization`` under the latest measurements (
 the solver's plan is cheaper per step by more than ``hysteresis`` (a fraction): small drifts do not flap
 workers on and off. Deactivated workers stop getting work; the coordinator logs each change and runs
 ``activation.on_change`` (a cloud provider's stop/start of instances; echo2/rollout/activation.py).
+planner.py feeds it from the coordinator's measurements.
 """
 
 from __future__ import annotations

@@ -55,10 +55,10 @@ class System:
     snapshot_bytes: float
     learner_usd_per_hour: float
     learner_uplink_mbit: float
-    broadcast: str = "pipelined"
+    broadcast: str = "pipelined"  # the relay topology: chain, tree or star (capacity.TOPOLOGIES)
     load_s: float = 0.0
     batch_s: float = 0.0
-    fanout: int = 2
+    fanout: int = 2  # children per relaying peer in a tree
     min_utilization: float = 0.0
 
 

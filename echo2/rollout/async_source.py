@@ -27,6 +27,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from echo2.activation.settings import ActivationSettings, BroadcastShape, detached
 from echo2.rollout.ledger import journal_path
 from echo2.rollout.protocols import RolloutContext
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
@@ -67,8 +68,8 @@ class AsyncRolloutSource:
             vocab_size=len(ctx.tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
             groups_per_pull=groups_per_pull, seed=ctx.seed, journal=journal_path(ctx.run_dir), sampling={
                 "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
-            # a plain dict: Hydra hands dicts in ``ctx`` on as DictConfigs tied to the whole (unpicklable) tree
-            activation={k: ctx.activation[k] for k in ctx.activation} if ctx.activation else None)
+            activation=detached(ActivationSettings, ctx.activation),
+            broadcast_shape=detached(BroadcastShape, ctx.broadcast_shape))
         recover = {"resume_offset": ctx.resume["journal_offset"]} if ctx.resume else None
         self.coordinator = self._spawn(recover)
         self.kwargs["port"] = urlsplit(self.coordinator.url).port  # a restarted coordinator listens where this one did

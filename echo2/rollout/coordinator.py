@@ -30,7 +30,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from echo2.rollout.activation import Activation
+from echo2.activation.planner import OnlinePlanner
+from echo2.activation.settings import ActivationSettings, BroadcastShape
+from echo2.rollout.activation import OnChangeHook
 from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
 from echo2.rollout.ledger import Ledger
 from echo2.rollout.scoring import Scorer, encode_prompt
@@ -69,8 +71,8 @@ class Coordinator:
                  prompts_per_step: int, group_size: int, sampling: dict[str, Any], vocab_size: int,
                  host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
                  groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
-                 activation: dict | None = None, journal: str | None = None, recover: dict | None = None,
-                 version: int = 0):
+                 activation: ActivationSettings | None = None, broadcast_shape: BroadcastShape | None = None,
+                 journal: str | None = None, recover: dict | None = None, version: int = 0):
         """``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
         ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
         checkpoint taken at journal length N; ``version``: the learner's version then."""
@@ -93,8 +95,12 @@ class Coordinator:
         self.ledger = _ledger(journal, recover, group_size, len(dataset), seed)
         self.registered = 0
         self.closed = False
-        self.activation = Activation(activation or {}, staleness, prompts_per_step * group_size,
-                                     run_dir=os.path.dirname(journal) if journal else None)
+        activation, shape = activation or ActivationSettings(), broadcast_shape or BroadcastShape()
+        self.activation = OnlinePlanner(activation, shape, staleness=staleness,
+                                        rollouts_per_step=prompts_per_step * group_size)
+        log.info("activation: %s solver, planned for a %s relay (fanout %d), a snapshot every %d steps",
+                 activation.solver, shape.topology, shape.fanout, shape.interval)
+        self.on_change = OnChangeHook(activation.on_change, run_dir=os.path.dirname(journal) if journal else None)
         self.server = JsonServer(host, port, token, name="coordinator", routes={
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
             "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "GET /status": self._status,
@@ -296,8 +302,12 @@ class Coordinator:
                 now = time.monotonic()
                 for w in [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]:
                     self._retire(w.worker_id, "worker_dead")
+                self.on_change.reap()
                 bcast = self.broadcaster.metrics() if self.broadcaster is not None else {}
-                if self.activation.replan(list(self.workers.values()), bcast, now):
+                workers = list(self.workers.values())
+                change = self.activation.replan(workers, float(bcast.get("broadcast/bytes", 0.0)), now)
+                if change is not None:
+                    self.on_change(change, workers, self.activation.settings.solver)
                     self.lock.notify_all()
 
     # ---------------------------------------------------------------- learner-facing

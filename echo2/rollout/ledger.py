@@ -37,11 +37,27 @@ import os
 import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 IN_FLIGHT, BUFFERED = "in_flight", "buffered"
+
+
+class Event(str, Enum):
+    """A transition, as the first field of a journal line; the value is what is written (one letter, as in
+    journals written before these names existed). The rest of the line: the arguments noted here."""
+
+    DRAW = "d"  # group id, row index, 1 if the row came from the re-queue
+    RECEIVED = "r"  # group id, worker id: its results came back, were scored and buffered
+    CONSUMED = "c"  # [group ids]: a learner step trained on them
+    DROPPED = "x"  # group id, reason, 1 to re-queue its row
+    LOST = "l"  # group id, reason, 1 to re-queue its row
+    WORKER = "w"  # worker id: a worker id was issued
+    RETIRED = "t"  # worker id, reason
+    REFUSED = "f"  # reason: a result refused unread
+    STATE = "s"  # the whole state (after a recovery): replay restarts from it
 
 
 def index_stream(n_rows: int, seed: int, skip: int = 0):
@@ -87,37 +103,37 @@ class Ledger:
         requeued = bool(self.requeue)
         row = self.requeue[0] if requeued else next(self._stream)
         gid = f"g{self.next_group}"
-        self._event("d", gid, row, int(requeued))
+        self._event(Event.DRAW, gid, row, int(requeued))
         return gid, row
 
     def received(self, gid: str, worker_id: str) -> None:
-        self._event("r", gid, worker_id)
+        self._event(Event.RECEIVED, gid, worker_id)
 
     def consumed(self, gids: list[str]) -> None:
-        self._event("c", gids)
+        self._event(Event.CONSUMED, gids)
 
     def drop(self, gid: str, reason: str, requeue: bool) -> None:
         """A group that came back but will not be trained on (stale, invalid, ...)."""
-        self._event("x", gid, reason, int(requeue))
+        self._event(Event.DROPPED, gid, reason, int(requeue))
 
     def lose(self, gid: str, reason: str, requeue: bool = True) -> None:
         """A group that never came back (its worker died, the coordinator died, the run ended)."""
-        self._event("l", gid, reason, int(requeue))
+        self._event(Event.LOST, gid, reason, int(requeue))
 
     def retire(self, worker_id: str, reason: str) -> None:
-        self._event("t", worker_id, reason)
+        self._event(Event.RETIRED, worker_id, reason)
 
     def refuse(self, reason: str) -> None:
-        self._event("f", reason)
+        self._event(Event.REFUSED, reason)
 
     def new_worker_id(self) -> str:
         wid = f"w{self.next_worker}"
-        self._event("w", wid)
+        self._event(Event.WORKER, wid)
         return wid
 
-    def _event(self, kind: str, *args: Any) -> None:
-        self._apply(kind, list(args))
-        self._write(kind, *args)
+    def _event(self, event: Event, *args: Any) -> None:
+        self._apply(event, list(args))
+        self._write(event, *args)
 
     # ------------------------------------------------------------------ the books
 
@@ -148,13 +164,13 @@ class Ledger:
             self.journal.close()
             self.journal = None
 
-    def _write(self, *event: Any) -> None:
+    def _write(self, event: Event, *args: Any) -> None:
         if self.journal is not None:
-            self.journal.write(json.dumps(event, separators=(",", ":")) + "\n")
+            self.journal.write(json.dumps([event.value, *args], separators=(",", ":")) + "\n")
 
     def checkpoint(self) -> None:
         """Write the whole state as one line (replay restarts from it)."""
-        self._write("s", self.state())
+        self._write(Event.STATE, self.state())
 
     def state(self) -> dict[str, Any]:
         return {"drawn": self.drawn, "next_group": self.next_group, "next_worker": self.next_worker,
@@ -184,48 +200,61 @@ class Ledger:
             except Exception as e:
                 raise ValueError(f"journal {path} line {lineno}: {type(e).__name__}: {e}") from e
 
-    def _apply(self, kind: str, args: list) -> None:
-        G = self.group_size
-        if kind == "d":
-            gid, row, requeued = args
-            if requeued:
-                if not self.requeue or self.requeue.popleft() != row:
-                    raise ValueError(f"group {gid}: row {row} was not next in the re-queue")
-            else:
-                self.drawn += 1
-            self.next_group = max(self.next_group, int(gid[1:]) + 1)
-            self.open[gid] = [row, IN_FLIGHT]
-            self.rollouts["dispatched"] += G
-        elif kind == "r":
-            gid, worker = args
-            self.open[gid][1] = BUFFERED
-            self.rollouts["received"] += G
-            self.by_worker[worker] += G
-        elif kind == "c":
-            for gid in args[0]:
-                del self.open[gid]
-            self.rollouts["consumed"] += len(args[0]) * G
-        elif kind in ("x", "l"):
-            gid, reason, requeue = args
-            row, _ = self.open.pop(gid)
-            (self.dropped if kind == "x" else self.lost)[reason] += G
-            if requeue:
-                self.requeue.append(row)
-        elif kind == "w":
-            self.next_worker = max(self.next_worker, int(args[0][1:]) + 1)
-        elif kind == "t":
-            self.retired[args[1]] += 1
-        elif kind == "f":
-            self.refused[args[0]] += 1
-        elif kind == "s":
-            s = args[0]
-            self.drawn, self.next_group, self.next_worker = s["drawn"], s["next_group"], s["next_worker"]
-            self.requeue, self.open = deque(s["requeue"]), {k: list(v) for k, v in s["open"].items()}
-            self.rollouts, self.dropped = Counter(s["rollouts"]), Counter(s["dropped"])
-            self.lost, self.by_worker = Counter(s["lost"]), Counter(s["by_worker"])
-            self.retired, self.refused = Counter(s.get("retired", {})), Counter(s.get("refused", {}))
+    def _apply(self, kind: str | Event, args: list) -> None:
+        """Apply one event to the books (a new transition, or a journal line being replayed)."""
+        try:
+            event = Event(kind)
+        except ValueError:
+            raise ValueError(f"unknown event {kind!r}") from None
+        _APPLY[event](self, *args)
+
+    def _on_draw(self, gid: str, row: int, requeued: int) -> None:
+        if requeued:
+            if not self.requeue or self.requeue.popleft() != row:
+                raise ValueError(f"group {gid}: row {row} was not next in the re-queue")
         else:
-            raise ValueError(f"unknown event {kind!r}")
+            self.drawn += 1
+        self.next_group = max(self.next_group, int(gid[1:]) + 1)
+        self.open[gid] = [row, IN_FLIGHT]
+        self.rollouts["dispatched"] += self.group_size
+
+    def _on_received(self, gid: str, worker: str) -> None:
+        self.open[gid][1] = BUFFERED
+        self.rollouts["received"] += self.group_size
+        self.by_worker[worker] += self.group_size
+
+    def _on_consumed(self, gids: list[str]) -> None:
+        for gid in gids:
+            del self.open[gid]
+        self.rollouts["consumed"] += len(gids) * self.group_size
+
+    def _on_dropped(self, gid: str, reason: str, requeue: int) -> None:
+        self._close(gid, self.dropped, reason, requeue)
+
+    def _on_lost(self, gid: str, reason: str, requeue: int) -> None:
+        self._close(gid, self.lost, reason, requeue)
+
+    def _close(self, gid: str, book: Counter, reason: str, requeue: int) -> None:
+        row, _ = self.open.pop(gid)
+        book[reason] += self.group_size
+        if requeue:
+            self.requeue.append(row)
+
+    def _on_worker(self, worker: str) -> None:
+        self.next_worker = max(self.next_worker, int(worker[1:]) + 1)
+
+    def _on_retired(self, worker: str, reason: str) -> None:
+        self.retired[reason] += 1
+
+    def _on_refused(self, reason: str) -> None:
+        self.refused[reason] += 1
+
+    def _on_state(self, s: dict[str, Any]) -> None:
+        self.drawn, self.next_group, self.next_worker = s["drawn"], s["next_group"], s["next_worker"]
+        self.requeue, self.open = deque(s["requeue"]), {k: list(v) for k, v in s["open"].items()}
+        self.rollouts, self.dropped = Counter(s["rollouts"]), Counter(s["dropped"])
+        self.lost, self.by_worker = Counter(s["lost"]), Counter(s["by_worker"])
+        self.retired, self.refused = Counter(s.get("retired", {})), Counter(s.get("refused", {}))
 
     def _restream(self) -> "Ledger":
         self._stream = index_stream(self.n_rows, self.seed, self.drawn)
@@ -255,7 +284,7 @@ class Ledger:
         at = cls(group_size, n_rows, seed)
         at._replay(data[:offset], path, warn_torn=False)
         led = cls(group_size, n_rows, seed)
-        led._apply("s", [at.state()])  # copies every container
+        led._apply(Event.STATE, [at.state()])  # copies every container
         led._replay(data[offset:], path, first_line=data.count(b"\n", 0, offset) + 1)
         led.valid_bytes = offset + led.valid_bytes
         after = led.rollouts["consumed"] - at.rollouts["consumed"]
@@ -272,6 +301,11 @@ class Ledger:
         led._restream().open_journal(path)
         led.checkpoint()
         return led
+
+
+_APPLY = {Event.DRAW: Ledger._on_draw, Event.RECEIVED: Ledger._on_received, Event.CONSUMED: Ledger._on_consumed,
+          Event.DROPPED: Ledger._on_dropped, Event.LOST: Ledger._on_lost, Event.WORKER: Ledger._on_worker,
+          Event.RETIRED: Ledger._on_retired, Event.REFUSED: Ledger._on_refused, Event.STATE: Ledger._on_state}
 
 
 def _nonzero(counter: Counter) -> dict[str, int]:

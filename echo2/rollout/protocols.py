@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from echo2.activation.settings import ActivationSettings, BroadcastShape
 from echo2.rollout.types import Completion, RolloutGroup, SamplingParams
 
 
@@ -27,7 +28,8 @@ class RolloutContext:
     pool: Any
     publish_interval: int
     token: str
-    activation: dict | None = None  # conf/activation, plus the broadcast mode (for the coordinator's planner)
+    activation: ActivationSettings | None = None  # conf/activation (the coordinator's planner)
+    broadcast_shape: BroadcastShape | None = None  # conf/broadcast's topology, fanout and interval (its planner)
     resume: dict | None = None  # what the source's checkpoint() returned, when the learner resumes from one
 
 
