@@ -24,12 +24,12 @@ import itertools
 import json
 import random
 import statistics
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from echo2 import capacity
 from echo2.activation.solve import SOLVERS, System, Worker, solve
-from echo2.rollout.buffer import admissible, worth_dispatching
+from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
 
 
 @dataclass
@@ -93,8 +93,7 @@ class Simulation:
 
     Each event has its own ``on_*`` method; after every event the learner takes a batch if it can (``learn``) and
     idle workers are given work or a snapshot to apply (``dispatch``), as the coordinator would. Staleness is
-    judged by the buffer's own rules (echo2/rollout/buffer.py: ``admissible``, ``worth_dispatching``); eviction
-    looks only at the head of the queue (``evict_stale``), unlike the coordinator's buffer."""
+    judged by the buffer's own code (echo2/rollout/buffer.py: ``StalenessBuffer``, ``worth_dispatching``)."""
 
     def __init__(self, cfg: SimConfig, workers: list[Worker]):
         self.cfg, self.workers = cfg, workers
@@ -105,7 +104,7 @@ class Simulation:
                                              max(w.rtt_ms for w in workers))
         self.events: list = []
         self.seq = itertools.count()
-        self.buffer: deque[int] = deque()  # the versions of scored groups, in arrival order
+        self.buffer = StalenessBuffer(cfg.staleness)  # groups are only their versions here
         self.version = 0  # optimizer steps applied
         self.taken, self.learner_busy = 0, False  # batches handed to the learner (one ahead while it computes)
         self.published = 0  # newest version published (every κ steps)
@@ -167,7 +166,8 @@ class Simulation:
         """A worker's batch is scored and buffered, each group with the version that generated it."""
         if epoch != w.epoch:
             return
-        self.buffer.extend(w.in_flight)
+        for x in w.in_flight:
+            self.buffer.admit(x, x, self.version)
         self.in_flight -= len(w.in_flight)
         w.in_flight, w.busy = [], False
 
@@ -192,12 +192,7 @@ class Simulation:
     # ---------------------------------------------------------------- what the coordinator and learner do
 
     def evict_stale(self) -> None:
-        """Drop the groups at the head of the queue that the current step may not consume. Only the head: a stale
-        group queued behind an admissible one stays, and may be consumed (the coordinator's StalenessBuffer
-        scans the whole queue)."""
-        while self.buffer and not admissible(self.version, self.buffer[0], self.cfg.staleness):
-            self.buffer.popleft()
-            self.stale += 1
+        self.stale += len(self.buffer.evict_stale(self.version))
 
     def learn(self, now: float) -> None:
         """The learner, when idle, takes the P oldest admissible groups (after evicting stale ones)."""
@@ -205,10 +200,11 @@ class Simulation:
         if self.learner_busy or self.version >= cfg.steps:
             return
         self.evict_stale()
-        if len(self.buffer) < cfg.prompts_per_step:
+        got = self.buffer.take(cfg.prompts_per_step, self.version)
+        if got is None:
             return
-        for _ in range(cfg.prompts_per_step):
-            self.lags[self.version - self.buffer.popleft()] += 1
+        for x, _ in got:
+            self.lags[self.version - x] += 1
         self.taken, self.learner_busy = self.taken + 1, True
         self.compute_s += cfg.train_step_s
         self.at(now + cfg.train_step_s, self.on_step_done)

@@ -24,13 +24,13 @@ def test_simulation_keeps_the_staleness_bound_and_its_books():
 
 
 def test_capacity_model_tracks_the_simulation():
-    """Measured state (BENCHMARKS.md, capacity validation): within 5 points of the simulation in 25 of the 27 cells
+    """Measured state (BENCHMARKS.md, capacity validation): within 5 points of the simulation in 24 of the 27 cells
     where dissemination keeps up (max 11) and in 26 of the 27 where rounds queue (the round map; max 15). A
     regression guard on both."""
     rows = validate()
     keeps_up = [abs(r["sim"] - r["model"]) for r in rows if r["bcast_s"] <= r["kappa"] * 30]
     queues = [abs(r["sim"] - r["model"]) for r in rows if r["bcast_s"] > r["kappa"] * 30]
-    assert len(keeps_up) == 27 and sum(d <= 0.05 for d in keeps_up) >= 25 and max(keeps_up) <= 0.12
+    assert len(keeps_up) == 27 and sum(d <= 0.05 for d in keeps_up) >= 24 and max(keeps_up) <= 0.12
     assert len(queues) == 27 and sum(d <= 0.05 for d in queues) >= 26 and max(queues) <= 0.16
 
 
@@ -52,3 +52,12 @@ def test_sim_cli_json():
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert {"utilization", "staleness_hist", "usd", "active_workers"} <= set(r) and r["steps"] == 40
+
+
+def test_the_staleness_bound_holds_when_groups_arrive_out_of_version_order():
+    """Workers of different speeds deliver out of version order, so a stale group can queue behind an admissible
+    one: it must be evicted, never consumed (an eviction that looked only at the queue's head consumed lag S+1
+    here, and in 5 more cells of the validate grid)."""
+    workers = [Worker(f"w{i}", 1.0, mu, 1000, 1000, 40) for i, mu in enumerate([2.0, 1.5, 1.0, 0.75] * 4)]
+    r = simulate(SimConfig(staleness=2, snapshot_bytes=1e9, steps=150, learner_uplink_mbit=1000, load_s=3.0), workers)
+    assert max(r.staleness) <= 2 and r.dropped_stale_groups > 0, r.staleness
