@@ -16,31 +16,50 @@ from collections.abc import Iterator
 from typing import Any
 
 
-def tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The state dict's tensors on CPU, each stored once: a tied weight (Qwen3's LM head is its embedding matrix)
-    appears under its first name only (``model.embed_tokens.weight``), as in the model's own checkpoint; the
-    engines tie the other name to it."""
+def _unique(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict with each tensor once: a tied weight (Qwen3's LM head is its embedding matrix) appears under
+    its first name only (``model.embed_tokens.weight``), as in the model's own checkpoint; the engines tie the other
+    name to it."""
     out, seen = {}, set()
     for name, t in state_dict.items():
         key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else name
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = t.detach().cpu().contiguous()
+        if key not in seen:
+            seen.add(key)
+            out[name] = t
     return out
 
 
 def encode(state_dict: dict[str, Any]) -> bytes:
     import safetensors.torch
 
-    return safetensors.torch.save(tensors(state_dict))
+    return safetensors.torch.save({k: t.detach().cpu().contiguous() for k, t in _unique(state_dict).items()})
 
 
 def save(state_dict: dict[str, Any], path: str) -> None:
-    """The bytes ``encode`` would return, written straight to ``path`` (no in-memory copy of the whole snapshot)."""
-    import safetensors.torch
+    """The state dict in safetensors format, streamed into ``path`` one tensor at a time: no copy of the whole
+    snapshot in memory (a GPU learner moves one tensor at a time to the CPU), and ``path`` may be a memory file's
+    ``/proc/self/fd/<n>`` (safetensors' own ``save_file`` writes a temporary file beside its target and renames it,
+    which a memory file cannot have). Tensors are laid out by element size, largest first, as safetensors does, so
+    each stays aligned for ``views``; ``decode`` (safetensors) reads the result."""
+    import torch
 
-    safetensors.torch.save_file(tensors(state_dict), path)
+    codes = {v: k for k, v in _dtypes().items()}
+    unique = _unique(state_dict)
+    order = sorted(unique, key=lambda n: (-unique[n].element_size(), n))
+    header, offset = {}, 0
+    for name in order:
+        t = unique[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": codes[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for name in order:
+            t = unique[name].detach().to("cpu").contiguous()
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def decode(blob) -> dict[str, Any]:

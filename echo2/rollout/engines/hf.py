@@ -120,7 +120,7 @@ class HFWorkerEngine:
         from echo2.broadcast.snapshot import decode
 
         missing, unexpected = self.model.load_state_dict(decode(blob), strict=False)
-        # A tied weight is stored once (snapshot.tensors); its other name shares the loaded tensor here.
+        # A tied weight is stored once (snapshot.save, encode); its other name shares the loaded tensor here.
         tied = {name for name, p in self.model.named_parameters(remove_duplicate=False)
                 if any(p is q for n, q in self.model.named_parameters() if n != name)}
         if unexpected or [m for m in missing if "rotary" not in m and m not in tied]:
