@@ -32,3 +32,17 @@ PY
 t0=$(date +%s)
 timeout 150 $PY benchmarks/step_time.py > "$OUT/step_time.txt" 2>&1; echo "step_time rc=$? in $(( $(date +%s) - t0 )) s"
 tail -5 "$OUT/step_time.txt"
+# vLLM workers (where the CUDA build of vLLM is installed; it cannot be carried to a machine without network):
+# on-policy logprobs equal the learner's after every in-memory apply, tied and untied, with CUDA graphs on; and
+# the async run with two vLLM agents.
+if $PY -c "import vllm" 2>/dev/null; then
+  t0=$(date +%s)
+  timeout 400 $PY -m pytest tests/test_engines.py -q -k vllm > "$OUT/vllm_engines.txt" 2>&1; echo "vllm engines rc=$? in $(( $(date +%s) - t0 )) s"
+  tail -3 "$OUT/vllm_engines.txt"
+  t0=$(date +%s)
+  timeout 400 $PY train.py rollout=async pool=local pool.engine=vllm pool.workers=2 run.steps=30 $A \
+      hydra.run.dir=$RUNS/vllm > "$OUT/vllm_async.log" 2>&1; echo "vllm async rc=$? in $(( $(date +%s) - t0 )) s"
+  grep -h "applied snapshot" "$RUNS"/vllm/workers/*.log | tail -2
+else
+  echo "vllm is not installed here: the vLLM worker checks did not run"
+fi

@@ -106,6 +106,28 @@ def test_a_tied_snapshot_stores_the_shared_weight_once_and_the_hf_worker_ties_it
     torch.testing.assert_close(torch.tensor(worker.probe_logprobs(ids)), torch.tensor(probe_logprobs(learner, ids)))
 
 
+def test_snapshot_save_streams_into_a_memory_file_that_decode_and_views_read():
+    """snapshot.save writes safetensors one tensor at a time into a memory file (the learner's staging); the result
+    is what safetensors reads, each tied weight is stored once, and every tensor view is aligned."""
+    import os
+
+    state = {"a": torch.randn(3, 4), "h": torch.randn(5).to(torch.bfloat16), "i": torch.arange(7),
+             "empty": torch.empty(0), "scalar": torch.tensor(1.5)}
+    state["tied"] = state["a"]
+    fd = os.memfd_create("test-snapshot")
+    try:
+        snapshot.save(state, f"/proc/self/fd/{fd}")
+        data = open(f"/proc/self/fd/{fd}", "rb").read()
+    finally:
+        os.close(fd)
+    loaded = snapshot.decode(data)  # safetensors' own reader
+    assert set(loaded) == set(state) - {"tied"}
+    assert all(torch.equal(loaded[k], state[k]) for k in loaded)
+    views = snapshot.decode(snapshot.memory_file(data))  # views into a memory file, no copy
+    assert all(torch.equal(views[k], state[k]) for k in views)
+    assert all(t.data_ptr() % t.element_size() == 0 for t in views.values() if t.numel())
+
+
 def agent_with(engine) -> Agent:
     """An agent that is never started: only its apply path is exercised (no coordinator is contacted)."""
     return Agent("http://127.0.0.1:9", "secret", engine)
