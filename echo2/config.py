@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from hydra.utils import get_class
 from omegaconf import MISSING
 
 from echo2.activation.settings import ActivationSettings
@@ -61,6 +62,8 @@ class LearnerConfig:
     learning_rate: float = 3e-3
     lr_scheduler_type: str = "constant"
     warmup_steps: float = 0.0
+    lr_staleness: str = "none"
+    lr_ref_lag: float = 1.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     loss_type: str = "dapo"
@@ -154,16 +157,23 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                       f"{world_size} learner processes (each process takes whole groups)")
     if r.staleness < 0:
         errors.append(f"rollout.staleness={r.staleness}: must be >= 0")
-    remote = not r.source._target_.endswith("SyncRolloutSource")
-    if not remote and r.staleness != 0:
-        errors.append(f"rollout.staleness={r.staleness}: the sync source is on-policy (S=0); "
-                      "use rollout=async for S > 0")
+    source = get_class(r.source._target_)
+    remote = not source.needs_policy  # a source the learner does not lend its policy to generates elsewhere
+    if source.max_staleness is not None and r.staleness > source.max_staleness:
+        errors.append(f"rollout.staleness={r.staleness}: {source.__name__} supports S <= {source.max_staleness}; "
+                      "use rollout=async (remote workers) or rollout=lagged (in-process, lag exactly S) for S > 0")
     if remote and world_size > 1:
         errors.append("rollout=async with a multi-process learner is not supported yet: use one learner process")
     if remote and not 1 <= cfg.broadcast.interval <= r.staleness + 1:
         errors.append(f"broadcast.interval={cfg.broadcast.interval} with rollout.staleness={r.staleness}: need "
                       "1 <= interval <= S+1, else workers hold weights too old for any dispatch and the learner "
                       "waits forever")
+    if cfg.learner.lr_staleness not in ("none", "inverse") or cfg.learner.lr_ref_lag < 0:
+        errors.append(f"learner.lr_staleness={cfg.learner.lr_staleness!r}, lr_ref_lag={cfg.learner.lr_ref_lag}: "
+                      "expected none or inverse, and lr_ref_lag >= 0")
+    if cfg.learner.lr_staleness != "none" and cfg.learner.deepspeed:
+        errors.append("learner.lr_staleness=inverse with DeepSpeed: its engine steps the optimizer inside backward, "
+                      "before the rate can be scaled; use the single-process learner (learner=default)")
     if r.correction not in ("none", "tis", "mask"):
         errors.append(f"rollout.correction={r.correction!r}: expected none, tis or mask")
     if not 0 <= r.is_min <= 1 <= r.is_max:

@@ -63,7 +63,7 @@ def test_wrong_type_fails_at_compose_time():
     "overrides, message",
     [
         (["rollout.group_size=1"], "rollout.group_size"),
-        (["rollout=sync", "rollout.staleness=2"], "sync source is on-policy"),
+        (["rollout=sync", "rollout.staleness=2"], re.escape("SyncRolloutSource supports S <= 0")),
         (["rollout.staleness=1", "broadcast.interval=3"], re.escape("interval <= S+1")),
         (["rollout.correction=magic"], "rollout.correction"),
         (["run.wandb=maybe"], "run.wandb"),

@@ -46,7 +46,8 @@ def probe_tokens(vocab_size: int, n: int = 33) -> list[int]:
 
 
 class AsyncRolloutSource:
-    needs_policy = False
+    needs_policy = False  # remote: the learner never lends it the policy
+    max_staleness = None  # any S
 
     def __init__(self, ctx: RolloutContext, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_timeout_s: float = 30.0, take_timeout_s: float = 900.0, groups_per_pull: int = 4,

@@ -51,6 +51,8 @@ class RolloutSource(Protocol):
     """
 
     needs_policy: bool
+    max_staleness: int | None
+    """The largest ``rollout.staleness`` the source supports (None: any); config validation reads it."""
 
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
         """Called once per learner step, before the loss, with the step's prompt rows (one per group) and the

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 class SyncRolloutSource:
     needs_policy = True
+    max_staleness = 0  # on-policy by construction
 
     def __init__(self, ctx: RolloutContext):
         self.engine, self.scorer, self.tokenizer, self.sampling = ctx.engine, ctx.scorer, ctx.tokenizer, ctx.sampling
