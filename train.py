@@ -101,6 +101,11 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     log.info("learner %s on %d process(es): %s, %s, weights %s%s", type(trainer).__name__, world_size,
              trainer.backend(), trainer.accelerator.device, next(trainer.model.parameters()).dtype,
              ", bf16 autocast" if trainer.args.bf16 else "")
+    if cfg.learner.lr_staleness == "inverse":
+        from echo2.learner.staleness_lr import StalenessLR
+
+        trainer.add_callback(StalenessLR(trainer, cfg.learner.lr_ref_lag))
+        log.info("staleness-aware learning rate: x min(1, (1 + %g) / (1 + batch lag))", cfg.learner.lr_ref_lag)
 
     sink = None
     if rank == 0:
