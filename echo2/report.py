@@ -2,6 +2,7 @@
 
     python -m echo2.report RUN_DIR [RUN_DIR ...] [--out DIR] [--smooth 10]
     python -m echo2.report multirun/2026-11-30/10-00-00/*     # every job of a sweep
+    python -m echo2.report multirun/staleness/* --by rollout.staleness --panels rollout.correction --threshold -0.1
 
 Reads each run's ``metrics.jsonl``, ``summary.json``, ``consumed.jsonl`` and ``.hydra/overrides.yaml`` (the
 label: the overrides that differ between the runs, else the directory name) and writes to --out (default: the
@@ -12,6 +13,16 @@ current directory):
     utilization.png   learner utilization over time (1 - time waiting for rollouts / wall, per window)
     broadcast.png     time of each dissemination round against run time (broadcast/time_s)
     report.md         one row per run: steps, wall, reward, eval accuracy, utilization, staleness, rollouts, $
+
+With ``--by KEY`` (a config key, read from each run's resolved config) runs are grouped by their value of KEY,
+and by ``--panels KEY2`` if given; the runs within a group (a sweep's seeds) are averaged:
+
+    reward_by_KEY.png  mean reward against step, one line per value of KEY (shaded: min to max over the group),
+                       one panel per value of KEY2
+    report.md          also one row per group: reward and eval accuracy (mean ± sd), steps and seconds to
+                       --threshold (the reward's moving average first at or above it; median over the group),
+                       the lag actually consumed, and instability signs: the largest gradient norm, importance
+                       ratio and reward drop (peak moving average minus the last 20 steps' mean) in the group
 
 The same table (for one run) ends every training run: ``summary_table``.
 """
@@ -243,12 +254,133 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+# ---------------------------------------------------------------------- groups of runs (a sweep's cells)
+
+
+def config_value(run: dict, key: str) -> Any:
+    """``key`` (dotted) in the run's resolved config."""
+    import yaml
+
+    node: Any = yaml.safe_load((run["dir"] / "resolved_config.yaml").read_text())
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def moving_average(xs: list[float], window: int) -> list[float]:
+    out, acc = [], []
+    for x in xs:
+        acc = (acc + [x])[-window:]
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def cell_row(runs: list[dict], threshold: float | None, window: int) -> dict[str, Any]:
+    """One group of runs (the seeds of a cell): means and spreads, time to threshold, lag, instability."""
+    import statistics
+
+    def spread(xs):
+        xs = [x for x in xs if x is not None]
+        if not xs:
+            return None, None
+        return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+    rows = [row(r) for r in runs]
+    reached_steps, reached_s, drops, grad, ratio = [], [], [], [], []
+    for run in runs:
+        recs = [r for r in run["records"] if r.get("reward/mean") is not None]
+        ma = moving_average([r["reward/mean"] for r in recs], window)
+        hit = next((i for i, v in enumerate(ma) if threshold is not None and v >= threshold), None)
+        reached_steps.append(recs[hit]["step"] if hit is not None else None)
+        reached_s.append(recs[hit]["time_s"] if hit is not None else None)
+        tail = [r["reward/mean"] for r in recs[-20:]]
+        drops.append(max(ma) - sum(tail) / len(tail) if tail else None)
+        grad += [r["train/grad_norm"] for r in run["records"] if r.get("train/grad_norm") is not None]
+        ratio += [r["rollout/is_ratio_max"] for r in run["records"] if r.get("rollout/is_ratio_max") is not None]
+    lags = sum((staleness(r) for r in runs), Counter())
+    done = [s for s in reached_steps if s is not None]
+    return {
+        "runs": len(runs),
+        "reward": spread([r["reward_last20"] for r in rows]), "eval": spread([r["eval_accuracy"] for r in rows]),
+        "reached": f"{len(done)}/{len(runs)}",
+        "steps_to": statistics.median(done) if done else None,
+        "s_to": statistics.median([s for s in reached_s if s is not None]) if done else None,
+        "lag_mean": sum(k * n for k, n in lags.items()) / sum(lags.values()) if lags else None,
+        "lag_max": max(lags) if lags else None,
+        "lag_at_max": lags[max(lags)] / sum(lags.values()) if lags else None,
+        "grad_max": max(grad) if grad else None, "ratio_max": max(ratio) if ratio else None,
+        "drop_max": max((d for d in drops if d is not None), default=None),
+    }
+
+
+def grouped(runs: list[dict], by: str, panels: str | None) -> dict[tuple, list[dict]]:
+    """Runs by (value of ``panels``, value of ``by``), in sorted order."""
+    out: dict[tuple, list[dict]] = {}
+    for run in runs:
+        out.setdefault((config_value(run, panels) if panels else "", config_value(run, by)), []).append(run)
+    return dict(sorted(out.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])))
+
+
+def grouped_markdown(groups: dict[tuple, list[dict]], by: str, panels: str | None, threshold: float | None,
+                     window: int) -> str:
+    def pm(pair, spec=".3f"):
+        m, sd = pair
+        return "-" if m is None else f"{m:{spec}} ± {sd:{spec}}"
+
+    head = ([panels] if panels else []) + [by, "runs", "reward last 20", "eval acc",
+                                           f"reached {threshold}", "steps to it", "s to it", "lag mean",
+                                           "lag max (share)", "grad norm max", "IS ratio max", "reward drop max"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for (panel, value), runs in groups.items():
+        c = cell_row(runs, threshold, window)
+        cells = ([str(panel)] if panels else []) + [
+            str(value), str(c["runs"]), pm(c["reward"]), pm(c["eval"]), c["reached"], _fmt(c["steps_to"], ".0f"),
+            _fmt(c["s_to"], ".1f"), _fmt(c["lag_mean"], ".2f"),
+            "-" if c["lag_max"] is None else f"{c['lag_max']} ({c['lag_at_max']:.2f})", _fmt(c["grad_max"], ".2f"),
+            _fmt(c["ratio_max"], ".2f"), _fmt(c["drop_max"], ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_grouped(groups: dict[tuple, list[dict]], by: str, panels: str | None, out: Path, window: int) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panel_values = list(dict.fromkeys(p for p, _ in groups))
+    fig, axes = plt.subplots(1, len(panel_values), figsize=(5.5 * len(panel_values), 4.5), squeeze=False,
+                             sharey=True)
+    for ax, panel in zip(axes[0], panel_values, strict=True):
+        for (p, value), runs in groups.items():
+            if p != panel:
+                continue
+            curves = [moving_average([r["reward/mean"] for r in run["records"] if r.get("reward/mean") is not None],
+                                     window) for run in runs]
+            n = min(len(c) for c in curves)
+            steps = list(range(1, n + 1))
+            mean = [sum(c[i] for c in curves) / len(curves) for i in range(n)]
+            line, = ax.plot(steps, mean, label=f"{by.rsplit('.', 1)[-1]}={value}")
+            ax.fill_between(steps, [min(c[i] for c in curves) for i in range(n)],
+                            [max(c[i] for c in curves) for i in range(n)], color=line.get_color(), alpha=0.15)
+        ax.set_title(f"{panels}={panel}" if panels else "")
+        ax.set_xlabel("learner step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"reward (moving average of {window}; mean over runs, min-max shaded)")
+    axes[0][-1].legend(fontsize=8)
+    out.mkdir(parents=True, exist_ok=True)
+    return _save(fig, out / f"reward_by_{by.rsplit('.', 1)[-1]}.png")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m echo2.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
     p.add_argument("--out", default=".", help="where the PNGs and report.md go")
     p.add_argument("--smooth", type=int, default=10, help="moving-average window, in steps")
+    p.add_argument("--by", default=None, metavar="KEY", help="group runs by this config key (e.g. rollout.staleness)")
+    p.add_argument("--panels", default=None, metavar="KEY", help="with --by: one panel per value of this key")
+    p.add_argument("--threshold", type=float, default=None, help="with --by: the reward to time (steps, seconds)")
     args = p.parse_args(argv)
     dirs = [d for d in args.runs if (Path(d) / "metrics.jsonl").exists()]
     skipped = sorted(set(args.runs) - set(dirs))
@@ -258,6 +390,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     files = plot(runs, out, args.smooth)
     table = markdown(runs)
+    if args.by:
+        groups = grouped(runs, args.by, args.panels)
+        files.append(plot_grouped(groups, args.by, args.panels, out, args.smooth))
+        table = grouped_markdown(groups, args.by, args.panels, args.threshold, args.smooth) + "\n" + table
     (out / "report.md").write_text(table)
     files.append(out / "report.md")
     print(table)

@@ -69,7 +69,7 @@ class HFEngine:
         gen_cfg = GenerationConfig(
             do_sample=not greedy,
             temperature=params.temperature if not greedy else 1.0,
-            **FULL_SOFTMAX,
+            **({} if greedy else FULL_SOFTMAX),  # greedy decoding applies no sampling knob
             max_new_tokens=params.max_tokens,
             num_return_sequences=n,
             pad_token_id=self.pad_token_id,
