@@ -128,14 +128,33 @@ class Agent:
         if not reply["work"]:
             self.stop.wait(reply["wait_s"])
             return
+        work = reply["work"]
         t0 = time.perf_counter()
-        groups = self.engine.generate([w["prompt_ids"] for w in reply["work"]], params)
+        groups = self._or_hand_back(work, "generate_failed",
+                                    lambda: self.engine.generate([w["prompt_ids"] for w in work], params))
         rate = len(groups) * params.n / max(time.perf_counter() - t0, 1e-9)
         results = [{"group_id": w["group_id"], "version": self.version,
                     "completions": [{"token_ids": c.token_ids, "logprobs": c.logprobs,
                                      "finish_reason": c.finish_reason} for c in g]}
-                   for w, g in zip(reply["work"], groups, strict=True)]
-        self.client.post("/push", {"worker_id": self.worker_id, "results": results, "rollouts_per_s": rate})
+                   for w, g in zip(work, groups, strict=True)]
+        self._or_hand_back(work, "push_failed", lambda: self.client.post(
+            "/push", {"worker_id": self.worker_id, "results": results, "rollouts_per_s": rate}))
+
+    def _or_hand_back(self, work: list[dict], reason: str, call):
+        """``call()``; if it fails, hand ``work`` back to the coordinator at once (its prompts go to other workers
+        now, not at their deadline), then raise. Best effort: if the coordinator is unreachable too, the
+        deadline reclaims them."""
+        try:
+            return call()
+        except Exception as e:
+            if not (isinstance(e, RemoteError) and e.status < 500):  # a refusal: the coordinator settled them
+                try:
+                    self.client.post("/release", {"worker_id": self.worker_id, "reason": reason,
+                                                  "group_ids": [w["group_id"] for w in work]}, timeout_s=10)
+                    log.warning("%s (%s): handed %d groups back", reason, e, len(work))
+                except Exception as e2:
+                    log.warning("%s (%s); handing the groups back failed too (%s)", reason, e, e2)
+            raise
 
     def shutdown(self) -> None:
         self.stop.set()

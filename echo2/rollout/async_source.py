@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from echo2.rollout.ledger import journal_path
+from echo2.rollout.liveness import Liveness
 from echo2.rollout.protocols import RolloutContext
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
 from echo2.rollout.types import RolloutGroup
@@ -39,7 +40,9 @@ class AsyncRolloutSource:
     def __init__(self, ctx: RolloutContext, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_timeout_s: float = 30.0, take_timeout_s: float = 900.0, groups_per_pull: int = 4,
                  coordinator_cores: list[int] | None = None, coordinator_restarts: int = 3,
-                 restart_window_s: float = 600.0, min_workers: int = 0):
+                 restart_window_s: float = 600.0, min_workers: int = 0, deadline_floor_s: float = 10.0,
+                 deadline_cap_s: float = 600.0, deadline_slack: float = 4.0, worker_share: float = 0.5,
+                 deadline_strikes: int = 3):
         if ctx.publish_interval < 1:
             raise ValueError(f"broadcast.interval={ctx.publish_interval}: must be >= 1")
         s = ctx.sampling
@@ -56,7 +59,10 @@ class AsyncRolloutSource:
             groups_per_pull=groups_per_pull, seed=ctx.seed, journal=journal_path(ctx.run_dir), sampling={
                 "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
             # a plain dict: Hydra hands dicts in ``ctx`` on as DictConfigs tied to the whole (unpicklable) tree
-            activation={k: ctx.activation[k] for k in ctx.activation} if ctx.activation else None)
+            activation={k: ctx.activation[k] for k in ctx.activation} if ctx.activation else None,
+            liveness=dict(floor_s=deadline_floor_s, cap_s=deadline_cap_s, slack=deadline_slack, share=worker_share,
+                          strikes=deadline_strikes))
+        Liveness(**self.kwargs["liveness"])  # a bad value fails here, not in the coordinator's process
         recover = {"resume_offset": ctx.resume["journal_offset"]} if ctx.resume else None
         self.coordinator = self._spawn(recover)
         self.kwargs["port"] = urlsplit(self.coordinator.url).port  # a restarted coordinator listens where this one did

@@ -8,7 +8,9 @@
     push:  validate -> score (task rewards, here, never trusted from a worker) -> admit to the buffer
     take:  waits for: P admissible groups in the buffer;  unblocked by: a push that completes the batch
     reaper: a worker silent for ``heartbeat_timeout_s`` is dead: its in-flight groups are counted lost and
-            their prompts re-queued, so they are generated again elsewhere
+            their prompts re-queued, so they are generated again elsewhere; a group past its deadline
+            (liveness.py) is lost the same way, and its worker's share shrinks
+    release: a worker whose generate or push failed hands its groups back at once (lost, with its reason)
 
 It runs as threads (an HTTP server and a reaper) of its own process (service.py), which answers the learner's
 ``take`` / ``set_version`` calls over a pipe; the learner only blocks in ``take`` when the buffer is short, which
@@ -33,6 +35,7 @@ from typing import Any
 from echo2.rollout.activation import Activation
 from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
 from echo2.rollout.ledger import Ledger
+from echo2.rollout.liveness import Liveness
 from echo2.rollout.scoring import Scorer, encode_prompt
 from echo2.rollout.types import Completion, Rollout, RolloutGroup
 from echo2.rollout.wire import BadRequest, JsonServer
@@ -54,6 +57,7 @@ class WorkerInfo:
     down_mbit: float = 1000.0
     up_mbit: float = 1000.0
     rtt_ms: float = 0.0
+    misses: int = 0  # reaper passes in which its groups were past their deadline, less on-time pushes
 
 
 @dataclass
@@ -62,6 +66,7 @@ class InFlight:
     row: dict[str, Any]
     prompt_ids: list[int]
     row_index: int
+    deadline: float = math.inf  # time.monotonic() after which the group is lost
 
 
 class Coordinator:
@@ -70,16 +75,18 @@ class Coordinator:
                  host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
                  groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
                  activation: dict | None = None, journal: str | None = None, recover: dict | None = None,
-                 version: int = 0):
+                 version: int = 0, liveness: dict | None = None):
         """``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
         ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
-        checkpoint taken at journal length N; ``version``: the learner's version then."""
+        checkpoint taken at journal length N; ``version``: the learner's version then. ``liveness``: Liveness's
+        fields (deadlines, per-worker share, strikes)."""
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
         self.S, self.P, self.G = staleness, prompts_per_step, group_size
         self.sampling, self.vocab_size = sampling, vocab_size
         self.heartbeat_timeout_s, self.groups_per_pull = heartbeat_timeout_s, groups_per_pull
         self.long_poll_s = min(long_poll_s, heartbeat_timeout_s / 4)
         self.broadcaster = broadcaster
+        self.liveness = Liveness(**(liveness or {}))
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
         self.version = version
@@ -92,12 +99,14 @@ class Coordinator:
         self.dataset = dataset
         self.ledger = _ledger(journal, recover, group_size, len(dataset), seed)
         self.registered = 0
+        self.deadline_misses = 0
         self.closed = False
         self.activation = Activation(activation or {}, staleness, prompts_per_step * group_size,
                                      run_dir=os.path.dirname(journal) if journal else None)
         self.server = JsonServer(host, port, token, name="coordinator", routes={
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
-            "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "GET /status": self._status,
+            "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "POST /release": self._release,
+            "GET /status": self._status,
         })
         self.reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
         if broadcaster is not None:
@@ -171,7 +180,9 @@ class Coordinator:
         work = []
         if not self.activation.is_active(worker.worker_id):
             return work  # deactivated: no work until a re-plan turns it on again
-        while len(work) < want and not self.closed:
+        held = sum(1 for f in self.in_flight.values() if f.worker_id == worker.worker_id)
+        limit = self.liveness.worker_limit((self.S + 1) * self.P, worker.misses)
+        while len(work) < want and held + len(work) < limit and not self.closed:
             ahead = len(self.buffer) + len(self.in_flight)
             next_step = max(self.version, self.batches_taken)
             if not worth_dispatching(next_step, worker.version, ahead, self.P, self.S):
@@ -181,6 +192,10 @@ class Coordinator:
             ids = encode_prompt(self.tokenizer, row["prompt"])
             self.in_flight[gid] = InFlight(worker.worker_id, row, ids, index)
             work.append({"group_id": gid, "prompt_ids": ids})
+        if work:
+            due = time.monotonic() + self.liveness.deadline_s(worker.rollouts_per_s, held + len(work), self.G)
+            for w in work:
+                self.in_flight[w["group_id"]].deadline = due
         return work
 
     def _push(self, body: dict, _headers) -> dict:
@@ -213,6 +228,8 @@ class Coordinator:
                     self.ledger.drop(gid, "invalid", requeue=True)
                 log.warning("worker %s: group %s rejected: %s", worker.worker_id, gid, e)
         with self.lock:
+            if scored and worker.misses and not self.liveness.benched(worker.misses):
+                worker.misses -= 1  # on time again: one halving of its share back
             for gid, flight, group in scored:
                 self.ledger.received(gid, worker.worker_id)
                 if self.buffer.admit(group, group.version, self.version):
@@ -265,6 +282,30 @@ class Coordinator:
             self._retire(worker.worker_id, "worker_left")
         return {"ok": True}
 
+    RELEASE_REASONS = ("generate_failed", "push_failed")
+
+    def _release(self, body: dict, _headers) -> dict:
+        """A worker hands back groups it cannot deliver: lost with its reason, prompts re-queued at once."""
+        reason, gids = body.get("reason"), body.get("group_ids")
+        if reason not in self.RELEASE_REASONS:
+            raise BadRequest(f"'reason' must be one of {self.RELEASE_REASONS}, got {reason!r}")
+        if not isinstance(gids, list) or not all(isinstance(g, str) for g in gids):
+            raise BadRequest("'group_ids' must be a list of strings")
+        released = []
+        with self.lock:
+            worker = self._worker(body)
+            for gid in gids:
+                flight = self.in_flight.get(gid)
+                if flight is None or flight.worker_id != worker.worker_id:
+                    self.ledger.refuse("release_not_in_flight")  # already settled (e.g. its push did arrive)
+                    continue
+                del self.in_flight[gid]
+                self.ledger.lose(gid, reason)
+                released.append(gid)
+            self.lock.notify_all()  # room under the in-flight cap
+        log.warning("worker %s handed back %d groups: %s", worker.worker_id, len(released), reason)
+        return {"released": released}
+
     def _status(self, _body, _headers) -> dict:
         return self.status()
 
@@ -273,7 +314,10 @@ class Coordinator:
         with self.lock:
             return {"version": self.version, "buffered_groups": len(self.buffer),
                     "in_flight_groups": len(self.in_flight), "workers": sorted(self.workers),
-                    "registered": self.registered, "by_worker": dict(self.ledger.by_worker)}
+                    "registered": self.registered, "by_worker": dict(self.ledger.by_worker),
+                    "held": dict(Counter(f.worker_id for f in self.in_flight.values())),
+                    "benched": sorted(w.worker_id for w in self.workers.values()
+                                      if self.liveness.benched(w.misses))}
 
     # ---------------------------------------------------------------- liveness
 
@@ -296,9 +340,28 @@ class Coordinator:
                 now = time.monotonic()
                 for w in [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]:
                     self._retire(w.worker_id, "worker_dead")
+                self._expire(now)
                 bcast = self.broadcaster.metrics() if self.broadcaster is not None else {}
                 if self.activation.replan(list(self.workers.values()), bcast, now):
                     self.lock.notify_all()
+
+    def _expire(self, now: float) -> None:
+        """Groups past their deadline are lost and re-queued; each of their workers takes one miss. Holds the lock."""
+        late = Counter()
+        for gid in [g for g, f in self.in_flight.items() if f.deadline < now]:
+            late[self.in_flight.pop(gid).worker_id] += 1
+            self.ledger.lose(gid, "deadline")
+        for wid, n in late.items():
+            worker = self.workers.get(wid)
+            if worker is None:
+                continue
+            worker.misses += 1
+            self.deadline_misses += 1
+            benched = self.liveness.benched(worker.misses)
+            log.warning("worker %s: %d groups past their deadline (miss %d of %d)%s", wid, n, worker.misses,
+                        self.liveness.strikes, "; it gets no more work" if benched else "")
+        if late:
+            self.lock.notify_all()
 
     # ---------------------------------------------------------------- learner-facing
 
@@ -348,7 +411,11 @@ class Coordinator:
                    "rollout/dropped": float(sum(led.dropped.values())),
                    "rollout/lost": float(sum(led.lost.values())), "rollout/workers": float(len(self.workers)),
                    "rollout/rejected_requests": float(sum(self.server.rejected.values())),
-                   "rollout/refused_results": float(sum(led.refused.values()))}
+                   "rollout/refused_results": float(sum(led.refused.values())),
+                   "rollout/lost_deadline": float(led.lost["deadline"]),
+                   "rollout/deadline_misses": float(self.deadline_misses),
+                   "rollout/benched_workers": float(sum(self.liveness.benched(w.misses)
+                                                        for w in self.workers.values()))}
             for w in self.workers.values():
                 out[f"rollout/throughput/{w.worker_id}"] = w.rollouts_per_s
             out.update(self.activation.metrics(self.workers))
