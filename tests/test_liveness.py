@@ -10,7 +10,7 @@ import pytest
 
 from conftest import balanced, small_coordinator, train, wait_until
 from echo2.rollout.liveness import Liveness
-from echo2.rollout.wire import Client, RemoteError
+from echo2.transport import Client, RemoteError
 
 G = 2
 

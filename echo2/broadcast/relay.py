@@ -19,6 +19,10 @@ Failures. A source that dies, refuses, or stalls (no byte for ``stall_timeout_s`
 the node resumes from the byte it holds at the next source in its list (grandparent, ..., origin), so a dead
 relay peer is routed around and nothing already received is fetched twice.
 
+Transport. Off loopback both ends speak TLS (echo2/transport.py): the server presents a certificate from the run's
+CA, the fetcher verifies it against that CA alone (pinned when the worker joined). The handshake runs in the
+connection's own thread, never in accept.
+
 Link model. For tests without root a ``Link`` (link.py: token buckets on a node's uplink and downlink plus a
 one-way latency) can be put on every node; the namespace testbed (testbed.py) shapes real links instead.
 """
@@ -257,8 +261,9 @@ class RelayServer:
     """Serves byte ranges of the snapshots in ``store`` to token holders, as the bytes become visible."""
 
     def __init__(self, store: Store, token: str, host: str = "127.0.0.1", port: int = 0, link: Link | None = None,
-                 manifest_wait_s: float = 30.0, stall_timeout_s: float = 30.0):
-        self.store, self.token, self.link = store, token, link or Link()
+                 manifest_wait_s: float = 30.0, stall_timeout_s: float = 30.0, tls: Any = None):
+        """``tls``: an ``ssl.SSLContext`` to serve with (None: plain TCP)."""
+        self.store, self.token, self.link, self.tls = store, token, link or Link(), tls
         self.manifest_wait_s, self.stall_timeout_s = manifest_wait_s, stall_timeout_s
         self.sock = socket.create_server((host, port))
         self.addr = self.sock.getsockname()[:2]
@@ -284,6 +289,13 @@ class RelayServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if self.tls is not None:
+                plain = conn
+                conn.settimeout(30)
+                conn = self.tls.wrap_socket(conn, server_side=True)
+                conn.settimeout(None)
+                self.conns.discard(plain)
+                self.conns.add(conn)
             while not self.closed:
                 try:
                     req = recv_frame(conn)  # persistent: one request after another
@@ -353,8 +365,9 @@ class Fetcher:
     """Pulls snapshots into a node's store from an ordered list of sources, keeping one connection per source."""
 
     def __init__(self, store: Store, token: str, link: Link | None = None, stall_timeout_s: float = 10.0,
-                 connect_timeout_s: float = 10.0):
-        self.store, self.token, self.link = store, token, link or Link()
+                 connect_timeout_s: float = 10.0, trust: Any = None):
+        """``trust``: a transport.Trust; sources are then reached over TLS verified against the run's CA."""
+        self.store, self.token, self.link, self.trust = store, token, link or Link(), trust
         self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
         self.conns: dict[tuple[str, int], socket.socket] = {}
         self.lock = threading.Lock()  # one fetch at a time per node
@@ -395,6 +408,8 @@ class Fetcher:
         if conn is None:
             conn = socket.create_connection(src, timeout=self.connect_timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.trust is not None:
+                conn = self.trust.connect(conn)
             self.conns[src] = conn
         conn.settimeout(self.stall_timeout_s)
         return conn

@@ -1,7 +1,9 @@
 """The worker agent: one per inference machine; the only process there that speaks to the network.
 
-    python -m echo2.worker --coordinator http://LEARNER:PORT --model PATH_OR_HUB_ID [--engine vllm|hf]
-    (the run's token comes from $ECHO2_TOKEN, or --token; an argument is visible in `ps`)
+    python -m echo2.worker --coordinator https://LEARNER:PORT --ca-hash sha256:... --model PATH_OR_HUB_ID
+    (the run's token comes from $ECHO2_TOKEN, or --token; an argument is visible in `ps`. The learner prints this
+    command, with the fingerprint of its run CA: the agent fetches the CA, checks it against the fingerprint, and
+    verifies every TLS link against it from then on; its own snapshot and relay servers get a certificate from it)
 
     loop:  apply the newest verified snapshot, if any  ->  pull groups  ->  generate G each  ->  push
     waits for: work from the coordinator (pull answers "wait" when the in-flight cap is reached)
@@ -33,7 +35,7 @@ from typing import Any
 
 from echo2.broadcast.peer import SnapshotReceiver
 from echo2.rollout.types import SamplingParams
-from echo2.rollout.wire import Client, RemoteError
+from echo2.transport import LEARNER_NAME, Client, RemoteError, Trust, is_loopback, join
 
 log = logging.getLogger("echo2.worker")
 
@@ -42,9 +44,10 @@ class Agent:
     def __init__(self, coordinator_url: str, token: str, engine: Any, listen_host: str = "127.0.0.1",
                  advertise_host: str | None = None, max_groups: int = 4, stop: threading.Event | None = None,
                  snapshot_port: int = 0, relay_port: int = 0, declared: dict | None = None,
-                 reconnect_timeout_s: float = 600.0):
+                 reconnect_timeout_s: float = 600.0, trust: Trust | None = None):
         self.token, self.engine, self.max_groups = token, engine, max_groups
-        self.client = Client(coordinator_url, token, timeout_s=60)
+        self.client = Client(coordinator_url, token, timeout_s=60, ca_file=trust and trust.ca_file,
+                             server_name=LEARNER_NAME)
         self.version = 0
         self.pending: tuple[int, bytes] | None = None
         self.pending_lock = threading.Lock()
@@ -54,7 +57,7 @@ class Agent:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.reconnects = 0
         self.receiver = SnapshotReceiver(token, self._received, listen_host, advertise_host,
-                                         control_port=snapshot_port, relay_port=relay_port)
+                                         control_port=snapshot_port, relay_port=relay_port, trust=trust)
 
     def _received(self, version: int, blob) -> None:
         """A complete, verified snapshot: hold it until the current batch is done."""
@@ -191,7 +194,10 @@ def default_engine() -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m echo2.worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--coordinator", required=True, help="the learner's coordinator URL, http://HOST:PORT")
+    p.add_argument("--coordinator", required=True, help="the learner's coordinator URL, https://HOST:PORT (http:// "
+                   "only on loopback or when the learner opted out of TLS)")
+    p.add_argument("--ca-hash", default=None, help="sha256:<hex> fingerprint of the run's CA, printed by the learner "
+                   "with the join command (required for https)")
     p.add_argument("--token", default=os.environ.get("ECHO2_TOKEN"), help="the run's token (default $ECHO2_TOKEN)")
     p.add_argument("--model", required=True, help="the same initial weights as the learner (path or hub id)")
     p.add_argument("--engine", default=default_engine(), choices=["vllm", "hf"])
@@ -234,11 +240,16 @@ def main(argv: list[str] | None = None) -> None:
     except InterruptedError:
         log.info("worker stopped during engine start-up")
         return
+    try:
+        trust = _trust(args, stop)
+    except BaseException:
+        engine.close()
+        raise
     agent = Agent(args.coordinator, args.token, engine, args.listen_host, args.advertise_host, args.max_groups,
                   stop=stop, snapshot_port=args.snapshot_port, relay_port=args.relay_port,
                   declared={"usd_per_hour": args.usd_per_hour, "down_mbit": args.downlink_mbit,
                             "up_mbit": args.uplink_mbit, "rtt_ms": args.rtt_ms},
-                  reconnect_timeout_s=args.reconnect_timeout_s)
+                  reconnect_timeout_s=args.reconnect_timeout_s, trust=trust)
     try:
         agent.run()
     except (RemoteError, OSError) as e:
@@ -247,3 +258,34 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         agent.shutdown()
         log.info("worker stopped")
+
+
+def _trust(args, stop: threading.Event) -> Trust | None:
+    """The pinned run CA and this worker's certificate (https), or None (plain http, loud off loopback)."""
+    from urllib.parse import urlsplit
+
+    if not args.coordinator.startswith("https://"):
+        host = urlsplit(args.coordinator).hostname or ""
+        if not is_loopback(host):
+            log.warning("plain HTTP to %s: the token and the weights cross the network in the clear (the learner "
+                        "opted out of TLS with rollout.source.tls=off)", host)
+        return None
+    if not args.ca_hash:
+        raise SystemExit("--coordinator is https: pass --ca-hash sha256:... from the learner's join command")
+    import tempfile
+
+    deadline, delay = time.monotonic() + args.reconnect_timeout_s, 0.5
+    while True:  # the learner may still be starting: retry as the agent does for any unreachable coordinator
+        try:
+            return join(args.coordinator, args.token, args.ca_hash, tempfile.mkdtemp(prefix="echo2-tls-"))
+        except OSError as e:
+            import ssl
+
+            import requests
+
+            pin_failed = isinstance(e, (ssl.SSLError, requests.exceptions.SSLError))  # never retried
+            if pin_failed or time.monotonic() + delay > deadline or stop.is_set():
+                raise
+            log.warning("coordinator not reachable for the TLS join (%s); retrying in %.1f s", e, delay)
+            stop.wait(delay)
+            delay = min(delay * 2, 10.0)

@@ -1,6 +1,6 @@
 """The coordinator: the learner host's control plane for remote rollout workers.
 
-    worker agents ──register / pull / push / heartbeat (HTTP, token)──► Coordinator ──take(P, t)──► learner
+    worker agents ──register / pull / push / heartbeat (HTTPS off loopback, token)──► Coordinator ──take(P, t)──► learner
                          ▲                                                │   ▲
                          └──────────── snapshots (Broadcaster) ◄──────────┘   └ set_version(v) after each step
 
@@ -38,7 +38,7 @@ from echo2.rollout.ledger import Ledger
 from echo2.rollout.liveness import Liveness
 from echo2.rollout.scoring import Scorer, encode_prompt
 from echo2.rollout.types import Completion, Rollout, RolloutGroup
-from echo2.rollout.wire import BadRequest, JsonServer
+from echo2.transport import PEER_NAME, BadRequest, JsonServer, RunCA
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,12 @@ class Coordinator:
                  host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
                  groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
                  activation: dict | None = None, journal: str | None = None, recover: dict | None = None,
-                 version: int = 0, liveness: dict | None = None):
+                 version: int = 0, liveness: dict | None = None, tls_dir: str | None = None):
         """``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
         ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
         checkpoint taken at journal length N; ``version``: the learner's version then. ``liveness``: Liveness's
-        fields (deadlines, per-worker share, strikes)."""
+        fields (deadlines, per-worker share, strikes). ``tls_dir``: the run CA's directory (transport.RunCA); set,
+        every server of the rollout plane speaks TLS and workers get their certificates here."""
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
         self.S, self.P, self.G = staleness, prompts_per_step, group_size
         self.sampling, self.vocab_size = sampling, vocab_size
@@ -103,7 +104,11 @@ class Coordinator:
         self.closed = False
         self.activation = Activation(activation or {}, staleness, prompts_per_step * group_size,
                                      run_dir=os.path.dirname(journal) if journal else None)
-        self.server = JsonServer(host, port, token, name="coordinator", routes={
+        self.ca = RunCA(tls_dir) if tls_dir else None
+        trust = self.ca.trust() if self.ca else None
+        self.server = JsonServer(host, port, token, name="coordinator", tls=trust and trust.server,
+                                 public=frozenset({"GET /ca"}), routes={
+            "GET /ca": self._ca, "POST /certificate": self._certificate,
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
             "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "POST /release": self._release,
             "GET /status": self._status,
@@ -111,6 +116,8 @@ class Coordinator:
         self.reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
         if broadcaster is not None:
             broadcaster.on_delivered = self._snapshot_delivered
+            if trust is not None:
+                broadcaster.use_tls(trust)
 
     def start(self) -> "Coordinator":
         self.server.start()
@@ -151,6 +158,19 @@ class Coordinator:
                  worker.snapshot_url)
         return {"worker_id": worker.worker_id, "version": self.version, "group_size": self.G,
                 "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4}
+
+    def _ca(self, _body, _headers) -> dict:
+        """The run CA's certificate (public): a joining worker checks it against its pinned fingerprint."""
+        if self.ca is None:
+            raise BadRequest("this coordinator does not use TLS")
+        return {"ca": self.ca.ca_pem.decode()}
+
+    def _certificate(self, _body, _headers) -> dict:
+        """A key and certificate for a worker's snapshot and relay servers, for the name every peer verifies."""
+        if self.ca is None:
+            raise BadRequest("this coordinator does not use TLS")
+        cert, key = self.ca.issue([PEER_NAME])
+        return {"cert": cert.decode(), "key": key.decode()}
 
     def _heartbeat(self, body: dict, _headers) -> dict:
         with self.lock:
