@@ -19,6 +19,7 @@ import http.client
 import ipaddress
 import json
 import os
+import re
 import tempfile
 import logging
 import socket
@@ -46,6 +47,40 @@ class BadRequest(Exception):
 
 class Unauthorized(BadRequest):
     status = 401
+
+
+class Revoked(Unauthorized):
+    """A worker credential revoked during the run (counted apart from wrong credentials)."""
+
+    status = 403
+
+
+# ---------------------------------------------------------------------- credentials
+
+WORKER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def worker_credential(run_secret: str, name: str) -> str:
+    """Worker ``name``'s own credential, ``name:HMAC-SHA256(run secret, name)``: the learner recognises it without
+    a table, and revoking one name leaves every other worker's credential valid."""
+    if not WORKER_NAME.fullmatch(name):
+        raise ValueError(f"worker name {name!r}: 1-64 of A-Z a-z 0-9 _ . -")
+    mac = hmac.new(run_secret.encode(), b"echo2-worker:" + name.encode(), hashlib.sha256).hexdigest()
+    return f"{name}:{mac}"
+
+
+def credential_name(run_secret: str, credential: str) -> str | None:
+    """The worker name a valid worker credential carries; None if it is not one."""
+    name, sep, _ = credential.partition(":")
+    if not sep or not WORKER_NAME.fullmatch(name):
+        return None
+    return name if hmac.compare_digest(credential.encode(), worker_credential(run_secret, name).encode()) else None
+
+
+def relay_key(run_secret: str) -> str:
+    """The key of the broadcast plane (signed manifests, relay requests, the snapshot routes), derived from the
+    run secret so that workers, who receive it when they join, never hold the run secret itself."""
+    return hmac.new(run_secret.encode(), b"echo2-relay", hashlib.sha256).hexdigest()
 
 
 Route = Callable[[dict[str, Any] | bytes, dict[str, str]], Any]

@@ -39,6 +39,10 @@ class SnapshotReceiver:
         self.url = self.control.url(advertise_host)
         self.relay_addr = f"{advertise_host or self.relay_server.addr[0]}:{self.relay_server.addr[1]}"
 
+    def use_key(self, key: str) -> None:
+        """Take the broadcast plane's key (given by the coordinator when the worker joins) before serving."""
+        self.token = self.relay_server.token = self.fetcher.token = self.control.token = key
+
     def start(self) -> "SnapshotReceiver":
         self.relay_server.start()
         self.control.start()

@@ -106,6 +106,8 @@ class Agent:
                 log.warning("heartbeat failed: %s", e)
 
     def run(self) -> None:
+        # The broadcast plane has its own key (derived from the run secret, which a worker never holds).
+        self.receiver.use_key(self._retrying(lambda: self.client.post("/relay-key", {}))["key"])
         self.receiver.start()
         info = self._register()
         self.worker_id = info["worker_id"]
@@ -198,7 +200,9 @@ def main(argv: list[str] | None = None) -> None:
                    "only on loopback or when the learner opted out of TLS)")
     p.add_argument("--ca-hash", default=None, help="sha256:<hex> fingerprint of the run's CA, printed by the learner "
                    "with the join command (required for https)")
-    p.add_argument("--token", default=os.environ.get("ECHO2_TOKEN"), help="the run's token (default $ECHO2_TOKEN)")
+    p.add_argument("--token", default=os.environ.get("ECHO2_TOKEN"),
+                   help="this worker's credential (python -m echo2.credential NAME on the learner), or the run's "
+                   "secret on a trusted machine (default $ECHO2_TOKEN)")
     p.add_argument("--model", required=True, help="the same initial weights as the learner (path or hub id)")
     p.add_argument("--engine", default=default_engine(), choices=["vllm", "hf"])
     p.add_argument("--dtype", default="float32")

@@ -11,6 +11,9 @@
             their prompts re-queued, so they are generated again elsewhere; a group past its deadline
             (liveness.py) is lost the same way, and its worker's share shrinks
     release: a worker whose generate or push failed hands its groups back at once (lost, with its reason)
+    credentials: the run secret (the learner's own, the local pool's, admin routes) or a worker's own
+            ``name:HMAC(secret, name)`` (transport.worker_credential), which acts only for the worker ids it
+            registered; ``POST /revoke`` (run secret only) refuses a name from then on and re-queues its work
 
 It runs as threads (an HTTP server and a reaper) of its own process (service.py), which answers the learner's
 ``take`` / ``set_version`` calls over a pipe; the learner only blocks in ``take`` when the buffer is short, which
@@ -23,6 +26,7 @@ resumed from a checkpoint, carries on with the same books and data position.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import os
@@ -38,7 +42,8 @@ from echo2.rollout.ledger import Ledger
 from echo2.rollout.liveness import Liveness
 from echo2.rollout.scoring import Scorer, encode_prompt
 from echo2.rollout.types import Completion, Rollout, RolloutGroup
-from echo2.transport import PEER_NAME, BadRequest, JsonServer, RunCA
+from echo2.transport import (PEER_NAME, BadRequest, JsonServer, Revoked, RunCA, Unauthorized, credential_name,
+                             relay_key)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,7 @@ class WorkerInfo:
     up_mbit: float = 1000.0
     rtt_ms: float = 0.0
     misses: int = 0  # reaper passes in which its groups were past their deadline, less on-time pushes
+    name: str | None = None  # the worker credential it registered with (None: the run secret)
 
 
 @dataclass
@@ -106,8 +112,13 @@ class Coordinator:
                                      run_dir=os.path.dirname(journal) if journal else None)
         self.ca = RunCA(tls_dir) if tls_dir else None
         trust = self.ca.trust() if self.ca else None
+        self.revoked_path = os.path.join(os.path.dirname(journal), "revoked.txt") if journal else None
+        if self.revoked_path and not recover and os.path.exists(self.revoked_path):
+            os.unlink(self.revoked_path)  # a fresh run in a used directory: the old revocations are not this run's
+        self.revoked = _read_revoked(self.revoked_path)  # survives coordinator restarts and learner resumes
         self.server = JsonServer(host, port, token, name="coordinator", tls=trust and trust.server,
-                                 public=frozenset({"GET /ca"}), routes={
+                                 public=frozenset({"GET /ca"}), authorize=self._authorize, routes={
+            "POST /relay-key": self._relay_key, "POST /revoke": self._revoke,
             "GET /ca": self._ca, "POST /certificate": self._certificate,
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
             "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "POST /release": self._release,
@@ -131,16 +142,38 @@ class Coordinator:
 
     # ---------------------------------------------------------------- worker-facing routes
 
-    def _worker(self, body: dict) -> WorkerInfo:
+    ADMIN_ROUTES = frozenset({"POST /revoke"})
+
+    def _authorize(self, route: str, credential: str) -> None:
+        """The run secret may call anything; a worker credential the worker routes, until its name is revoked."""
+        if hmac.compare_digest(credential.encode(), self.token.encode()):
+            return
+        name = credential_name(self.token, credential)
+        if name is None:
+            raise Unauthorized("missing or wrong token (the run secret or a worker credential)")
+        if name in self.revoked:
+            raise Revoked(f"the credential of worker {name!r} was revoked")
+        if route in self.ADMIN_ROUTES:
+            raise Unauthorized(f"{route} needs the run secret, not a worker credential")
+
+    def _caller(self, headers) -> str | None:
+        """The worker name of the request's credential (already authorized); None for the run secret."""
+        auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
+        return credential_name(self.token, auth.removeprefix("Bearer "))
+
+    def _worker(self, body: dict, headers) -> WorkerInfo:
         worker = self.workers.get(str(body.get("worker_id")))
         if worker is None:
             raise BadRequest(f"unknown worker {body.get('worker_id')!r}: register first")
+        caller = self._caller(headers)
+        if caller is not None and worker.name != caller:
+            raise Unauthorized(f"worker {worker.worker_id} did not register with {caller!r}'s credential")
         worker.last_seen = time.monotonic()
         if "version" in body:
             worker.version = _int(body, "version", 0, self.version)
         return worker
 
-    def _register(self, body: dict, _headers) -> dict:
+    def _register(self, body: dict, headers) -> dict:
         with self.lock:
             relay_addr = body.get("relay")
             if relay_addr is not None and not (isinstance(relay_addr, str) and relay_addr.rpartition(":")[2].isdigit()):
@@ -149,6 +182,7 @@ class Coordinator:
                                 relay_addr, **{k: _nonneg(body, k, default) for k, default in (
                                     ("usd_per_hour", 0.0), ("down_mbit", 1000.0), ("up_mbit", 1000.0),
                                     ("rtt_ms", 0.0))})
+            worker.name = self._caller(headers)
             self.workers[worker.worker_id] = worker
             self.registered += 1
             self.activation.dirty = True
@@ -158,6 +192,29 @@ class Coordinator:
                  worker.snapshot_url)
         return {"worker_id": worker.worker_id, "version": self.version, "group_size": self.G,
                 "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4}
+
+    def _relay_key(self, _body, _headers) -> dict:
+        """The broadcast plane's key (transport.relay_key), which a worker's snapshot receiver needs."""
+        return {"key": relay_key(self.token)}
+
+    def _revoke(self, body: dict, _headers) -> dict:
+        """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its workers are
+        retired (their in-flight groups lost: revoked, prompts re-queued) and dropped from the broadcast."""
+        name = body.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("'name' must be a worker name")
+        with self.lock:
+            if name not in self.revoked:
+                self.revoked.add(name)
+                if self.revoked_path:
+                    with open(self.revoked_path, "a", encoding="utf-8") as f:
+                        f.write(name + "\n")
+            retired = [w.worker_id for w in self.workers.values() if w.name == name]
+            for wid in retired:
+                self._retire(wid, "revoked")
+            self.lock.notify_all()
+        log.warning("worker credential %r revoked; retired %s", name, retired or "no live worker")
+        return {"revoked": name, "retired": retired}
 
     def _ca(self, _body, _headers) -> dict:
         """The run CA's certificate (public): a joining worker checks it against its pinned fingerprint."""
@@ -172,17 +229,17 @@ class Coordinator:
         cert, key = self.ca.issue([PEER_NAME])
         return {"cert": cert.decode(), "key": key.decode()}
 
-    def _heartbeat(self, body: dict, _headers) -> dict:
+    def _heartbeat(self, body: dict, headers) -> dict:
         with self.lock:
-            self._worker(body)
+            self._worker(body, headers)
         return {"version": self.version}
 
-    def _pull(self, body: dict, _headers) -> dict:
+    def _pull(self, body: dict, headers) -> dict:
         """Hand out up to ``max_groups`` groups. A long poll: with nothing worth dispatching it waits (up to
         ``long_poll_s``) for the learner to take a batch or publish a version, instead of the worker sleeping."""
         deadline = time.monotonic() + self.long_poll_s
         with self.lock:
-            worker = self._worker(body)
+            worker = self._worker(body, headers)
             want = min(_int(body, "max_groups", 1, 1024), self.groups_per_pull)
             while True:
                 work = self._dispatch(worker, want)
@@ -218,13 +275,13 @@ class Coordinator:
                 self.in_flight[w["group_id"]].deadline = due
         return work
 
-    def _push(self, body: dict, _headers) -> dict:
+    def _push(self, body: dict, headers) -> dict:
         results = body.get("results")
         if not isinstance(results, list):
             raise BadRequest("'results' must be a list")
         accepted, rejected = [], []
         with self.lock:
-            worker = self._worker(body)
+            worker = self._worker(body, headers)
             claimed = []
             for res in results:
                 gid = str(res.get("group_id")) if isinstance(res, dict) else None
@@ -296,15 +353,15 @@ class Coordinator:
                 worker.delivered_version = max(worker.delivered_version, version)
                 self.lock.notify_all()
 
-    def _leave(self, body: dict, _headers) -> dict:
+    def _leave(self, body: dict, headers) -> dict:
         with self.lock:
-            worker = self._worker(body)
+            worker = self._worker(body, headers)
             self._retire(worker.worker_id, "worker_left")
         return {"ok": True}
 
     RELEASE_REASONS = ("generate_failed", "push_failed")
 
-    def _release(self, body: dict, _headers) -> dict:
+    def _release(self, body: dict, headers) -> dict:
         """A worker hands back groups it cannot deliver: lost with its reason, prompts re-queued at once."""
         reason, gids = body.get("reason"), body.get("group_ids")
         if reason not in self.RELEASE_REASONS:
@@ -313,7 +370,7 @@ class Coordinator:
             raise BadRequest("'group_ids' must be a list of strings")
         released = []
         with self.lock:
-            worker = self._worker(body)
+            worker = self._worker(body, headers)
             for gid in gids:
                 flight = self.in_flight.get(gid)
                 if flight is None or flight.worker_id != worker.worker_id:
@@ -487,6 +544,13 @@ def _nonneg(body: dict, key: str, default: float) -> float:
 
 def _nonzero(counter: Counter) -> dict[str, int]:
     return {k: v for k, v in counter.items() if v}
+
+
+def _read_revoked(path: str | None) -> set[str]:
+    if not path or not os.path.exists(path):
+        return set()
+    with open(path, encoding="utf-8") as f:
+        return {line.strip() for line in f if line.strip()}
 
 
 def _ledger(journal: str | None, recover: dict | None, group_size: int, n_rows: int, seed: int) -> Ledger:
