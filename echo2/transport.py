@@ -97,6 +97,8 @@ class JsonServer:
         self.token, self.routes, self.raw, self.max_bytes, self.name = token, routes, raw, max_bytes, name
         self.tls, self.public, self.authorize = tls, public, authorize or self._token_only
         self.rejected: Counter = Counter()
+        self.conns: set = set()  # open (keep-alive) connections: closed with the server
+        self.conns_lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -107,10 +109,17 @@ class JsonServer:
                     self.request.settimeout(30)
                     self.request = server.tls.wrap_socket(self.request, server_side=True)
                     self.request.settimeout(None)
+                with server.conns_lock:
+                    server.conns.add(self.request)
                 super().setup()
                 # Headers and body go out as separate writes; with Nagle + delayed ACK each small
                 # request would stall ~40 ms (measured: 0.16 s of learner idle per step over loopback).
                 self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def finish(self):
+                with server.conns_lock:
+                    server.conns.discard(self.request)
+                super().finish()
 
             def log_message(self, fmt, *args):  # quiet: errors are logged by _handle
                 pass
@@ -141,6 +150,13 @@ class JsonServer:
         if self.thread.is_alive():  # shutdown() waits for serve_forever, which never ran if not started
             self.httpd.shutdown()
         self.httpd.server_close()
+        with self.conns_lock:  # a keep-alive connection would otherwise go on being served by a closed server
+            conns, self.conns = list(self.conns), set()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _token_only(self, _route: str, credential: str) -> None:
         if not hmac.compare_digest(credential.encode(), self.token.encode()):

@@ -180,6 +180,13 @@ class Store:
             self.cond.notify_all()
         return snap
 
+    def clear(self) -> None:
+        """Forget every snapshot (a worker re-joining a learner that may have resumed from a checkpoint: what it
+        holds may be the dead run's versions, which must be neither served nor kept over the resumed ones)."""
+        with self.cond:
+            self.snaps.clear()
+            self.cond.notify_all()
+
     def pin(self, version: int, pinned: bool = True) -> None:
         with self.cond:
             (self.pinned.add if pinned else self.pinned.discard)(version)

@@ -68,6 +68,8 @@ class AsyncRolloutSource:
             activation={k: ctx.activation[k] for k in ctx.activation} if ctx.activation else None,
             liveness=dict(floor_s=deadline_floor_s, cap_s=deadline_cap_s, slack=deadline_slack, share=worker_share,
                           strikes=deadline_strikes))
+        # this learner process's epoch: kept by a restarted coordinator, new after a resume (agent.py)
+        self.kwargs["epoch"] = os.urandom(8).hex()
         Liveness(**self.kwargs["liveness"])  # a bad value fails here, not in the coordinator's process
         self.ca_hash = self._tls(tls, host)
         recover = {"resume_offset": ctx.resume["journal_offset"]} if ctx.resume else None

@@ -81,18 +81,21 @@ class Coordinator:
                  host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
                  groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
                  activation: dict | None = None, journal: str | None = None, recover: dict | None = None,
-                 version: int = 0, liveness: dict | None = None, tls_dir: str | None = None):
+                 version: int = 0, liveness: dict | None = None, tls_dir: str | None = None,
+                 epoch: str | None = None):
         """``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
         ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
         checkpoint taken at journal length N; ``version``: the learner's version then. ``liveness``: Liveness's
         fields (deadlines, per-worker share, strikes). ``tls_dir``: the run CA's directory (transport.RunCA); set,
-        every server of the rollout plane speaks TLS and workers get their certificates here."""
+        every server of the rollout plane speaks TLS and workers get their certificates here. ``epoch``: names the
+        learner process (a resumed learner is a new epoch); told to workers at registration, so that one holding
+        another epoch's weights waits for this one's instead of generating with them."""
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
         self.S, self.P, self.G = staleness, prompts_per_step, group_size
         self.sampling, self.vocab_size = sampling, vocab_size
         self.heartbeat_timeout_s, self.groups_per_pull = heartbeat_timeout_s, groups_per_pull
         self.long_poll_s = min(long_poll_s, heartbeat_timeout_s / 4)
-        self.broadcaster = broadcaster
+        self.broadcaster, self.epoch = broadcaster, epoch
         self.liveness = Liveness(**(liveness or {}))
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
@@ -190,7 +193,7 @@ class Coordinator:
             self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url, worker.relay)
         log.info("worker %s joined (%s engine, snapshots at %s)", worker.worker_id, worker.engine,
                  worker.snapshot_url)
-        return {"worker_id": worker.worker_id, "version": self.version, "group_size": self.G,
+        return {"worker_id": worker.worker_id, "version": self.version, "epoch": self.epoch, "group_size": self.G,
                 "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4}
 
     def _relay_key(self, _body, _headers) -> dict:
