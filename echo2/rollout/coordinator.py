@@ -26,7 +26,6 @@ resumed from a checkpoint, carries on with the same books and data position.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import os
@@ -42,8 +41,8 @@ from echo2.rollout.ledger import Ledger
 from echo2.rollout.liveness import Liveness
 from echo2.rollout.scoring import Scorer, encode_prompt
 from echo2.rollout.types import Completion, Rollout, RolloutGroup
-from echo2.transport import (PEER_NAME, BadRequest, JsonServer, Revoked, RunCA, Unauthorized, credential_name,
-                             relay_key)
+from echo2.rollout.gate import Gate
+from echo2.transport import BadRequest, JsonServer, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +112,11 @@ class Coordinator:
         self.closed = False
         self.activation = Activation(activation or {}, staleness, prompts_per_step * group_size,
                                      run_dir=os.path.dirname(journal) if journal else None)
-        self.ca = RunCA(tls_dir) if tls_dir else None
-        trust = self.ca.trust() if self.ca else None
-        self.revoked_path = os.path.join(os.path.dirname(journal), "revoked.txt") if journal else None
-        if self.revoked_path and not recover and os.path.exists(self.revoked_path):
-            os.unlink(self.revoked_path)  # a fresh run in a used directory: the old revocations are not this run's
-        self.revoked = _read_revoked(self.revoked_path)  # survives coordinator restarts and learner resumes
+        self.gate = Gate(token, os.path.dirname(journal) if journal else None, fresh=not recover, tls_dir=tls_dir)
+        trust = self.gate.trust
         self.server = JsonServer(host, port, token, name="coordinator", tls=trust and trust.server,
-                                 public=frozenset({"GET /ca"}), authorize=self._authorize, routes={
-            "POST /relay-key": self._relay_key, "POST /revoke": self._revoke,
-            "GET /ca": self._ca, "POST /certificate": self._certificate,
+                                 public=Gate.PUBLIC_ROUTES, authorize=self.gate.authorize, routes={
+            **self.gate.routes(), "POST /revoke": self._revoke,
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
             "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "POST /release": self._release,
             "GET /status": self._status,
@@ -145,30 +139,11 @@ class Coordinator:
 
     # ---------------------------------------------------------------- worker-facing routes
 
-    ADMIN_ROUTES = frozenset({"POST /revoke"})
-
-    def _authorize(self, route: str, credential: str) -> None:
-        """The run secret may call anything; a worker credential the worker routes, until its name is revoked."""
-        if hmac.compare_digest(credential.encode(), self.token.encode()):
-            return
-        name = credential_name(self.token, credential)
-        if name is None:
-            raise Unauthorized("missing or wrong token (the run secret or a worker credential)")
-        if name in self.revoked:
-            raise Revoked(f"the credential of worker {name!r} was revoked")
-        if route in self.ADMIN_ROUTES:
-            raise Unauthorized(f"{route} needs the run secret, not a worker credential")
-
-    def _caller(self, headers) -> str | None:
-        """The worker name of the request's credential (already authorized); None for the run secret."""
-        auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
-        return credential_name(self.token, auth.removeprefix("Bearer "))
-
     def _worker(self, body: dict, headers) -> WorkerInfo:
         worker = self.workers.get(str(body.get("worker_id")))
         if worker is None:
             raise BadRequest(f"unknown worker {body.get('worker_id')!r}: register first")
-        caller = self._caller(headers)
+        caller = self.gate.caller(headers)
         if caller is not None and worker.name != caller:
             raise Unauthorized(f"worker {worker.worker_id} did not register with {caller!r}'s credential")
         worker.last_seen = time.monotonic()
@@ -185,7 +160,7 @@ class Coordinator:
                                 relay_addr, **{k: _nonneg(body, k, default) for k, default in (
                                     ("usd_per_hour", 0.0), ("down_mbit", 1000.0), ("up_mbit", 1000.0),
                                     ("rtt_ms", 0.0))})
-            worker.name = self._caller(headers)
+            worker.name = self.gate.caller(headers)
             self.workers[worker.worker_id] = worker
             self.registered += 1
             self.activation.dirty = True
@@ -196,41 +171,17 @@ class Coordinator:
         return {"worker_id": worker.worker_id, "version": self.version, "epoch": self.epoch, "group_size": self.G,
                 "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4}
 
-    def _relay_key(self, _body, _headers) -> dict:
-        """The broadcast plane's key (transport.relay_key), which a worker's snapshot receiver needs."""
-        return {"key": relay_key(self.token)}
-
     def _revoke(self, body: dict, _headers) -> dict:
         """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its workers are
         retired (their in-flight groups lost: revoked, prompts re-queued) and dropped from the broadcast."""
-        name = body.get("name")
-        if not isinstance(name, str) or not name:
-            raise BadRequest("'name' must be a worker name")
         with self.lock:
-            if name not in self.revoked:
-                self.revoked.add(name)
-                if self.revoked_path:
-                    with open(self.revoked_path, "a", encoding="utf-8") as f:
-                        f.write(name + "\n")
+            name = self.gate.revoke(body.get("name"))
             retired = [w.worker_id for w in self.workers.values() if w.name == name]
             for wid in retired:
                 self._retire(wid, "revoked")
             self.lock.notify_all()
         log.warning("worker credential %r revoked; retired %s", name, retired or "no live worker")
         return {"revoked": name, "retired": retired}
-
-    def _ca(self, _body, _headers) -> dict:
-        """The run CA's certificate (public): a joining worker checks it against its pinned fingerprint."""
-        if self.ca is None:
-            raise BadRequest("this coordinator does not use TLS")
-        return {"ca": self.ca.ca_pem.decode()}
-
-    def _certificate(self, _body, _headers) -> dict:
-        """A key and certificate for a worker's snapshot and relay servers, for the name every peer verifies."""
-        if self.ca is None:
-            raise BadRequest("this coordinator does not use TLS")
-        cert, key = self.ca.issue([PEER_NAME])
-        return {"cert": cert.decode(), "key": key.decode()}
 
     def _heartbeat(self, body: dict, headers) -> dict:
         with self.lock:
@@ -547,13 +498,6 @@ def _nonneg(body: dict, key: str, default: float) -> float:
 
 def _nonzero(counter: Counter) -> dict[str, int]:
     return {k: v for k, v in counter.items() if v}
-
-
-def _read_revoked(path: str | None) -> set[str]:
-    if not path or not os.path.exists(path):
-        return set()
-    with open(path, encoding="utf-8") as f:
-        return {line.strip() for line in f if line.strip()}
 
 
 def _ledger(journal: str | None, recover: dict | None, group_size: int, n_rows: int, seed: int) -> Ledger:
