@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def load_client(url: str, token: str, seconds: float, threads: int, rate: float) -> None:
     """Worker impersonators: register, then pull and push valid groups, as fast as possible (rate 0) or paced
     to ``rate`` rollouts/s in all."""
-    from echo2.rollout.wire import Client
+    from echo2.transport import Client
 
     def loop():
         c = Client(url, token)

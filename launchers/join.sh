@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Join a running learner from any machine (a rented GPU box, a SLURM array task): one worker agent.
 #
-#   export ECHO2_TOKEN=<the run's token>          # the learner's $ECHO2_TOKEN (never on a command line)
-#   launchers/join.sh http://LEARNER_HOST:PORT --model Qwen/Qwen3-4B [worker options]
+#   export ECHO2_TOKEN=<this worker's credential>   # python -m echo2.credential NAME on the learner (never argv)
+#   launchers/join.sh https://LEARNER_HOST:PORT --ca-hash sha256:... --model Qwen/Qwen3-4B [worker options]
+#   (the learner prints the URL and the run CA's fingerprint when it starts)
 #
 # First time on a box: sets up .venv with ./install.sh (--gpu where nvidia-smi sees a GPU). Every option
 # after the URL goes to `python -m echo2.worker` (--help lists them: --engine, --dtype, --usd-per-hour,
 # --advertise-host, --snapshot-port, --relay-port, --vllm-arg ...). The learner must reach this box's snapshot
 # port, and other workers its relay port: on a rented box open both and pass --advertise-host <public IP>.
 set -euo pipefail
-url=${1:?usage: launchers/join.sh http://LEARNER:PORT [--model M] [worker options]}
+url=${1:?usage: launchers/join.sh https://LEARNER:PORT --ca-hash sha256:... [--model M] [worker options]}
 shift
 cd "$(dirname "$0")/.."
-: "${ECHO2_TOKEN:?export ECHO2_TOKEN first: the token of the run to join}"
+: "${ECHO2_TOKEN:?export ECHO2_TOKEN first: this worker's credential for the run to join}"
 py=${ECHO2_PYTHON:-.venv/bin/python}
 if [ ! -x "$py" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then ./install.sh --gpu; else ./install.sh; fi

@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, ECHO2_TOKEN=os.environ.get("ECHO2_TOKEN") or secrets.token_urlsafe(24))
     up = args.learner_uplink_mbit or args.link_mbit
     links = [testbed.HostLink(up, up)] + [testbed.HostLink(args.link_mbit, args.link_mbit)] * args.workers
+    from echo2.transport import RunCA
+
+    ca = RunCA(str(Path(run_dir) / "tls"))  # made here, so that its fingerprint is known; the learner reuses it
     with testbed.NetnsTestbed(links, rtt_ms=args.rtt_ms) as tb:
         host0 = tb.addr(0)
         learner = tb.popen(0, [sys.executable, "train.py", "pool=static", f"rollout.source.host={host0}",
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                            cwd=ROOT, env=env)
         workers = []
         for i in range(1, args.workers + 1):
-            cmd = [sys.executable, "-m", "echo2.worker", "--coordinator", f"http://{host0}:{args.port}",
+            cmd = [sys.executable, "-m", "echo2.worker", "--coordinator", f"https://{host0}:{args.port}",
+                   "--ca-hash", ca.fingerprint,
                    "--model", model, "--listen-host", tb.addr(i), "--downlink-mbit", str(args.link_mbit),
                    "--uplink-mbit", str(args.link_mbit), "--rtt-ms", str(args.rtt_ms)]
             if args.engine:

@@ -98,7 +98,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def small_coordinator(tiny_model_dir: str, group_size: int = 2):
+def small_coordinator(tiny_model_dir: str, group_size: int = 2, **kwargs):
     """A started in-process Coordinator on a 20-row copy task: S = 1, P = 2, no long polls (route tests)."""
     from transformers import AutoTokenizer
 
@@ -110,7 +110,7 @@ def small_coordinator(tiny_model_dir: str, group_size: int = 2):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     return Coordinator(task.train_dataset(), Scorer(task, tok), tok, token="secret", staleness=1, prompts_per_step=2,
                        group_size=group_size, vocab_size=len(tok), long_poll_s=0.0,
-                       sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}).start()
+                       sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}, **kwargs).start()
 
 
 # ---------------------------------------------------------------------- asynchronous runs in this process

@@ -181,8 +181,11 @@ def test_a_worker_cut_off_the_network_is_retired_and_rejoins_when_reconnected(tm
         pytest.skip(f"require_netns: {why}")
     from echo2.models.tiny import build_tiny
 
+    from echo2.transport import RunCA
+
     model, port, token = build_tiny(), 29517, "cut-" + os.urandom(6).hex()
     env = dict(os.environ, ECHO2_TOKEN=token)
+    ca = RunCA(str(tmp_path / "tls"))  # off loopback the run uses TLS; made here to know its fingerprint
     with testbed.NetnsTestbed([testbed.HostLink(100, 100)] * 3, rtt_ms=20, prefix=f"e2f{os.getpid()}") as tb:
         learner_addr = tb.addr(0)
         learner = tb.popen(0, [sys.executable, "train.py", "pool=static", f"rollout.source.host={learner_addr}",
@@ -192,8 +195,9 @@ def test_a_worker_cut_off_the_network_is_retired_and_rejoins_when_reconnected(tm
                                "run.wandb=disabled", f"hydra.run.dir={tmp_path}"],
                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         logs = [tmp_path / f"agent{i}.log" for i in (1, 2)]
-        agents = [tb.popen(i, [sys.executable, "-m", "echo2.worker", "--coordinator", f"http://{learner_addr}:{port}",
-                               "--engine", "hf", "--model", model, "--listen-host", tb.addr(i)],
+        agents = [tb.popen(i, [sys.executable, "-m", "echo2.worker", "--coordinator",
+                               f"https://{learner_addr}:{port}", "--ca-hash", ca.fingerprint, "--engine", "hf",
+                               "--model", model, "--listen-host", tb.addr(i)],
                            cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
                   for i, log in zip((1, 2), logs, strict=True)]
         try:

@@ -18,7 +18,7 @@ from conftest import ROOT, alive
 from echo2.broadcast.broadcaster import RelayBroadcaster
 from echo2.broadcast.peer import SnapshotReceiver
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
-from echo2.rollout.wire import Client
+from echo2.transport import Client
 from echo2.tasks.arith import ArithTask
 
 G = 2

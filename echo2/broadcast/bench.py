@@ -3,6 +3,7 @@
     python -m echo2.broadcast.bench --mode pipelined --workers 8 --size-mb 50 --link-mbit 100 --rtt-ms 40
     python -m echo2.broadcast.bench --mode one_to_many --workers 4 --size-mb 50 --link-mbit 100 --rtt-ms 40 --json
     python -m echo2.broadcast.bench ... --testbed inproc      # no root: token buckets + latency in the transport
+    python -m echo2.broadcast.bench ... --tls both            # the same broadcast over plain TCP, then over TLS
 
 Every worker is a separate process running the worker agent's own snapshot receiver (peer.py); the learner is a
 process running the coordinator's broadcaster (broadcaster.py). ``--testbed netns`` (default where root and
@@ -16,7 +17,8 @@ signing (prepare_s, also reported); informed_s adds the worker's answer reaching
 latency); the median of ``--reps`` versions, after ``--warmup`` versions that open the relay's persistent
 connections (handshakes, TCP slow start: a run pays that once; reported as first_version_s). bound_s:
 max(M / learner uplink, M / worker downlink) + one path latency (RTT/2), the physical floor of any broadcast;
-ratio = time_s / bound_s.
+ratio = time_s / bound_s. ``--tls on`` runs every relay link and control call over TLS with a run CA made for
+the bench (as a run off loopback does); ``both`` measures plain then TLS and prints the slowdown.
 """
 
 from __future__ import annotations
@@ -46,7 +48,14 @@ def role_peer(args) -> None:
     from echo2.broadcast.peer import SnapshotReceiver
 
     link = relay.Link(up_mbit=args.up_mbit, down_mbit=args.down_mbit, latency_s=args.latency_ms / 1e3)
-    r = SnapshotReceiver(os.environ["ECHO2_TOKEN"], lambda v, blob, manifest: None, host=args.host, link=link).start()
+    trust = None
+    if args.tls_dir:
+        from echo2.transport import PEER_NAME, RunCA, Trust, server_context
+
+        ca = RunCA(args.tls_dir)
+        trust = Trust(ca.ca_pem, ca.ca_file, server_context(*ca.issue([PEER_NAME])))
+    r = SnapshotReceiver(os.environ["ECHO2_TOKEN"], lambda v, blob, manifest: None, host=args.host, link=link,
+                         trust=trust).start()
     print(json.dumps({"url": r.url, "relay": r.relay_addr}), flush=True)
     sys.stdin.read()  # until the driver closes our stdin
     r.close()
@@ -68,6 +77,10 @@ def role_learner(args) -> None:
                           uplink_mbit=args.uplink_mbit, latency_ms=args.latency_ms, chunk_mb=args.chunk_mb,
                           sparse_delta=args.changed < 1)
     bc.on_delivered = on_delivered
+    if args.tls_dir:
+        from echo2.transport import RunCA
+
+        bc.use_tls(RunCA(args.tls_dir).trust())
     for i, p in enumerate(peers):
         bc.add_peer(f"w{i}", p["url"], p["relay"])
     blob = bytearray(os.urandom(args.size_bytes))
@@ -180,9 +193,10 @@ def measure(args) -> dict:
             hosts = ["127.0.0.1"] * (args.workers + 1)
             shaping = ["--latency-ms", args.rtt_ms / 2]
         peers = []
+        tls = ["--tls-dir", args.tls_dir] if args.tls_dir else []
         for i in range(1, args.workers + 1):
             extra = ["--down-mbit", args.link_mbit, "--up-mbit", args.link_mbit, *shaping] if shaping else []
-            p = start(i, _py("--role", "peer", "--host", hosts[i], *extra))
+            p = start(i, _py("--role", "peer", "--host", hosts[i], *extra, *tls))
             procs.append(p)
             peers.append(json.loads(p.stdout.readline()))
         extra = ["--uplink-mbit", uplink, *shaping] if shaping else []
@@ -190,7 +204,7 @@ def measure(args) -> dict:
                                args.mode, "--size-bytes", size, "--reps", args.warmup + args.reps,
                                "--chunk-mb", args.chunk_mb,
                                "--changed", args.changed,
-                               "--timeout-s", args.timeout_s, *extra))
+                               "--timeout-s", args.timeout_s, *extra, *tls))
         procs.append(learner)
         out, _ = learner.communicate(timeout=args.timeout_s * (args.warmup + args.reps) + 60)
         if learner.returncode:
@@ -220,6 +234,7 @@ def measure(args) -> dict:
             "origin_bytes_per_version": statistics.median(r["origin_bytes"] for r in rows),
             "testbed": args.testbed, "link_mbit": args.link_mbit, "learner_uplink_mbit": uplink,
             "rtt_ms": args.rtt_ms, "reps": args.reps, "warmup": args.warmup, "first_version_s": first["time_s"],
+            "tls": bool(args.tls_dir),
             "calibration": calibration}
 
 
@@ -263,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
                         "first version, a warm-up by default, is always sent whole)")
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--tls", choices=["off", "on", "both"], default="off",
+                   help="relay and control links over TLS with a run CA (both: plain, then TLS, and the slowdown)")
+    p.add_argument("--tls-dir", help=argparse.SUPPRESS)
     # internal roles
     p.add_argument("--role", choices=["peer", "learner", "probe-server", "probe"], help=argparse.SUPPRESS)
     p.add_argument("--host", help=argparse.SUPPRESS)
@@ -286,11 +304,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.workers < 1 or args.reps < 1 or args.warmup < 0:
         p.error("need --workers >= 1, --reps >= 1, --warmup >= 0")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` unwinds too: the testbed is torn down
-    r = measure(args)
+    results = []
+    for tls in (["off", "on"] if args.tls == "both" else [args.tls]):
+        import tempfile
+
+        args.tls_dir = tempfile.mkdtemp(prefix="echo2-bench-ca-") if tls == "on" else None
+        results.append(measure(args))
     if args.json:
-        print(json.dumps(r))
+        print(json.dumps(results[0] if len(results) == 1 else results))
         return
-    print(f"{r['mode']} x {r['workers']} workers, {r['size_bytes'] / 1e6:.0f} MB, links {r['link_mbit']:g} Mbit/s, "
+    for r in results:
+        _print(r)
+    if len(results) == 2:
+        plain, tls = results
+        print(f"TLS against plain TCP: time x{tls['time_s'] / plain['time_s']:.3f} "
+              f"({(tls['time_s'] / plain['time_s'] - 1) * 100:+.1f} %), first version (handshakes) "
+              f"{plain['first_version_s']:.2f} -> {tls['first_version_s']:.2f} s")
+
+
+def _print(r: dict) -> None:
+    print(f"{'TLS ' if r['tls'] else ''}{r['mode']} x {r['workers']} workers, {r['size_bytes'] / 1e6:.0f} MB, links {r['link_mbit']:g} Mbit/s, "
           f"learner uplink {r['learner_uplink_mbit']:g} Mbit/s, RTT {r['rtt_ms']:g} ms, testbed {r['testbed']}")
     if r["calibration"]:
         print(f"calibration: RTT {r['calibration']['rtt_ms']:.1f} ms, goodput {r['calibration']['goodput_mbit']:.0f} "

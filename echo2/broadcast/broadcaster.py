@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from echo2.broadcast import delta, relay
 from echo2.broadcast import topology as topo
-from echo2.rollout.wire import Client
+from echo2.transport import PEER_NAME, Client
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,15 @@ class RelayBroadcaster:
         self.failures = 0
         self.rounds = 0
         self.last_results: dict[str, dict] = {}  # peer -> its answer in the last round (diagnostics, benchmarks)
+        self.trust = None  # set by use_tls
         self.thread = threading.Thread(target=self._loop, name="broadcast", daemon=True)
         self.thread.start()
+
+    def use_tls(self, trust) -> None:
+        """Serve the origin over TLS and reach peers' snapshot routes verified against the run's CA (called by the
+        coordinator before any peer is added)."""
+        self.trust = trust
+        self.server.tls = trust.server
 
     # ------------------------------------------------------------------ the Broadcaster protocol
 
@@ -109,7 +116,9 @@ class RelayBroadcaster:
             return
         host, _, port = relay_addr.rpartition(":")
         with self.cond:
-            self.peers[peer_id] = Peer(Client(url, self.token, self.timeout_s), (host, int(port)))
+            client = Client(url, self.token, self.timeout_s, ca_file=self.trust and self.trust.ca_file,
+                            server_name=PEER_NAME)
+            self.peers[peer_id] = Peer(client, (host, int(port)))
             self.cond.notify_all()
 
     def remove_peer(self, peer_id: str) -> None:

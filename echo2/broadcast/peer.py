@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from echo2.broadcast import delta, relay
-from echo2.rollout.wire import BadRequest, JsonServer
+from echo2.transport import BadRequest, JsonServer
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +25,23 @@ log = logging.getLogger(__name__)
 class SnapshotReceiver:
     def __init__(self, token: str, on_snapshot: Callable[[int, Any, dict], None], host: str = "127.0.0.1",
                  advertise_host: str | None = None, link: relay.Link | None = None, stall_timeout_s: float = 10.0,
-                 control_port: int = 0, relay_port: int = 0):
+                 control_port: int = 0, relay_port: int = 0, trust: Any = None):
+        """``trust`` (a transport.Trust): serve and fetch over TLS pinned to the run's CA."""
         self.token, self.on_snapshot = token, on_snapshot
         self.store = relay.Store(keep=2)
         self.link = link or relay.Link()
+        server_tls = trust.server if trust is not None else None
         self.relay_server = relay.RelayServer(self.store, token, host, relay_port, link=self.link,
-                                              stall_timeout_s=max(30.0, stall_timeout_s))
-        self.fetcher = relay.Fetcher(self.store, token, link=self.link, stall_timeout_s=stall_timeout_s)
+                                              stall_timeout_s=max(30.0, stall_timeout_s), tls=server_tls)
+        self.fetcher = relay.Fetcher(self.store, token, link=self.link, stall_timeout_s=stall_timeout_s, trust=trust)
         self.control = JsonServer(host, control_port, token, routes={"POST /fetch": self._fetch},
-                                  name="snapshots")
+                                  name="snapshots", tls=server_tls)
         self.url = self.control.url(advertise_host)
         self.relay_addr = f"{advertise_host or self.relay_server.addr[0]}:{self.relay_server.addr[1]}"
+
+    def use_key(self, key: str) -> None:
+        """Take the broadcast plane's key (given by the coordinator when the worker joins) before serving."""
+        self.token = self.relay_server.token = self.fetcher.token = self.control.token = key
 
     def start(self) -> "SnapshotReceiver":
         self.relay_server.start()

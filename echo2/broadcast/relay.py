@@ -19,6 +19,10 @@ Failures. A source that dies, refuses, or stalls (no byte for ``stall_timeout_s`
 the node resumes from the byte it holds at the next source in its list (grandparent, ..., origin), so a dead
 relay peer is routed around and nothing already received is fetched twice.
 
+Transport. Off loopback both ends speak TLS (echo2/transport.py): the server presents a certificate from the run's
+CA, the fetcher verifies it against that CA alone (pinned when the worker joined). The handshake runs in the
+connection's own thread, never in accept.
+
 Link model. For tests without root a ``Link`` (link.py: token buckets on a node's uplink and downlink plus a
 one-way latency) can be put on every node; the namespace testbed (testbed.py) shapes real links instead.
 """
@@ -31,6 +35,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -179,6 +184,13 @@ class Store:
             self.cond.notify_all()
         return snap
 
+    def clear(self) -> None:
+        """Forget every snapshot (a worker re-joining a learner that may have resumed from a checkpoint: what it
+        holds may be the dead run's versions, which must be neither served nor kept over the resumed ones)."""
+        with self.cond:
+            self.snaps.clear()
+            self.cond.notify_all()
+
     def pin(self, version: int, pinned: bool = True) -> None:
         with self.cond:
             (self.pinned.add if pinned else self.pinned.discard)(version)
@@ -241,6 +253,25 @@ def request_mac(token: str, version: int, base: int, start: int, end: int) -> st
     return _mac(token, {"version": version, "base": base, "start": start, "end": end})
 
 
+def _drain(conn: ssl.SSLSocket, view: memoryview) -> int:
+    """Take what TLS can hand over now without waiting. It returns one 16 KiB record per call, and waking this
+    node's readers (its own children in the relay) per record is a large part of TLS's cost at 1 Gbit/s."""
+    got, timeout = 0, conn.gettimeout()
+    conn.setblocking(False)
+    try:
+        while got < len(view):
+            try:
+                m = conn.recv_into(view[got:])
+            except (ssl.SSLWantReadError, BlockingIOError):
+                break
+            if m == 0:
+                break
+            got += m
+    finally:
+        conn.settimeout(timeout)  # the stall timeout of the next wait
+    return got
+
+
 def tcp_rtt_s(sock: socket.socket | None) -> float | None:
     """The kernel's smoothed RTT estimate of a connection (Linux TCP_INFO ``tcpi_rtt``, microseconds at byte 68),
     or None where it is not available."""
@@ -260,8 +291,9 @@ class RelayServer:
     """Serves byte ranges of the snapshots in ``store`` to token holders, as the bytes become visible."""
 
     def __init__(self, store: Store, token: str, host: str = "127.0.0.1", port: int = 0, link: Link | None = None,
-                 manifest_wait_s: float = 30.0, stall_timeout_s: float = 30.0):
-        self.store, self.token, self.link = store, token, link or Link()
+                 manifest_wait_s: float = 30.0, stall_timeout_s: float = 30.0, tls: Any = None):
+        """``tls``: an ``ssl.SSLContext`` to serve with (None: plain TCP)."""
+        self.store, self.token, self.link, self.tls = store, token, link or Link(), tls
         self.manifest_wait_s, self.stall_timeout_s = manifest_wait_s, stall_timeout_s
         self.sock = socket.create_server((host, port))
         self.addr = self.sock.getsockname()[:2]
@@ -287,6 +319,13 @@ class RelayServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if self.tls is not None:
+                plain = conn
+                conn.settimeout(30)
+                conn = self.tls.wrap_socket(conn, server_side=True)
+                conn.settimeout(None)
+                self.conns.discard(plain)
+                self.conns.add(conn)
             while not self.closed:
                 try:
                     req = recv_frame(conn)  # persistent: one request after another
@@ -356,8 +395,9 @@ class Fetcher:
     """Pulls snapshots into a node's store from an ordered list of sources, keeping one connection per source."""
 
     def __init__(self, store: Store, token: str, link: Link | None = None, stall_timeout_s: float = 10.0,
-                 connect_timeout_s: float = 10.0):
-        self.store, self.token, self.link = store, token, link or Link()
+                 connect_timeout_s: float = 10.0, trust: Any = None):
+        """``trust``: a transport.Trust; sources are then reached over TLS verified against the run's CA."""
+        self.store, self.token, self.link, self.trust = store, token, link or Link(), trust
         self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
         self.conns: dict[tuple[str, int], socket.socket] = {}
         self.lock = threading.Lock()  # one fetch at a time per node
@@ -398,6 +438,8 @@ class Fetcher:
         if conn is None:
             conn = socket.create_connection(src, timeout=self.connect_timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.trust is not None:
+                conn = self.trust.connect(conn)
             self.conns[src] = conn
         conn.settimeout(self.stall_timeout_s)
         return conn
@@ -431,6 +473,8 @@ class Fetcher:
             n = conn.recv_into(mv[snap.received:hi])
             if n == 0:
                 raise ConnectionError("source closed the connection")
+            if isinstance(conn, ssl.SSLSocket):
+                n += _drain(conn, mv[snap.received + n:hi])
             if self.link.down:
                 self.link.down.take(n)
             snap.arrived(n, self.link.latency_s)

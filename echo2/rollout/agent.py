@@ -1,7 +1,9 @@
 """The worker agent: one per inference machine; the only process there that speaks to the network.
 
-    python -m echo2.worker --coordinator http://LEARNER:PORT --model PATH_OR_HUB_ID [--engine vllm|hf]
-    (the run's token comes from $ECHO2_TOKEN, or --token; an argument is visible in `ps`)
+    python -m echo2.worker --coordinator https://LEARNER:PORT --ca-hash sha256:... --model PATH_OR_HUB_ID
+    (the run's token comes from $ECHO2_TOKEN, or --token; an argument is visible in `ps`. The learner prints this
+    command, with the fingerprint of its run CA: the agent fetches the CA, checks it against the fingerprint, and
+    verifies every TLS link against it from then on; its own snapshot and relay servers get a certificate from it)
 
     loop:  apply the newest verified snapshot, if any  ->  pull groups  ->  generate G each  ->  push
     waits for: work from the coordinator (pull answers "wait" when the in-flight cap is reached)
@@ -18,6 +20,12 @@ applying, the agent scores the same tokens with its engine; if they differ by mo
 noise: ``--probe-tolerance``), it applies the snapshot once more, and if they still differ it claims nothing:
 it leaves the coordinator and exits with an error rather than serve weights that are not the version it would
 report.
+
+Resumes: each learner process is an *epoch* (the coordinator says which when the agent registers). A learner
+resumed from a checkpoint is a new epoch whose versions after the checkpoint are not the dead run's; an agent
+whose weights come from another epoch (ahead of the resumed version or behind it) neither pulls nor serves them:
+it re-joins with an empty snapshot store, waits for a snapshot of the new epoch, applies it, and goes on.
+
 SIGTERM / SIGINT: finish nothing new, tell the coordinator, stop the engine (no orphan engine processes).
 
 Faults: if the coordinator cannot be reached (restarting, a cut link) the agent retries with exponential backoff
@@ -39,7 +47,7 @@ from typing import Any
 
 from echo2.broadcast.peer import SnapshotReceiver
 from echo2.rollout.types import SamplingParams
-from echo2.rollout.wire import Client, RemoteError
+from echo2.transport import LEARNER_NAME, Client, RemoteError, Trust, is_loopback, join
 
 log = logging.getLogger("echo2.worker")
 
@@ -59,11 +67,15 @@ class Agent:
     def __init__(self, coordinator_url: str, token: str, engine: Any, listen_host: str = "127.0.0.1",
                  advertise_host: str | None = None, max_groups: int = 4, stop: threading.Event | None = None,
                  snapshot_port: int = 0, relay_port: int = 0, declared: dict | None = None,
-                 reconnect_timeout_s: float = 600.0, probe_tolerance: float | None = None,
-                 engine_dtype: str = "float32"):
+                 reconnect_timeout_s: float = 600.0, trust: Trust | None = None,
+                 probe_tolerance: float | None = None, engine_dtype: str = "float32"):
         self.token, self.engine, self.max_groups = token, engine, max_groups
-        self.client = Client(coordinator_url, token, timeout_s=60)
+        self.client = Client(coordinator_url, token, timeout_s=60, ca_file=trust and trust.ca_file,
+                             server_name=LEARNER_NAME)
         self.version = 0
+        self.epoch: str | None = None  # the learner epoch its weights come from (None: the initial model)
+        self.joined_epoch: str | None = None  # the epoch of the coordinator it registered with last
+        self.stale = False  # its weights are another epoch's: no work until a snapshot of this one is applied
         self.pending: tuple[int, Any, dict | None] | None = None
         self.probe_tolerance, self.engine_dtype = probe_tolerance, engine_dtype
         self.pending_lock = threading.Lock()
@@ -73,7 +85,7 @@ class Agent:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.reconnects = 0
         self.receiver = SnapshotReceiver(token, self._received, listen_host, advertise_host,
-                                         control_port=snapshot_port, relay_port=relay_port)
+                                         control_port=snapshot_port, relay_port=relay_port, trust=trust)
 
     def _received(self, version: int, blob, manifest: dict) -> None:
         """A complete, verified snapshot: hold it (the relay's buffer itself) until the current batch is done."""
@@ -99,7 +111,10 @@ class Agent:
         else:
             raise ApplyFailed(f"the engine does not serve snapshot v{version} after two applies (probe logprobs off "
                               f"by {error:.3g} nats, tolerance {self._tolerance(probe):.3g}): not claiming v{version}")
-        self.version = version
+        self.version, self.epoch = version, self.joined_epoch
+        if self.stale:
+            log.info("caught up with the resumed learner at v%d", version)
+        self.stale = False
         checked = "unchecked (no probe)" if error is None else f"probe within {error:.2g} nats"
         log.info("applied snapshot v%d (%.1f MB) in %.3f s; %s", version, len(blob) / 1e6, apply_s, checked)
 
@@ -116,9 +131,19 @@ class Agent:
         return default_probe_tolerance(self.engine_dtype, (probe or {}).get("dtype", "float32"))
 
     def _register(self) -> dict:
-        return self._retrying(lambda: self.client.post("/register", {
+        if self.worker_id is not None:  # re-joining: the learner may have resumed, and what is held be the dead run's
+            self.receiver.store.clear()
+            with self.pending_lock:
+                self.pending = None
+        info = self._retrying(lambda: self.client.post("/register", {
             "snapshot_url": self.receiver.url, "engine": self.engine.name, "relay": self.receiver.relay_addr,
             **self.declared}))
+        self.joined_epoch = info.get("epoch")
+        if self.epoch is not None and self.joined_epoch != self.epoch:
+            log.warning("the learner was restarted from a checkpoint (now at v%d): the weights here (v%d) are the "
+                        "previous run's; waiting for the resumed weights", info["version"], self.version)
+            self.stale, self.version = True, -1  # -1: any snapshot of the new epoch is newer
+        return info
 
     def _retrying(self, call):
         """``call()``, retried with backoff while the coordinator is unreachable or failing (5xx), for up to
@@ -140,11 +165,16 @@ class Agent:
     def _heartbeat_loop(self, period_s: float) -> None:
         while not self.stop.wait(period_s):
             try:
-                self.client.post("/heartbeat", {"worker_id": self.worker_id, "version": self.version})
+                body = {"worker_id": self.worker_id}
+                if not self.stale:  # a version of another epoch means nothing to this coordinator
+                    body["version"] = self.version
+                self.client.post("/heartbeat", body)
             except Exception as e:
                 log.warning("heartbeat failed: %s", e)
 
     def run(self) -> None:
+        # The broadcast plane has its own key (derived from the run secret, which a worker never holds).
+        self.receiver.use_key(self._retrying(lambda: self.client.post("/relay-key", {}))["key"])
         self.receiver.start()
         info = self._register()
         self.worker_id = info["worker_id"]
@@ -165,19 +195,41 @@ class Agent:
 
     def _step(self, params: SamplingParams) -> None:
         self._apply_pending()
+        if self.stale:
+            self.stop.wait(0.2)
+            return
         reply = self.client.post("/pull", {"worker_id": self.worker_id, "version": self.version,
                                            "max_groups": self.max_groups})
         if not reply["work"]:
             self.stop.wait(reply["wait_s"])
             return
+        work = reply["work"]
         t0 = time.perf_counter()
-        groups = self.engine.generate([w["prompt_ids"] for w in reply["work"]], params)
+        groups = self._or_hand_back(work, "generate_failed",
+                                    lambda: self.engine.generate([w["prompt_ids"] for w in work], params))
         rate = len(groups) * params.n / max(time.perf_counter() - t0, 1e-9)
         results = [{"group_id": w["group_id"], "version": self.version,
                     "completions": [{"token_ids": c.token_ids, "logprobs": c.logprobs,
                                      "finish_reason": c.finish_reason} for c in g]}
-                   for w, g in zip(reply["work"], groups, strict=True)]
-        self.client.post("/push", {"worker_id": self.worker_id, "results": results, "rollouts_per_s": rate})
+                   for w, g in zip(work, groups, strict=True)]
+        self._or_hand_back(work, "push_failed", lambda: self.client.post(
+            "/push", {"worker_id": self.worker_id, "results": results, "rollouts_per_s": rate}))
+
+    def _or_hand_back(self, work: list[dict], reason: str, call):
+        """``call()``; if it fails, hand ``work`` back to the coordinator at once (its prompts go to other workers
+        now, not at their deadline), then raise. Best effort: if the coordinator is unreachable too, the
+        deadline reclaims them."""
+        try:
+            return call()
+        except Exception as e:
+            if not (isinstance(e, RemoteError) and e.status < 500):  # a refusal: the coordinator settled them
+                try:
+                    self.client.post("/release", {"worker_id": self.worker_id, "reason": reason,
+                                                  "group_ids": [w["group_id"] for w in work]}, timeout_s=10)
+                    log.warning("%s (%s): handed %d groups back", reason, e, len(work))
+                except Exception as e2:
+                    log.warning("%s (%s); handing the groups back failed too (%s)", reason, e, e2)
+            raise
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -214,8 +266,13 @@ def default_engine() -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m echo2.worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--coordinator", required=True, help="the learner's coordinator URL, http://HOST:PORT")
-    p.add_argument("--token", default=os.environ.get("ECHO2_TOKEN"), help="the run's token (default $ECHO2_TOKEN)")
+    p.add_argument("--coordinator", required=True, help="the learner's coordinator URL, https://HOST:PORT (http:// "
+                   "only on loopback or when the learner opted out of TLS)")
+    p.add_argument("--ca-hash", default=None, help="sha256:<hex> fingerprint of the run's CA, printed by the learner "
+                   "with the join command (required for https)")
+    p.add_argument("--token", default=os.environ.get("ECHO2_TOKEN"),
+                   help="this worker's credential (python -m echo2.credential NAME on the learner), or the run's "
+                   "secret on a trusted machine (default $ECHO2_TOKEN)")
     p.add_argument("--model", required=True, help="the same initial weights as the learner (path or hub id)")
     p.add_argument("--engine", default=default_engine(), choices=["vllm", "hf"])
     p.add_argument("--dtype", default="float32")
@@ -260,11 +317,16 @@ def main(argv: list[str] | None = None) -> None:
     except InterruptedError:
         log.info("worker stopped during engine start-up")
         return
+    try:
+        trust = _trust(args, stop)
+    except BaseException:
+        engine.close()
+        raise
     agent = Agent(args.coordinator, args.token, engine, args.listen_host, args.advertise_host, args.max_groups,
                   stop=stop, snapshot_port=args.snapshot_port, relay_port=args.relay_port,
                   declared={"usd_per_hour": args.usd_per_hour, "down_mbit": args.downlink_mbit,
                             "up_mbit": args.uplink_mbit, "rtt_ms": args.rtt_ms},
-                  reconnect_timeout_s=args.reconnect_timeout_s, probe_tolerance=args.probe_tolerance,
+                  reconnect_timeout_s=args.reconnect_timeout_s, trust=trust, probe_tolerance=args.probe_tolerance,
                   engine_dtype=args.dtype)
     try:
         agent.run()
@@ -277,3 +339,34 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         agent.shutdown()
         log.info("worker stopped")
+
+
+def _trust(args, stop: threading.Event) -> Trust | None:
+    """The pinned run CA and this worker's certificate (https), or None (plain http, loud off loopback)."""
+    from urllib.parse import urlsplit
+
+    if not args.coordinator.startswith("https://"):
+        host = urlsplit(args.coordinator).hostname or ""
+        if not is_loopback(host):
+            log.warning("plain HTTP to %s: the token and the weights cross the network in the clear (the learner "
+                        "opted out of TLS with rollout.source.tls=off)", host)
+        return None
+    if not args.ca_hash:
+        raise SystemExit("--coordinator is https: pass --ca-hash sha256:... from the learner's join command")
+    import tempfile
+
+    deadline, delay = time.monotonic() + args.reconnect_timeout_s, 0.5
+    while True:  # the learner may still be starting: retry as the agent does for any unreachable coordinator
+        try:
+            return join(args.coordinator, args.token, args.ca_hash, tempfile.mkdtemp(prefix="echo2-tls-"))
+        except OSError as e:
+            import ssl
+
+            import requests
+
+            pin_failed = isinstance(e, (ssl.SSLError, requests.exceptions.SSLError))  # never retried
+            if pin_failed or time.monotonic() + delay > deadline or stop.is_set():
+                raise
+            log.warning("coordinator not reachable for the TLS join (%s); retrying in %.1f s", e, delay)
+            stop.wait(delay)
+            delay = min(delay * 2, 10.0)

@@ -17,6 +17,11 @@ journal (ledger.py: what was in flight or buffered is counted lost / dropped, ``
 prompts re-queued), republishes the current weights, and repeats the call; workers reconnect by themselves
 (agent.py). At most ``coordinator_restarts`` times within ``restart_window_s`` (a crash loop is an error). A learner resumed from a checkpoint starts its
 coordinator from the journal length the checkpoint recorded (``resume``), with the data position of then.
+
+TLS (``tls``): ``auto`` turns it on when the coordinator or the learner's relay origin listens on a non-loopback
+address; the run's CA lives in ``<run dir>/tls`` (kept across coordinator restarts and learner resumes, so a
+worker's pinned fingerprint holds for the whole run), and the join command printed at start carries its
+fingerprint. ``off`` is the explicit, logged opt-out; ``on`` forces it (tests on loopback).
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from urllib.parse import urlsplit
 
 from echo2.activation.settings import ActivationSettings, BroadcastShape, detached
 from echo2.rollout.ledger import journal_path
+from echo2.rollout.liveness import Liveness
 from echo2.rollout.protocols import RolloutContext
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
 from echo2.rollout.types import RolloutGroup
+from echo2.transport import RunCA, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +59,9 @@ class AsyncRolloutSource:
     def __init__(self, ctx: RolloutContext, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_timeout_s: float = 30.0, take_timeout_s: float = 900.0, groups_per_pull: int = 4,
                  coordinator_cores: list[int] | None = None, coordinator_restarts: int = 3,
-                 restart_window_s: float = 600.0, min_workers: int = 0):
+                 restart_window_s: float = 600.0, min_workers: int = 0, deadline_floor_s: float = 10.0,
+                 deadline_cap_s: float = 600.0, deadline_slack: float = 4.0, worker_share: float = 0.5,
+                 deadline_strikes: int = 3, tls: str = "auto"):
         if ctx.publish_interval < 1:
             raise ValueError(f"broadcast.interval={ctx.publish_interval}: must be >= 1")
         s = ctx.sampling
@@ -70,17 +79,39 @@ class AsyncRolloutSource:
             groups_per_pull=groups_per_pull, seed=ctx.seed, journal=journal_path(ctx.run_dir), sampling={
                 "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
             activation=detached(ActivationSettings, ctx.activation),
-            broadcast_shape=detached(BroadcastShape, ctx.broadcast_shape))
+            broadcast_shape=detached(BroadcastShape, ctx.broadcast_shape),
+            liveness=dict(floor_s=deadline_floor_s, cap_s=deadline_cap_s, slack=deadline_slack, share=worker_share,
+                          strikes=deadline_strikes))
+        # this learner process's epoch: kept by a restarted coordinator, new after a resume (agent.py)
+        self.kwargs["epoch"] = os.urandom(8).hex()
+        Liveness(**self.kwargs["liveness"])  # a bad value fails here, not in the coordinator's process
+        self.ca_hash = self._tls(tls, host)
         recover = {"resume_offset": ctx.resume["journal_offset"]} if ctx.resume else None
         self.coordinator = self._spawn(recover)
         self.kwargs["port"] = urlsplit(self.coordinator.url).port  # a restarted coordinator listens where this one did
-        self.pool.start(self.coordinator.url, ctx.token, ctx.model_path, ctx.run_dir)
+        self.pool.start(self.coordinator.url, ctx.token, ctx.model_path, ctx.run_dir, ca_hash=self.ca_hash)
         if min_workers > 0:
             try:
                 self._wait_for_workers(min_workers)
             except BaseException:  # (Ctrl-C too) stop the coordinator we started; its journal keeps the books
                 self.close()
                 raise
+
+    def _tls(self, mode: str, host: str) -> str | None:
+        """Decide TLS for the rollout plane; returns the run CA's fingerprint, or None for plain HTTP."""
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"rollout.source.tls={mode!r}: expected auto, on or off")
+        hosts = [host, getattr(self.ctx.make_broadcaster, "keywords", {}).get("host") or "127.0.0.1"]
+        exposed = [h for h in hosts if not is_loopback(str(h))]
+        if mode == "off" or (mode == "auto" and not exposed):
+            if exposed:
+                log.warning("rollout.source.tls=off: plain HTTP on %s; tokens and weights cross the network in the "
+                            "clear", ", ".join(map(str, exposed)))
+            return None
+        ca = RunCA(os.path.join(self.ctx.run_dir, "tls"))
+        self.kwargs["tls_dir"] = ca.dir
+        log.info("TLS on: run CA %s (fingerprint %s)", ca.ca_file, ca.fingerprint)
+        return ca.fingerprint
 
     def _wait_for_workers(self, n: int) -> None:
         """Block until ``n`` workers have registered (rollout.source.min_workers), so that the first steps are not

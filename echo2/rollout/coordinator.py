@@ -1,6 +1,6 @@
 """The coordinator: the learner host's control plane for remote rollout workers.
 
-    worker agents ──register / pull / push / heartbeat (HTTP, token)──► Coordinator ──take(P, t)──► learner
+    worker agents ──register / pull / push / heartbeat (HTTPS off loopback, token)──► Coordinator ──take(P, t)──► learner
                          ▲                                                │   ▲
                          └──────────── snapshots (Broadcaster) ◄──────────┘   └ set_version(v) after each step
 
@@ -8,7 +8,12 @@
     push:  validate -> score (task rewards, here, never trusted from a worker) -> admit to the buffer
     take:  waits for: P admissible groups in the buffer;  unblocked by: a push that completes the batch
     reaper: a worker silent for ``heartbeat_timeout_s`` is dead: its in-flight groups are counted lost and
-            their prompts re-queued, so they are generated again elsewhere
+            their prompts re-queued, so they are generated again elsewhere; a group past its deadline
+            (liveness.py) is lost the same way, and its worker's share shrinks
+    release: a worker whose generate or push failed hands its groups back at once (lost, with its reason)
+    credentials: the run secret (the learner's own, the local pool's, admin routes) or a worker's own
+            ``name:HMAC(secret, name)`` (transport.worker_credential), which acts only for the worker ids it
+            registered; ``POST /revoke`` (run secret only) refuses a name from then on and re-queues its work
 
 It runs as threads (an HTTP server and a reaper) of its own process (service.py), which answers the learner's
 ``take`` / ``set_version`` calls over a pipe; the learner only blocks in ``take`` when the buffer is short, which
@@ -34,10 +39,12 @@ from echo2.activation.planner import OnlinePlanner
 from echo2.activation.settings import ActivationSettings, BroadcastShape
 from echo2.rollout.activation import OnChangeHook
 from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
+from echo2.rollout.gate import Gate
 from echo2.rollout.ledger import Ledger
+from echo2.rollout.liveness import Liveness
 from echo2.rollout.scoring import Scorer, encode_prompt
 from echo2.rollout.types import Completion, Rollout, RolloutGroup
-from echo2.rollout.wire import BadRequest, JsonServer
+from echo2.transport import BadRequest, JsonServer, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,8 @@ class WorkerInfo:
     down_mbit: float = 1000.0
     up_mbit: float = 1000.0
     rtt_ms: float = 0.0
+    misses: int = 0  # reaper passes in which its groups were past their deadline, less on-time pushes
+    name: str | None = None  # the worker credential it registered with (None: the run secret)
 
 
 @dataclass
@@ -64,6 +73,7 @@ class InFlight:
     row: dict[str, Any]
     prompt_ids: list[int]
     row_index: int
+    deadline: float = math.inf  # time.monotonic() after which the group is lost
 
 
 class Coordinator:
@@ -72,16 +82,22 @@ class Coordinator:
                  host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
                  groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
                  activation: ActivationSettings | None = None, broadcast_shape: BroadcastShape | None = None,
-                 journal: str | None = None, recover: dict | None = None, version: int = 0):
+                 journal: str | None = None, recover: dict | None = None, version: int = 0,
+                 liveness: dict | None = None, tls_dir: str | None = None, epoch: str | None = None):
         """``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
         ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
-        checkpoint taken at journal length N; ``version``: the learner's version then."""
+        checkpoint taken at journal length N; ``version``: the learner's version then. ``liveness``: Liveness's
+        fields (deadlines, per-worker share, strikes). ``tls_dir``: the run CA's directory (transport.RunCA); set,
+        every server of the rollout plane speaks TLS and workers get their certificates here. ``epoch``: names the
+        learner process (a resumed learner is a new epoch); told to workers at registration, so that one holding
+        another epoch's weights waits for this one's instead of generating with them."""
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
         self.S, self.P, self.G = staleness, prompts_per_step, group_size
         self.sampling, self.vocab_size = sampling, vocab_size
         self.heartbeat_timeout_s, self.groups_per_pull = heartbeat_timeout_s, groups_per_pull
         self.long_poll_s = min(long_poll_s, heartbeat_timeout_s / 4)
-        self.broadcaster = broadcaster
+        self.broadcaster, self.epoch = broadcaster, epoch
+        self.liveness = Liveness(**(liveness or {}))
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
         self.version = version
@@ -94,6 +110,7 @@ class Coordinator:
         self.dataset = dataset
         self.ledger = _ledger(journal, recover, group_size, len(dataset), seed)
         self.registered = 0
+        self.deadline_misses = 0
         self.closed = False
         activation, shape = activation or ActivationSettings(), broadcast_shape or BroadcastShape()
         self.activation = OnlinePlanner(activation, shape, staleness=staleness,
@@ -101,13 +118,20 @@ class Coordinator:
         log.info("activation: %s solver, planned for a %s relay (fanout %d), a snapshot every %d steps",
                  activation.solver, shape.topology, shape.fanout, shape.interval)
         self.on_change = OnChangeHook(activation.on_change, run_dir=os.path.dirname(journal) if journal else None)
-        self.server = JsonServer(host, port, token, name="coordinator", routes={
+        self.gate = Gate(token, os.path.dirname(journal) if journal else None, fresh=not recover, tls_dir=tls_dir)
+        trust = self.gate.trust
+        self.server = JsonServer(host, port, token, name="coordinator", tls=trust and trust.server,
+                                 public=Gate.PUBLIC_ROUTES, authorize=self.gate.authorize, routes={
+            **self.gate.routes(), "POST /revoke": self._revoke,
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
-            "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "GET /status": self._status,
+            "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "POST /release": self._release,
+            "GET /status": self._status,
         })
         self.reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
         if broadcaster is not None:
             broadcaster.on_delivered = self._snapshot_delivered
+            if trust is not None:
+                broadcaster.use_tls(trust)
 
     def start(self) -> "Coordinator":
         self.server.start()
@@ -121,16 +145,19 @@ class Coordinator:
 
     # ---------------------------------------------------------------- worker-facing routes
 
-    def _worker(self, body: dict) -> WorkerInfo:
+    def _worker(self, body: dict, headers) -> WorkerInfo:
         worker = self.workers.get(str(body.get("worker_id")))
         if worker is None:
             raise BadRequest(f"unknown worker {body.get('worker_id')!r}: register first")
+        caller = self.gate.caller(headers)
+        if caller is not None and worker.name != caller:
+            raise Unauthorized(f"worker {worker.worker_id} did not register with {caller!r}'s credential")
         worker.last_seen = time.monotonic()
         if "version" in body:
             worker.version = _int(body, "version", 0, self.version)
         return worker
 
-    def _register(self, body: dict, _headers) -> dict:
+    def _register(self, body: dict, headers) -> dict:
         with self.lock:
             relay_addr = body.get("relay")
             if relay_addr is not None and not (isinstance(relay_addr, str) and relay_addr.rpartition(":")[2].isdigit()):
@@ -139,6 +166,7 @@ class Coordinator:
                                 relay_addr, **{k: _nonneg(body, k, default) for k, default in (
                                     ("usd_per_hour", 0.0), ("down_mbit", 1000.0), ("up_mbit", 1000.0),
                                     ("rtt_ms", 0.0))})
+            worker.name = self.gate.caller(headers)
             self.workers[worker.worker_id] = worker
             self.registered += 1
             self.activation.dirty = True
@@ -146,20 +174,32 @@ class Coordinator:
             self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url, worker.relay)
         log.info("worker %s joined (%s engine, snapshots at %s)", worker.worker_id, worker.engine,
                  worker.snapshot_url)
-        return {"worker_id": worker.worker_id, "version": self.version, "group_size": self.G,
+        return {"worker_id": worker.worker_id, "version": self.version, "epoch": self.epoch, "group_size": self.G,
                 "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4}
 
-    def _heartbeat(self, body: dict, _headers) -> dict:
+    def _revoke(self, body: dict, _headers) -> dict:
+        """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its workers are
+        retired (their in-flight groups lost: revoked, prompts re-queued) and dropped from the broadcast."""
         with self.lock:
-            self._worker(body)
+            name = self.gate.revoke(body.get("name"))
+            retired = [w.worker_id for w in self.workers.values() if w.name == name]
+            for wid in retired:
+                self._retire(wid, "revoked")
+            self.lock.notify_all()
+        log.warning("worker credential %r revoked; retired %s", name, retired or "no live worker")
+        return {"revoked": name, "retired": retired}
+
+    def _heartbeat(self, body: dict, headers) -> dict:
+        with self.lock:
+            self._worker(body, headers)
         return {"version": self.version}
 
-    def _pull(self, body: dict, _headers) -> dict:
+    def _pull(self, body: dict, headers) -> dict:
         """Hand out up to ``max_groups`` groups. A long poll: with nothing worth dispatching it waits (up to
         ``long_poll_s``) for the learner to take a batch or publish a version, instead of the worker sleeping."""
         deadline = time.monotonic() + self.long_poll_s
         with self.lock:
-            worker = self._worker(body)
+            worker = self._worker(body, headers)
             want = min(_int(body, "max_groups", 1, 1024), self.groups_per_pull)
             while True:
                 work = self._dispatch(worker, want)
@@ -177,7 +217,9 @@ class Coordinator:
         work = []
         if not self.activation.is_active(worker.worker_id):
             return work  # deactivated: no work until a re-plan turns it on again
-        while len(work) < want and not self.closed:
+        held = sum(1 for f in self.in_flight.values() if f.worker_id == worker.worker_id)
+        limit = self.liveness.worker_limit((self.S + 1) * self.P, worker.misses)
+        while len(work) < want and held + len(work) < limit and not self.closed:
             ahead = len(self.buffer) + len(self.in_flight)
             next_step = max(self.version, self.batches_taken)
             if not worth_dispatching(next_step, worker.version, ahead, self.P, self.S):
@@ -187,15 +229,19 @@ class Coordinator:
             ids = encode_prompt(self.tokenizer, row["prompt"])
             self.in_flight[gid] = InFlight(worker.worker_id, row, ids, index)
             work.append({"group_id": gid, "prompt_ids": ids})
+        if work:
+            due = time.monotonic() + self.liveness.deadline_s(worker.rollouts_per_s, held + len(work), self.G)
+            for w in work:
+                self.in_flight[w["group_id"]].deadline = due
         return work
 
-    def _push(self, body: dict, _headers) -> dict:
+    def _push(self, body: dict, headers) -> dict:
         results = body.get("results")
         if not isinstance(results, list):
             raise BadRequest("'results' must be a list")
         accepted, rejected = [], []
         with self.lock:
-            worker = self._worker(body)
+            worker = self._worker(body, headers)
             claimed = []
             for res in results:
                 gid = str(res.get("group_id")) if isinstance(res, dict) else None
@@ -219,6 +265,8 @@ class Coordinator:
                     self.ledger.drop(gid, "invalid", requeue=True)
                 log.warning("worker %s: group %s rejected: %s", worker.worker_id, gid, e)
         with self.lock:
+            if scored and worker.misses and not self.liveness.benched(worker.misses):
+                worker.misses -= 1  # on time again: one halving of its share back
             for gid, flight, group in scored:
                 self.ledger.received(gid, worker.worker_id)
                 if self.buffer.admit(group, group.version, self.version):
@@ -265,11 +313,35 @@ class Coordinator:
                 worker.delivered_version = max(worker.delivered_version, version)
                 self.lock.notify_all()
 
-    def _leave(self, body: dict, _headers) -> dict:
+    def _leave(self, body: dict, headers) -> dict:
         with self.lock:
-            worker = self._worker(body)
+            worker = self._worker(body, headers)
             self._retire(worker.worker_id, "worker_left")
         return {"ok": True}
+
+    RELEASE_REASONS = ("generate_failed", "push_failed")
+
+    def _release(self, body: dict, headers) -> dict:
+        """A worker hands back groups it cannot deliver: lost with its reason, prompts re-queued at once."""
+        reason, gids = body.get("reason"), body.get("group_ids")
+        if reason not in self.RELEASE_REASONS:
+            raise BadRequest(f"'reason' must be one of {self.RELEASE_REASONS}, got {reason!r}")
+        if not isinstance(gids, list) or not all(isinstance(g, str) for g in gids):
+            raise BadRequest("'group_ids' must be a list of strings")
+        released = []
+        with self.lock:
+            worker = self._worker(body, headers)
+            for gid in gids:
+                flight = self.in_flight.get(gid)
+                if flight is None or flight.worker_id != worker.worker_id:
+                    self.ledger.refuse("release_not_in_flight")  # already settled (e.g. its push did arrive)
+                    continue
+                del self.in_flight[gid]
+                self.ledger.lose(gid, reason)
+                released.append(gid)
+            self.lock.notify_all()  # room under the in-flight cap
+        log.warning("worker %s handed back %d groups: %s", worker.worker_id, len(released), reason)
+        return {"released": released}
 
     def _status(self, _body, _headers) -> dict:
         return self.status()
@@ -279,7 +351,10 @@ class Coordinator:
         with self.lock:
             return {"version": self.version, "buffered_groups": len(self.buffer),
                     "in_flight_groups": len(self.in_flight), "workers": sorted(self.workers),
-                    "registered": self.registered, "by_worker": dict(self.ledger.by_worker)}
+                    "registered": self.registered, "by_worker": dict(self.ledger.by_worker),
+                    "held": dict(Counter(f.worker_id for f in self.in_flight.values())),
+                    "benched": sorted(w.worker_id for w in self.workers.values()
+                                      if self.liveness.benched(w.misses))}
 
     # ---------------------------------------------------------------- liveness
 
@@ -303,12 +378,31 @@ class Coordinator:
                 for w in [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]:
                     self._retire(w.worker_id, "worker_dead")
                 self.on_change.reap()
+                self._expire(now)
                 bcast = self.broadcaster.metrics() if self.broadcaster is not None else {}
                 workers = list(self.workers.values())
                 change = self.activation.replan(workers, float(bcast.get("broadcast/bytes", 0.0)), now)
                 if change is not None:
                     self.on_change(change, workers, self.activation.settings.solver)
                     self.lock.notify_all()
+
+    def _expire(self, now: float) -> None:
+        """Groups past their deadline are lost and re-queued; each of their workers takes one miss. Holds the lock."""
+        late = Counter()
+        for gid in [g for g, f in self.in_flight.items() if f.deadline < now]:
+            late[self.in_flight.pop(gid).worker_id] += 1
+            self.ledger.lose(gid, "deadline")
+        for wid, n in late.items():
+            worker = self.workers.get(wid)
+            if worker is None:
+                continue
+            worker.misses += 1
+            self.deadline_misses += 1
+            benched = self.liveness.benched(worker.misses)
+            log.warning("worker %s: %d groups past their deadline (miss %d of %d)%s", wid, n, worker.misses,
+                        self.liveness.strikes, "; it gets no more work" if benched else "")
+        if late:
+            self.lock.notify_all()
 
     # ---------------------------------------------------------------- learner-facing
 
@@ -358,7 +452,11 @@ class Coordinator:
                    "rollout/dropped": float(sum(led.dropped.values())),
                    "rollout/lost": float(sum(led.lost.values())), "rollout/workers": float(len(self.workers)),
                    "rollout/rejected_requests": float(sum(self.server.rejected.values())),
-                   "rollout/refused_results": float(sum(led.refused.values()))}
+                   "rollout/refused_results": float(sum(led.refused.values())),
+                   "rollout/lost_deadline": float(led.lost["deadline"]),
+                   "rollout/deadline_misses": float(self.deadline_misses),
+                   "rollout/benched_workers": float(sum(self.liveness.benched(w.misses)
+                                                        for w in self.workers.values()))}
             for w in self.workers.values():
                 out[f"rollout/throughput/{w.worker_id}"] = w.rollouts_per_s
             out.update(self.activation.metrics(self.workers))

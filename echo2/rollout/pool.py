@@ -54,9 +54,12 @@ class StaticPool:
     def __init__(self, workers: list[dict] | None = None):
         self.workers = list(workers or [])
 
-    def start(self, coordinator_url: str, token: str, model_path: str, run_dir: str) -> None:
-        log.info("waiting for workers to join %s (token in the run's resolved config is not printed)",
-                 coordinator_url)
+    def start(self, coordinator_url: str, token: str, model_path: str, run_dir: str,
+              ca_hash: str | None = None) -> None:
+        pin = f" --ca-hash {ca_hash}" if ca_hash else ""
+        log.info("waiting for workers to join; on each worker machine run:\n    ECHO2_TOKEN=<the run's token> "
+                 "python -m echo2.worker --coordinator %s%s --model %s --listen-host 0.0.0.0 "
+                 "--advertise-host <its public address>", coordinator_url, pin, model_path)
 
     def stop(self) -> None:
         pass
@@ -77,8 +80,9 @@ class LocalPool:
         self._logs: list = []
         self.args: dict = {}
 
-    def start(self, coordinator_url: str, token: str, model_path: str, run_dir: str) -> None:
-        self.args = dict(coordinator_url=coordinator_url, token=token, model_path=model_path)
+    def start(self, coordinator_url: str, token: str, model_path: str, run_dir: str,
+              ca_hash: str | None = None) -> None:
+        self.args = dict(coordinator_url=coordinator_url, token=token, model_path=model_path, ca_hash=ca_hash)
         self.log_dir = Path(run_dir) / self.log_subdir if self.log_subdir else None
         for _ in range(self.n):
             self.add()
@@ -91,6 +95,8 @@ class LocalPool:
                "--max-groups", str(self.max_groups)]
         if self.engine != "auto":
             cmd += ["--engine", self.engine]
+        if self.args["ca_hash"]:
+            cmd += ["--ca-hash", self.args["ca_hash"]]
         cmd += [f"--vllm-arg={a}" for a in self.vllm_args]
         cmd += ["--usd-per-hour", str(self.usd_per_hour[i % len(self.usd_per_hour)])]
         env = dict(os.environ, ECHO2_TOKEN=self.args["token"])

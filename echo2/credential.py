@@ -1,0 +1,48 @@
+"""Per-worker credentials: make one for a named worker, or revoke one during a run.
+
+    export ECHO2_TOKEN=<the run secret>                  # on the learner's machine only
+    python -m echo2.credential box17                     # prints box17's credential: give it to that worker
+    python -m echo2.credential --revoke box17 --coordinator https://LEARNER:PORT --ca-file RUN_DIR/tls/ca.pem
+
+A credential is ``name:HMAC-SHA256(run secret, name)`` (echo2.transport.worker_credential): the coordinator
+recognises it without a table, a worker never holds the run secret, and revoking one name (``POST /revoke``,
+run secret only) refuses that worker's requests from then on and re-queues its in-flight work (``lost:
+revoked``), while every other worker carries on. Revocations are kept in ``<run dir>/revoked.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from echo2.transport import LEARNER_NAME, Client, worker_credential
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m echo2.credential", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", help="the worker's name (1-64 of A-Z a-z 0-9 _ . -)")
+    p.add_argument("--revoke", action="store_true", help="revoke this worker's credential in the running coordinator")
+    p.add_argument("--coordinator", help="the coordinator's URL (with --revoke)")
+    p.add_argument("--ca-file", help="the run's CA, <run dir>/tls/ca.pem (with --revoke over https)")
+    args = p.parse_args(argv)
+    secret = os.environ.get("ECHO2_TOKEN")
+    if not secret:
+        p.error("set $ECHO2_TOKEN to the run secret (the learner's)")
+    try:
+        credential = worker_credential(secret, args.name)
+    except ValueError as e:
+        p.error(str(e))
+    if not args.revoke:
+        print(credential)
+        return
+    if not args.coordinator:
+        p.error("--revoke needs --coordinator")
+    client = Client(args.coordinator, secret, timeout_s=30, ca_file=args.ca_file, server_name=LEARNER_NAME)
+    print(json.dumps(client.post("/revoke", {"name": args.name})))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""TLS pinned to the run: the CA and its fingerprint, the pinned join, names, the relay over TLS, and a run with
+TLS forced on over loopback (rollout.source.tls=on)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import threading
+
+import pytest
+import requests
+
+from conftest import balanced, small_coordinator, train, wait_until
+from echo2.transport import (LEARNER_NAME, PEER_NAME, Client, JsonServer, RemoteError, RunCA, Trust, fetch_ca,
+                             fingerprint, is_loopback, join, server_context)
+
+
+@pytest.fixture
+def ca(tmp_path):
+    return RunCA(str(tmp_path / "ca"))
+
+
+@pytest.fixture
+def tls_coord(tiny_model_dir, ca):
+    c = small_coordinator(tiny_model_dir, tls_dir=ca.dir)
+    yield c
+    c.close()
+
+
+def test_the_ca_is_kept_for_the_run_and_its_fingerprint_is_of_its_key(ca, tmp_path):
+    again = RunCA(ca.dir)  # a restarted coordinator or a resumed learner: the same CA, the same pin
+    assert again.fingerprint == ca.fingerprint == fingerprint(ca.ca_pem) and ca.fingerprint.startswith("sha256:")
+    assert RunCA(str(tmp_path / "other")).fingerprint != ca.fingerprint
+    assert oct(os.stat(os.path.join(ca.dir, "ca.key")).st_mode & 0o777) == "0o600"
+
+
+def test_loopback_is_recognised():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.2") and not is_loopback("learner.example")
+
+
+def test_a_worker_joins_with_the_pin_and_is_refused_without_it(tls_coord, ca, tmp_path):
+    assert tls_coord.url.startswith("https://")
+    trust = join(tls_coord.url, "secret", ca.fingerprint, str(tmp_path / "w"))
+    client = Client(tls_coord.url, "secret", ca_file=trust.ca_file, server_name=LEARNER_NAME)
+    assert client.post("/register", {})["worker_id"] == "w0"
+    with pytest.raises(ssl.SSLError, match="not the pinned"):  # a wrong pin (or a man in the middle)
+        fetch_ca(tls_coord.url, RunCA(str(tmp_path / "mitm")).fingerprint)
+    with pytest.raises(RemoteError, match="401"):  # the CA is public, a certificate is not
+        join(tls_coord.url, "wrong-token", ca.fingerprint, str(tmp_path / "w2"))
+    with pytest.raises(ValueError, match="--ca-hash"):
+        Client(tls_coord.url, "secret")
+    with pytest.raises(requests.exceptions.ConnectionError):  # plain HTTP to a TLS server gets nowhere
+        requests.post(tls_coord.url.replace("https", "http") + "/register", json={}, timeout=5)
+
+
+def test_clients_verify_against_the_run_ca_and_the_role_name(tls_coord, ca, tmp_path):
+    other = RunCA(str(tmp_path / "other"))
+    with pytest.raises(requests.exceptions.SSLError):  # another run's CA
+        Client(tls_coord.url, "secret", ca_file=other.ca_file, server_name=LEARNER_NAME).post("/register", {})
+    with pytest.raises(requests.exceptions.SSLError):  # the right CA, a name the learner's certificate lacks
+        Client(tls_coord.url, "secret", ca_file=ca.ca_file, server_name="other.echo2.invalid").post("/register", {})
+    # a worker's certificate (as issued by /certificate) names a peer, not the learner: it cannot pose as one
+    cert, key = ca.issue([PEER_NAME])
+    fake = JsonServer("127.0.0.1", 0, "secret", routes={"POST /register": lambda b, h: {"worker_id": "evil"}},
+                      tls=server_context(cert, key)).start()
+    try:
+        with pytest.raises(requests.exceptions.SSLError):
+            Client(fake.url(), "secret", ca_file=ca.ca_file, server_name=LEARNER_NAME).post("/register", {})
+        assert Client(fake.url(), "secret", ca_file=ca.ca_file, server_name=PEER_NAME).post(
+            "/register", {})["worker_id"] == "evil"
+    finally:
+        fake.close()
+
+
+def test_a_snapshot_travels_the_relay_over_tls(ca, tmp_path):
+    """Learner origin -> peer A -> peer B, every link TLS: B gets the verified snapshot; a fetcher that does not
+    speak TLS is refused by the origin."""
+    from echo2.broadcast import relay
+    from echo2.broadcast.broadcaster import RelayBroadcaster
+    from echo2.broadcast.peer import SnapshotReceiver
+
+    got, done = {}, threading.Event()
+    peers = []
+    for name in ("A", "B"):
+        trust = Trust(ca.ca_pem, ca.ca_file, server_context(*ca.issue([PEER_NAME])))
+        peers.append(SnapshotReceiver("t0k", lambda v, blob, _m, n=name: (got.setdefault(n, bytes(blob)),
+                                                                           len(got) == 2 and done.set()),
+                                      trust=trust).start())
+    bc = RelayBroadcaster("t0k", topology="chain", chunk_mb=1)
+    bc.use_tls(ca.trust())
+    delivered, round_done = set(), threading.Event()
+    bc.on_delivered = lambda peer, v: (delivered.add(peer), len(delivered) == 2 and round_done.set())
+    try:
+        for name, p in zip("AB", peers, strict=True):
+            assert p.url.startswith("https://")
+            bc.add_peer(name, p.url, p.relay_addr)
+        blob = os.urandom(3 << 20)
+        bc.publish(1, blob)
+        assert done.wait(60) and round_done.wait(60) and got == {"A": blob, "B": blob}
+        wait_until(lambda: len(bc.last_results) == 2, timeout_s=10)
+        assert max(r["depth"] for r in bc.last_results.values()) == 1  # B pulled through A
+        plain = relay.Fetcher(relay.Store(), "t0k", connect_timeout_s=5, stall_timeout_s=5)
+        with pytest.raises(ConnectionError):
+            plain.fetch(1, [bc.origin])
+    finally:
+        bc.close()
+        for p in peers:
+            p.close()
+
+
+def test_a_plain_socket_to_a_tls_relay_is_dropped_and_the_server_goes_on(ca):
+    from echo2.broadcast import relay
+
+    server = relay.RelayServer(relay.Store(), "t0k", tls=ca.trust().server).start()
+    try:
+        with socket.create_connection(server.addr, timeout=5) as s:
+            s.sendall(b"\x00\x00\x00\x02{}")  # a plain frame where a TLS ClientHello belongs
+            try:
+                data = s.recv(100)
+            except ConnectionResetError:
+                data = b""
+            assert data == b"" or data[0] == 0x15, data  # closed, or a TLS alert record: never a frame
+        trust = Trust(ca.ca_pem, ca.ca_file, None)
+        conn = trust.connect(socket.create_connection(server.addr, timeout=5))
+        relay.send_frame(conn, {"version": 1})
+        assert "error" in relay.recv_frame(conn)  # still serving, over TLS
+        conn.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_a_run_with_tls_forced_on_over_loopback(tmp_path):
+    """rollout.source.tls=on: the coordinator, the relay origin and the two local workers' servers all speak TLS;
+    workers join with the CA fingerprint the learner hands them; snapshots reach them; the books balance."""
+    ev = {}
+
+    def hook(step, source):
+        if step == 3:
+            wait_until(lambda: source.coordinator.status()["registered"] >= 2, timeout_s=120)
+            ev["url"], ev["hash"] = source.coordinator.url, source.ca_hash
+
+    _, trainer, source, acc, records = train(tmp_path, ["pool.engine=hf", "run.steps=12", "rollout.source.tls=on"],
+                                             hook)
+    assert trainer.state.global_step == 12 and ev["url"].startswith("https://") and ev["hash"].startswith("sha256:")
+    assert ev["hash"] == RunCA(str(tmp_path / "tls")).fingerprint
+    assert records[-1]["broadcast/rounds"] >= 1 and records[-1]["broadcast/failures"] == 0, records[-1]
+    assert len(acc["by_worker"]) == 2 and balanced(acc), acc
+    logs = "".join(p.read_text() for p in (tmp_path / "workers").glob("worker?.log"))
+    assert "applied snapshot" in logs
