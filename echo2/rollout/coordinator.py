@@ -480,6 +480,8 @@ class Coordinator:
                                                         for w in self.workers.values()))}
             for w in self.workers.values():
                 out[f"rollout/throughput/{w.worker_id}"] = w.rollouts_per_s
+            for wid in self.checks.tokens:  # rollout checks: each worker's mean log-ratio so far
+                out[f"rollout/check_log_ratio/{wid}"] = self.checks.mean(wid)
             out.update(self.activation.metrics(self.workers))
         return out
 
