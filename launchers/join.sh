@@ -13,7 +13,7 @@ set -euo pipefail
 url=${1:?usage: launchers/join.sh https://LEARNER:PORT --ca-hash sha256:... [--model M] [worker options]}
 shift
 cd "$(dirname "$0")/.."
-: "${ECHO2_TOKEN:?export ECHO2_TOKEN first: this worker's credential for the run to join}"
+: "${ECHO2_TOKEN:?export ECHO2_TOKEN first: the credential of this worker for the run to join}"
 py=${ECHO2_PYTHON:-.venv/bin/python}
 if [ ! -x "$py" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then ./install.sh --gpu; else ./install.sh; fi

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         host0 = tb.addr(0)
         learner = tb.popen(0, [sys.executable, "train.py", "pool=static", f"rollout.source.host={host0}",
                                f"rollout.source.port={args.port}", f"rollout.source.min_workers={args.workers}",
-                               f"broadcast.sender.host={host0}",
+                               f"broadcast.sender.host={host0}", "rollout.source.tls=on",  # 127/8: as on a WAN
                                f"hydra.run.dir={run_dir}", f"activation.learner_uplink_mbit={up}",
                                *[a for a in args.train_args if not a.startswith("hydra.run.dir=")]],
                            cwd=ROOT, env=env)

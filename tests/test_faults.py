@@ -185,11 +185,13 @@ def test_a_worker_cut_off_the_network_is_retired_and_rejoins_when_reconnected(tm
 
     model, port, token = build_tiny(), 29517, "cut-" + os.urandom(6).hex()
     env = dict(os.environ, ECHO2_TOKEN=token)
-    ca = RunCA(str(tmp_path / "tls"))  # off loopback the run uses TLS; made here to know its fingerprint
+    ca = RunCA(str(tmp_path / "tls"))  # the run's CA, made here to know its fingerprint (the learner reuses it)
     with testbed.NetnsTestbed([testbed.HostLink(100, 100)] * 3, rtt_ms=20, prefix=f"e2f{os.getpid()}") as tb:
         learner_addr = tb.addr(0)
         learner = tb.popen(0, [sys.executable, "train.py", "pool=static", f"rollout.source.host={learner_addr}",
                                f"rollout.source.port={port}", "rollout.source.heartbeat_timeout_s=3",
+                               # the testbed's addresses are in 127/8, where TLS is off by default: as on a WAN
+                               "rollout.source.tls=on",
                                f"broadcast.sender.host={learner_addr}", "run.steps=100000",
                                "run.save_every_steps=0", "run.eval_every_steps=0", "run.progress=false",
                                "run.wandb=disabled", f"hydra.run.dir={tmp_path}"],

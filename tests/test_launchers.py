@@ -123,7 +123,7 @@ def test_wan_launcher_puts_each_worker_in_its_own_shaped_host(tmp_path):
     logs = [(tmp_path / "workers" / f"worker{i}.log").read_text() for i in (0, 1)]
     assert all("registered as" in log for log in logs)
     coordinator = (tmp_path / "coordinator.log").read_text()  # each worker joined from its own host's address
-    assert "snapshots at http://127.100.0.11:" in coordinator and "snapshots at http://127.100.0.12:" in coordinator
+    assert "snapshots at https://127.100.0.11:" in coordinator and "snapshots at https://127.100.0.12:" in coordinator
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
 
 

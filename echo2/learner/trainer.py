@@ -189,6 +189,11 @@ class Echo2GRPOTrainer(GRPOTrainer):
         if self.correction != "none":
             old_logps, advantages = self._decoupled(prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                     behaviour_logps, advantages)
+        every = getattr(self.rollout_source, "check_every_steps", 0)
+        if every and self.version % every == 0 and any(g.worker_id for g in groups):
+            learner_logps = old_logps if self.correction != "none" else None
+            self._check(groups, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps,
+                        learner_logps)
         return {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
@@ -218,6 +223,26 @@ class Echo2GRPOTrainer(GRPOTrainer):
         }.items():
             self._metrics["train"][key].append(self.accelerator.gather(value.reshape(1)).mean().item())
         return prox_logps, advantages.unsqueeze(1) * weights
+
+    def _check(self, groups, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps,
+               learner_logps=None) -> None:
+        """Rollout checks (echo2/rollout/trust.py): the learner's logprobs of each worker's tokens against the
+        behaviour logprobs it reported; per-worker sums go to the source, which judges."""
+        if learner_logps is None:
+            with torch.no_grad():
+                learner_logps, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, torch.cat([prompt_ids, completion_ids], 1),
+                    torch.cat([prompt_mask, completion_mask], 1), completion_ids.size(1),
+                    batch_size=self.args.per_device_train_batch_size)
+        ratio = ((learner_logps - behaviour_logps) * completion_mask).sum(1).tolist()
+        tokens = completion_mask.sum(1).tolist()
+        stats: dict[str, list] = {}
+        workers = [g.worker_id for g in groups for _ in g.rollouts]
+        for worker, n, total in zip(workers, tokens, ratio, strict=True):
+            acc = stats.setdefault(worker, [0, 0.0])
+            acc[0] += int(n)
+            acc[1] += float(total)
+        self.rollout_source.on_check({w: tuple(v) for w, v in stats.items() if w})
 
     def _zero_std_fraction(self, all_rewards: torch.Tensor) -> float:
         """Fraction of groups whose G rewards are all equal: they carry no GRPO signal."""

@@ -61,7 +61,8 @@ class AsyncRolloutSource:
                  coordinator_cores: list[int] | None = None, coordinator_restarts: int = 3,
                  restart_window_s: float = 600.0, min_workers: int = 0, deadline_floor_s: float = 10.0,
                  deadline_cap_s: float = 600.0, deadline_slack: float = 4.0, worker_share: float = 0.5,
-                 deadline_strikes: int = 3, tls: str = "auto"):
+                 deadline_strikes: int = 3, tls: str = "auto", check_every_steps: int = 0,
+                 check_max_abs_log_ratio: float = 1.0, check_min_tokens: int = 256):
         if ctx.publish_interval < 1:
             raise ValueError(f"broadcast.interval={ctx.publish_interval}: must be >= 1")
         s = ctx.sampling
@@ -82,6 +83,8 @@ class AsyncRolloutSource:
             broadcast_shape=detached(BroadcastShape, ctx.broadcast_shape),
             liveness=dict(floor_s=deadline_floor_s, cap_s=deadline_cap_s, slack=deadline_slack, share=worker_share,
                           strikes=deadline_strikes))
+        self.check_every_steps = check_every_steps  # read by the learner (trainer._check)
+        self.kwargs["checks"] = dict(max_abs_log_ratio=check_max_abs_log_ratio, min_tokens=check_min_tokens)
         # this learner process's epoch: kept by a restarted coordinator, new after a resume (agent.py)
         self.kwargs["epoch"] = os.urandom(8).hex()
         Liveness(**self.kwargs["liveness"])  # a bad value fails here, not in the coordinator's process
@@ -175,6 +178,10 @@ class AsyncRolloutSource:
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
         probe = {"token_ids": self.probe_ids, "logprobs": probe_logprobs(policy, self.probe_ids), "dtype": dtype}
         return policy.state_dict(), probe
+
+    def on_check(self, stats: dict[str, tuple[int, float]]) -> None:
+        """Per-worker sums of the log-ratio of the learner's logprobs to the workers' (rollout checks)."""
+        self._call("check", stats)
 
     def checkpoint(self) -> dict[str, Any]:
         """What a learner checkpoint must hold to resume this source: the version and the journal's length."""

@@ -31,7 +31,7 @@ import math
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
 from echo2.rollout.gate import Gate
 from echo2.rollout.ledger import Ledger
 from echo2.rollout.liveness import Liveness
+from echo2.rollout.trust import Checks
 from echo2.rollout.scoring import Scorer, encode_prompt
 from echo2.rollout.types import Completion, Rollout, RolloutGroup
 from echo2.transport import BadRequest, JsonServer, Unauthorized
@@ -83,7 +84,8 @@ class Coordinator:
                  groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
                  activation: ActivationSettings | None = None, broadcast_shape: BroadcastShape | None = None,
                  journal: str | None = None, recover: dict | None = None, version: int = 0,
-                 liveness: dict | None = None, tls_dir: str | None = None, epoch: str | None = None):
+                 liveness: dict | None = None, tls_dir: str | None = None, epoch: str | None = None,
+                 checks: dict | None = None):
         """``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
         ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
         checkpoint taken at journal length N; ``version``: the learner's version then. ``liveness``: Liveness's
@@ -98,6 +100,7 @@ class Coordinator:
         self.long_poll_s = min(long_poll_s, heartbeat_timeout_s / 4)
         self.broadcaster, self.epoch = broadcaster, epoch
         self.liveness = Liveness(**(liveness or {}))
+        self.checks = Checks(**(checks or {}))
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
         self.version = version
@@ -304,7 +307,8 @@ class Coordinator:
                 raise BadRequest(f"finish_reason {finish!r}")
             comp = Completion(ids, [float(x) for x in lps], finish)
             rollouts.append(Rollout(prompt_ids=flight.prompt_ids, completion=comp, version=version))
-        return RolloutGroup(row=flight.row, rollouts=rollouts, group_id=gid, row_index=flight.row_index)
+        return RolloutGroup(row=flight.row, rollouts=rollouts, group_id=gid, row_index=flight.row_index,
+                            worker_id=flight.worker_id)
 
     def _snapshot_delivered(self, worker_id: str, version: int) -> None:
         with self.lock:
@@ -433,6 +437,32 @@ class Coordinator:
                                        f"({len(self.buffer)} buffered, {len(self.workers)} workers)")
                 self.lock.wait(timeout=1.0 if remaining is None else min(remaining, 1.0))
 
+    def check(self, stats: dict[str, tuple[int, float]]) -> None:
+        """The learner's scores of workers' behaviour logprobs (trust.py): flag, or retire an implausible worker,
+        dropping its buffered groups (``untrusted``, prompts re-queued) and revoking its credential."""
+        with self.lock:
+            flagged, retire = self.checks.update(stats)
+            for wid in flagged:
+                log.warning("worker %s flagged: mean log-ratio %.2f against the learner's logprobs", wid,
+                            self.checks.mean(wid))
+            for wid in retire:
+                worker = self.workers.get(wid)
+                if worker is None:
+                    continue
+                keep = []
+                for x, group in self.buffer.groups:
+                    if group.worker_id == wid:
+                        self.ledger.drop(group.group_id, "untrusted", requeue=True)
+                    else:
+                        keep.append((x, group))
+                self.buffer.groups = deque(keep)
+                if worker.name is not None:
+                    self.gate.revoke(worker.name)  # else it would come back under a new id
+                self._retire(wid, "untrusted")
+                log.warning("worker %s retired as untrusted (mean log-ratio %.2f over %d tokens)", wid,
+                            self.checks.mean(wid), self.checks.tokens[wid])
+            self.lock.notify_all()
+
     def _evict_stale(self) -> None:
         for group in self.buffer.evict_stale(self.version):
             self.ledger.drop(group.group_id, "stale", requeue=False)
@@ -454,11 +484,15 @@ class Coordinator:
                    "rollout/rejected_requests": float(sum(self.server.rejected.values())),
                    "rollout/refused_results": float(sum(led.refused.values())),
                    "rollout/lost_deadline": float(led.lost["deadline"]),
+                   "rollout/flagged_workers": float(len(self.checks.flagged)),
+                   "rollout/dropped_untrusted": float(led.dropped["untrusted"]),
                    "rollout/deadline_misses": float(self.deadline_misses),
                    "rollout/benched_workers": float(sum(self.liveness.benched(w.misses)
                                                         for w in self.workers.values()))}
             for w in self.workers.values():
                 out[f"rollout/throughput/{w.worker_id}"] = w.rollouts_per_s
+            for wid in self.checks.tokens:  # rollout checks: each worker's mean log-ratio so far
+                out[f"rollout/check_log_ratio/{wid}"] = self.checks.mean(wid)
             out.update(self.activation.metrics(self.workers))
         return out
 

@@ -107,6 +107,10 @@ class CoordinatorProcess:
     def status(self) -> dict[str, Any]:
         return self._call("status")
 
+    def check(self, stats: dict[str, tuple[int, float]]) -> None:
+        """The learner's per-worker scores of behaviour logprobs (rollout checks); one-way."""
+        self._send("check", stats)
+
     def close(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """Stop serving and return the accounting (what was buffered or in flight counted as at the end)."""
         if self.closed:
@@ -187,8 +191,9 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
         "metrics": lambda: {**coordinator.metrics(), **broadcaster.metrics()},
         "status": coordinator.status,
         "mark": coordinator.mark,
+        "check": coordinator.check,
     }
-    one_way = {"version", "publish"}
+    one_way = {"version", "publish", "check"}
     while True:
         try:
             name, *args = conn.recv()

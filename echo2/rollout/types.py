@@ -56,6 +56,7 @@ class RolloutGroup:
     rollouts: list[Rollout]
     group_id: str = ""
     row_index: int = -1
+    worker_id: str = ""  # who generated it ("" for the learner's own sync source): rollout checks (trust.py)
 
     @property
     def version(self) -> int:

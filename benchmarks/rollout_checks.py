@@ -1,0 +1,126 @@
+"""Rollout checks on real runs: is a forging worker caught, and are honest workers left alone, at S = 0, 1, 2, 4?
+
+Each S is one real ``train.py`` run (a subprocess): two honest local hf worker agents, and, from the moment the
+coordinator answers, a forging client in this process with its own worker credential that pushes random tokens
+claiming logprob -0.05 each (what a worker that skips generation would send). The learner scores every batch
+(``rollout.source.check_every_steps=1``). Reported per run: whether the forger was retired as untrusted, the
+forged rollouts received before that less those dropped when it was (an upper bound on what was trained on),
+the honest workers flagged or retired (false alarms), and
+every worker's mean per-token log-ratio (learner logprob minus reported logprob) from ``metrics.jsonl``.
+
+    python benchmarks/rollout_checks.py                      # S = 0 1 2 4, 40 steps each
+    python benchmarks/rollout_checks.py --staleness 2 --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from echo2.transport import Client, RemoteError, worker_credential  # noqa: E402
+
+
+def forge(url: str, secret: str, vocab: int, stop: threading.Event, out: dict) -> None:
+    """Register as 'forger' once the coordinator answers, then push fabricated groups until refused."""
+    client, rng = Client(url, worker_credential(secret, "forger"), timeout_s=10), random.Random(0)
+    while not stop.is_set():
+        try:
+            out["wid"] = client.post("/register", {})["worker_id"]
+            break
+        except (RemoteError, OSError):
+            time.sleep(0.5)
+    version = 0
+    while not stop.is_set():
+        try:
+            reply = client.post("/pull", {"worker_id": out["wid"], "version": version, "max_groups": 4})
+            version = reply["version"]
+            results = [{"group_id": w["group_id"], "version": version, "completions": [
+                {"token_ids": [rng.randrange(vocab)] * 2, "logprobs": [-0.05, -0.05], "finish_reason": "length"}
+                for _ in range(8)]} for w in reply["work"]]
+            if results:
+                out["pushed"] = out.get("pushed", 0) + len(
+                    client.post("/push", {"worker_id": out["wid"], "results": results})["accepted"])
+        except RemoteError as e:
+            out["refused"] = str(e)
+            return
+        except OSError:
+            time.sleep(0.2)
+
+
+def run(staleness: int, steps: int, out_dir: Path, port: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from echo2.models.tiny import build_tiny
+
+    model = build_tiny()
+    secret = secrets.token_urlsafe(16)
+    run_dir = out_dir / f"S{staleness}"
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "run.wandb=disabled", "run.progress=false",
+           "run.eval_every_steps=0", "run.save_every_steps=0", f"run.steps={steps}", "rollout=async", "pool=local",
+           "pool.engine=hf", f"rollout.staleness={staleness}", f"broadcast.interval={max(1, staleness)}",
+           f"rollout.source.port={port}", "rollout.source.check_every_steps=1", "rollout.source.min_workers=2"]
+    stop, forged = threading.Event(), {}
+    vocab = len(AutoTokenizer.from_pretrained(model))
+    thread = threading.Thread(target=forge, args=(f"http://127.0.0.1:{port}", secret, vocab, stop, forged),
+                              daemon=True)
+    thread.start()
+    with open(out_dir / f"S{staleness}.log", "w") as log:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, ECHO2_TOKEN=secret)).returncode
+    stop.set()
+    if code:
+        sys.exit(f"S={staleness}: train.py failed; see {out_dir / f'S{staleness}.log'}")
+    acc = json.loads((run_dir / "summary.json").read_text())["rollout_accounting"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ratios = {}
+    for r in records:
+        ratios.update({k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith("rollout/check_log_ratio/")})
+    wid = forged.get("wid")
+    coord_log = (run_dir / "coordinator.log").read_text()
+    honest = [w for w in ratios if w != wid]
+    return {"S": staleness, "forger": wid, "forger_pushed_groups": forged.get("pushed", 0),
+            "forger_retired": f"worker {wid} retired as untrusted" in coord_log,
+            # received from it, less what was dropped at retirement: trained on, or dropped as stale (an upper bound)
+            "forged_consumed_at_most": acc["by_worker"].get(wid, 0) - acc["dropped"].get("untrusted", 0),
+            "dropped_untrusted": acc["dropped"].get("untrusted", 0),
+            "honest_flagged_or_retired": sum(f"worker {w} flagged" in coord_log or f"worker {w} retired as untrusted"
+                                             in coord_log for w in honest),
+            "log_ratio": ratios, "steps": len(records)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--port", type=int, default=29631)
+    p.add_argument("--json", help="write the rows here too")
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="echo2-checks-") as tmp:
+        for s in args.staleness:
+            rows.append(run(s, args.steps, Path(tmp), args.port))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'S':>2} {'forger retired':>14} {'forged trained <=':>17} {'dropped untrusted':>17} "
+          f"{'honest false alarms':>19}  mean log-ratio per worker (* forger)")
+    for r in rows:
+        lr = ", ".join(f"{w}{'*' if w == r['forger'] else ''} {v:+.3f}" for w, v in sorted(r["log_ratio"].items()))
+        print(f"{r['S']:>2} {str(r['forger_retired']):>14} {r['forged_consumed_at_most']:>17} "
+              f"{r['dropped_untrusted']:>17} {r['honest_flagged_or_retired']:>19}  {lr}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
