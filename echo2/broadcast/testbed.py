@@ -8,7 +8,7 @@
 Host i has address 127.100.0.(10+i) with route_localnet, so a command run outside its namespace by mistake can
 only ever reach loopback. Upload cap: HTB on the host's wan0; download cap: HTB on its switch port. Everything
 has a unique prefix (``e2b<pid>``) and is deleted on exit, also on failure (context manager + atexit).
-Needs root, iproute2 and the ``iptables`` binary (shared/research/wan-testbed.md has the measurements).
+Needs root, iproute2 and the ``iptables`` binary (docs/design.md §5, has the measurements).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Nothing here touches a model hub: the tokenizer is a `tokenizers` WordLevel mode
 the model is `Qwen3ForCausalLM` from a config. Both are saved once into a cache folder keyed by a hash of
 their settings, so every process (learner ranks, workers, tests) loads the same files.
 
-Two choices are forced by vLLM on CPU (see shared/research/stack.md and vllm-cpu.md):
+Two choices are forced by vLLM on CPU (docs/design.md §5):
 ``head_dim`` stays at 32 (vLLM's CPU attention rejects 16), and embeddings are untied (vLLM's
 ``reload_weights`` leaves a tied LM head stale).
 

@@ -1,4 +1,4 @@
-"""The asynchronous source: rollouts from remote worker agents, each at most S versions stale (DESIGN §2).
+"""The asynchronous source: rollouts from remote worker agents, each at most S versions stale (docs/design.md §1).
 
     learner step t:  collect() ── coordinator.take(P) ──► P scored groups, every one with t − x ≤ S
                      ...loss, optimizer step...
