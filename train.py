@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from echo2.config import register_configs, validate
+from echo2.config import check_overrides, register_configs, validate
 from echo2.env import configure_process, run_token, world
 
 log = logging.getLogger("echo2")
@@ -194,4 +194,6 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
+    if bad := check_overrides(sys.argv[1:]):  # before Hydra: its message would suggest adding the key with +
+        sys.exit("invalid override:\n  " + "\n  ".join(bad))
     main()
