@@ -21,7 +21,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
+from hydra.utils import get_original_cwd, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from echo2.config import check_overrides, register_configs, validate
@@ -88,7 +88,9 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
                          publish_interval=cfg.broadcast.interval, token=token,
                          resume=resumed["source"] if resumed and resumed["source"] else None,
                          activation={**OmegaConf.to_container(cfg.activation), "interval": cfg.broadcast.interval,
-                                     "broadcast": _mode(cfg.broadcast.sender.get("topology", "chain"))})
+                                     "broadcast": _mode(cfg.broadcast.sender.get("topology", "chain")),
+                                     "workdir": get_original_cwd() if HydraConfig.initialized()
+                                     else os.getcwd()})
     source = instantiate(cfg.rollout.source, ctx=ctx)
     log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(source).__name__,
              cfg.rollout.staleness, cfg.rollout.prompts_per_step, cfg.rollout.group_size, token_origin)

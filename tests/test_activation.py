@@ -166,3 +166,23 @@ def test_online_replanning_has_hysteresis():
     online2 = OnlineActivation("exact", hysteresis=0.1)
     online2.update(system, workers)
     assert online2.update(system, [replace(workers[0], rollouts_per_s=4.0), *workers[1:]]) is None
+
+
+def test_on_change_runs_from_where_train_py_was_started(tmp_path):
+    """``activation.on_change='sh stop_or_start.sh'`` as the README writes it: a path relative to the directory
+    the user started train.py in (not the run dir), told the run dir and who was switched off."""
+    from types import SimpleNamespace
+
+    from echo2.rollout.activation import Activation
+
+    launch, run_dir = tmp_path / "launch", tmp_path / "run"
+    launch.mkdir()
+    run_dir.mkdir()
+    (launch / "stop_or_start.sh").write_text('echo "$ECHO2_DEACTIVATED $ECHO2_RUN_DIR" > "$ECHO2_RUN_DIR/hook.out"\n')
+    act = Activation({"on_change": "sh stop_or_start.sh", "workdir": str(launch)}, 2, 64, run_dir=str(run_dir))
+    act.active = frozenset({"w1"})
+    workers = [SimpleNamespace(worker_id=w, snapshot_url=None, relay=None, usd_per_hour=1.0) for w in ("w1", "w2")]
+    act._run_hook(workers, frozenset(), frozenset({"w2"}))
+    act.hooks[0].wait(timeout=30)
+    assert act.hooks[0].returncode == 0, (run_dir / "activation_hook.log").read_text()
+    assert (run_dir / "hook.out").read_text().split() == ["w2", str(run_dir)]

@@ -136,3 +136,13 @@ def test_min_workers_times_out_with_a_clear_error_and_stops_its_coordinator(tmp_
             for pid in descendants(os.getpid()) - before}
     left = {pid: cmd for pid, cmd in left.items() if b"resource_tracker" not in cmd}  # multiprocessing's, for life
     assert not left, left  # the coordinator process it started was stopped
+
+
+def test_install_puts_the_checkout_on_the_venv_path_so_modules_run_from_anywhere(tmp_path):
+    """``python -m echo2.report`` from outside the checkout: install.sh's .pth step, run on a bare venv."""
+    step = next(line for line in (ROOT / "install.sh").read_text().splitlines() if "echo2.pth" in line)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "v")], check=True, timeout=120)
+    subprocess.run(["bash", "-c", f'py={tmp_path / "v/bin/python"}; cd {ROOT}; {step}'], check=True, timeout=60)
+    out = subprocess.run([str(tmp_path / "v/bin/python"), "-c", "import echo2; print(echo2.__file__)"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == str(ROOT / "echo2" / "__init__.py"), out.stderr

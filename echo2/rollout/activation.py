@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 class Activation:
     def __init__(self, cfg: dict[str, Any], staleness: int, rollouts_per_step: int, run_dir: str | None = None):
-        # conf/activation's defaults (its schema), plus what train.py adds from the broadcast group
+        # conf/activation's defaults (its schema), plus what train.py adds: from the broadcast group, and the
+        # directory it was started from (``workdir``, where activation.on_change runs)
         self.cfg = {**asdict(ActivationConfig()), "interval": 1, "broadcast": "pipelined", **cfg}
         self.staleness, self.R = staleness, rollouts_per_step
         self.online = OnlineActivation(self.cfg["solver"], self.cfg["hysteresis"])
@@ -95,13 +96,15 @@ class Activation:
         if not self.cfg.get("on_change"):
             return
         ids = lambda xs: ",".join(sorted(xs))  # noqa: E731
-        env = dict(os.environ, ECHO2_ACTIVE=ids(self.active), ECHO2_ACTIVATED=ids(on), ECHO2_DEACTIVATED=ids(off),
-                   ECHO2_REPLAN=str(self.online.replans), ECHO2_WORKERS_JSON=json.dumps([
+        env = dict(os.environ, ECHO2_RUN_DIR=self.run_dir, ECHO2_ACTIVE=ids(self.active), ECHO2_ACTIVATED=ids(on),
+                   ECHO2_DEACTIVATED=ids(off), ECHO2_REPLAN=str(self.online.replans), ECHO2_WORKERS_JSON=json.dumps([
                        {"id": w.worker_id, "snapshot_url": w.snapshot_url, "relay": w.relay,
                         "usd_per_hour": w.usd_per_hour, "active": w.worker_id in self.active} for w in workers]))
         with open(os.path.join(self.run_dir, "activation_hook.log"), "ab") as out:
-            self.hooks.append(subprocess.Popen(self.cfg["on_change"], shell=True, cwd=self.run_dir, env=env,
-                                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            # From where train.py was started, so that a relative path in the command means what the user typed.
+            self.hooks.append(subprocess.Popen(self.cfg["on_change"], shell=True, cwd=self.cfg.get("workdir"),
+                                               env=env, stdout=out, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
         log.info("activation.on_change started (pid %d)", self.hooks[-1].pid)
 
     def _reap_hooks(self) -> None:
