@@ -129,9 +129,14 @@ def test_wan_launcher_puts_each_worker_in_its_own_shaped_host(tmp_path):
 
 def test_min_workers_times_out_with_a_clear_error_and_stops_its_coordinator(tmp_path):
     before = descendants(os.getpid())
-    with pytest.raises(Exception, match=r"only 0 of rollout.source.min_workers=2 workers registered"):  # via Hydra
-        build_run(tmp_path, ["rollout=async", "pool=static", "rollout.source.min_workers=2",
-                             "rollout.source.take_timeout_s=1"])
+    _, _, source, _ = build_run(tmp_path, ["rollout=async", "pool=static", "rollout.source.min_workers=2",
+                                           "rollout.source.take_timeout_s=1"])
+    try:  # the first step waits for them
+        with pytest.raises(TimeoutError, match=r"2 workers to register \(rollout.source.min_workers=2; 0 so far\)"
+                                               r".*take_timeout_s.*pool=static starts no worker"):
+            source.collect([{}] * 16, 0)
+    finally:
+        source.close()
     left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
             for pid in descendants(os.getpid()) - before}
     left = {pid: cmd for pid, cmd in left.items() if b"resource_tracker" not in cmd}  # multiprocessing's, for life
@@ -146,3 +151,27 @@ def test_install_puts_the_checkout_on_the_venv_path_so_modules_run_from_anywhere
     out = subprocess.run([str(tmp_path / "v/bin/python"), "-c", "import echo2; print(echo2.__file__)"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == str(ROOT / "echo2" / "__init__.py"), out.stderr
+
+
+@pytest.mark.slow
+def test_a_run_waiting_for_workers_says_so_and_stops_at_the_first_sigterm(tmp_path):
+    """pool.workers=0: the learner's first step waits for rollouts that never come. It says what it waits for
+    (periodically, naming the option), and one SIGTERM ends the run at once with a summary.json."""
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "train.py", "pool.workers=0", "run.steps=2", "run.wandb=disabled",
+                                 "rollout.source.wait_log_s=1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: log.read_text().count("waiting") >= 2, timeout_s=300)
+        text = log.read_text()
+        assert "16 rollout groups for step 1: 0 workers connected" in text and "pool.workers=0" in text, text[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]  # was: ~65 s, then no summary
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["stopped_by"] == "SIGTERM"
+    assert summary["rollout_accounting"]["dispatched"] == 0

@@ -58,6 +58,11 @@ class StaticPool:
         log.info("waiting for workers to join %s (token in the run's resolved config is not printed)",
                  coordinator_url)
 
+    def describe(self, coordinator_url: str) -> str:
+        """Where this pool's workers come from (for the learner's waiting lines)."""
+        return (f"pool=static starts no worker: start them elsewhere with `python -m echo2.worker --coordinator "
+                f"{coordinator_url} --model MODEL` (launchers/join.sh) and the run's ECHO2_TOKEN")
+
     def stop(self) -> None:
         pass
 
@@ -114,6 +119,15 @@ class LocalPool:
         log.info("started local worker %d (pid %d, engine %s, vLLM threads on core %d%s)", i, proc.pid, self.engine,
                  core, ", pinned" if pin else "")
         return proc
+
+    def describe(self, coordinator_url: str) -> str:
+        """Where this pool's workers come from, and how the started ones fare (for the learner's waiting lines)."""
+        if self.n == 0:
+            return "pool=local with pool.workers=0 starts no worker: set pool.workers=N, or join workers yourself"
+        dead = [f"worker{i} (exit {p.returncode})" for i, p in enumerate(self.procs) if p.poll() is not None]
+        logs = f"; logs in {self.log_dir}/worker*.log" if self.log_dir else ""
+        return (f"pool=local started pool.workers={self.n}" + (f", exited: {', '.join(dead)}" if dead else "")
+                + logs)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM every agent (each stops its own engine), wait, then SIGKILL stragglers."""
