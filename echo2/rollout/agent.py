@@ -38,6 +38,10 @@ from echo2.rollout.wire import Client, RemoteError
 log = logging.getLogger("echo2.worker")
 
 
+class EngineError(RuntimeError):
+    """The local engine failed (not the network): the worker stops and says so."""
+
+
 class Agent:
     def __init__(self, coordinator_url: str, token: str, engine: Any, listen_host: str = "127.0.0.1",
                  advertise_host: str | None = None, max_groups: int = 4, stop: threading.Event | None = None,
@@ -129,7 +133,10 @@ class Agent:
             self.stop.wait(reply["wait_s"])
             return
         t0 = time.perf_counter()
-        groups = self.engine.generate([w["prompt_ids"] for w in reply["work"]], params)
+        try:
+            groups = self.engine.generate([w["prompt_ids"] for w in reply["work"]], params)
+        except OSError as e:  # the engine's failure (e.g. vLLM's 4xx), not the coordinator's: never retried as such
+            raise EngineError(f"the {self.engine.name} engine failed to generate: {e}") from e
         rate = len(groups) * params.n / max(time.perf_counter() - t0, 1e-9)
         results = [{"group_id": w["group_id"], "version": self.version,
                     "completions": [{"token_ids": c.token_ids, "logprobs": c.logprobs,
@@ -177,7 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True, help="the same initial weights as the learner (path or hub id)")
     p.add_argument("--engine", default=default_engine(), choices=["vllm", "hf"])
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=128, help="prompt + completion tokens (vLLM)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion tokens the engine holds (default: the model's max_position_embeddings;"
+                        " the learner refuses a worker whose context is shorter than the run needs)")
     p.add_argument("--max-groups", type=int, default=4, help="groups asked for per pull")
     p.add_argument("--listen-host", default="127.0.0.1", help="where snapshots are received")
     p.add_argument("--advertise-host", default=None, help="address the learner and other workers reach this one at")
@@ -209,8 +218,17 @@ def main(argv: list[str] | None = None) -> None:
     # Before the engine starts: a SIGTERM during vLLM's start-up must still stop the server we launched.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    from echo2.models.hub import HubUnavailable, from_hub
+    from echo2.models.identity import model_identity
+
     try:
-        engine = build_engine(args.engine, args.model, args.dtype, args.max_model_len, stop, args.engine_log,
+        args.model = from_hub(args.model)  # a hub id becomes its local snapshot, or one clear error
+    except HubUnavailable as e:
+        p.error(str(e))
+    identity = model_identity(args.model)  # declared at registration: the learner refuses another model
+    max_model_len = args.max_model_len or identity["max_position_embeddings"]
+    try:
+        engine = build_engine(args.engine, args.model, args.dtype, max_model_len, stop, args.engine_log,
                               args.vllm_arg)
     except InterruptedError:
         log.info("worker stopped during engine start-up")
@@ -218,13 +236,23 @@ def main(argv: list[str] | None = None) -> None:
     agent = Agent(args.coordinator, args.token, engine, args.listen_host, args.advertise_host, args.max_groups,
                   stop=stop, snapshot_port=args.snapshot_port, relay_port=args.relay_port,
                   declared={"usd_per_hour": args.usd_per_hour, "down_mbit": args.downlink_mbit,
-                            "up_mbit": args.uplink_mbit, "rtt_ms": args.rtt_ms},
+                            "up_mbit": args.uplink_mbit, "rtt_ms": args.rtt_ms,
+                            "model": {k: identity[k] for k in ("name", "digest")}, "max_model_len": max_model_len},
                   reconnect_timeout_s=args.reconnect_timeout_s)
     try:
         agent.run()
-    except (RemoteError, OSError) as e:
+    except RemoteError as e:
+        if e.status == 409:  # the learner trains another model, or needs a longer context: nothing to retry
+            log.error("%s", e)
+            raise SystemExit(2) from None
         if not agent.stop.is_set():
             log.error("coordinator gone or refused us: %s", e)
+    except OSError as e:
+        if not agent.stop.is_set():
+            log.error("coordinator gone or refused us: %s", e)
+    except EngineError as e:
+        log.error("%s (see %s)", e, args.engine_log or "the engine's log")
+        raise SystemExit(3) from None
     finally:
         agent.shutdown()
         log.info("worker stopped")

@@ -25,8 +25,10 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from echo2.models.identity import model_identity
 from echo2.rollout.ledger import journal_path
 from echo2.rollout.protocols import RolloutContext, RunStopped
+from echo2.rollout.scoring import longest_prompt
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
 from echo2.rollout.types import RolloutGroup
 
@@ -34,6 +36,18 @@ log = logging.getLogger(__name__)
 
 WAIT_SLICE_S = 2.0
 """Longest single wait on the coordinator: how late a stop request (SIGTERM) or a progress line can be."""
+
+
+def run_needs(ctx: RolloutContext) -> dict[str, Any]:
+    """What every worker must serve (checked at registration): the learner's model (name and digest) and a
+    context of the longest training prompt plus the task's completion length, in tokens."""
+    t0 = time.perf_counter()
+    prompts = ctx.task.train_dataset()["prompt"]
+    need = {"model": model_identity(ctx.model_path, ctx.tokenizer),
+            "max_model_len": longest_prompt(ctx.tokenizer, list(prompts)) + ctx.sampling.max_tokens}
+    log.info("workers must serve %s (digest %s) with a context of >= %d tokens (measured in %.1f s)",
+             need["model"]["name"], need["model"]["digest"], need["max_model_len"], time.perf_counter() - t0)
+    return need
 
 
 class AsyncRolloutSource:
@@ -60,6 +74,9 @@ class AsyncRolloutSource:
                 "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
             # a plain dict: Hydra hands dicts in ``ctx`` on as DictConfigs tied to the whole (unpicklable) tree
             activation={k: ctx.activation[k] for k in ctx.activation} if ctx.activation else None)
+        self.kwargs["requires"] = self.requires = run_needs(ctx)
+        if getattr(self.pool, "max_model_len", 0) is None:  # local agents get the context the run needs
+            self.pool.max_model_len = self.requires["max_model_len"]
         recover = {"resume_offset": ctx.resume["journal_offset"]} if ctx.resume else None
         self.coordinator = self._spawn(recover)
         self.kwargs["port"] = urlsplit(self.coordinator.url).port  # a restarted coordinator listens where this one did

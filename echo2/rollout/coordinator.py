@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from echo2.models.identity import mismatch
 from echo2.rollout.activation import Activation
 from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
 from echo2.rollout.ledger import Ledger
@@ -38,6 +39,12 @@ from echo2.rollout.types import Completion, Rollout, RolloutGroup
 from echo2.rollout.wire import BadRequest, JsonServer
 
 log = logging.getLogger(__name__)
+
+
+class CannotServe(BadRequest):
+    """A registering worker serves another model, or too short a context (HTTP 409, the reason in the body)."""
+
+    status = 409
 
 
 @dataclass
@@ -70,10 +77,12 @@ class Coordinator:
                  host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
                  groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
                  activation: dict | None = None, journal: str | None = None, recover: dict | None = None,
-                 version: int = 0):
+                 version: int = 0, requires: dict | None = None):
         """``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
         ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
-        checkpoint taken at journal length N; ``version``: the learner's version then."""
+        checkpoint taken at journal length N; ``version``: the learner's version then. ``requires``: what a worker
+        must serve, ``{"model": identity, "max_model_len": tokens}`` (echo2/models/identity.py); None: no check."""
+        self.requires = requires
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
         self.S, self.P, self.G = staleness, prompts_per_step, group_size
         self.sampling, self.vocab_size = sampling, vocab_size
@@ -125,6 +134,8 @@ class Coordinator:
         return worker
 
     def _register(self, body: dict, _headers) -> dict:
+        if self.requires is not None and (why := mismatch(self.requires, body)):
+            raise CannotServe(f"this worker cannot serve this run: {why}")  # registered never: no work, no id
         with self.lock:
             relay_addr = body.get("relay")
             if relay_addr is not None and not (isinstance(relay_addr, str) and relay_addr.rpartition(":")[2].isdigit()):
@@ -141,7 +152,7 @@ class Coordinator:
         log.info("worker %s joined (%s engine, snapshots at %s)", worker.worker_id, worker.engine,
                  worker.snapshot_url)
         return {"worker_id": worker.worker_id, "version": self.version, "group_size": self.G,
-                "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4}
+                "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4, "requires": self.requires}
 
     def _heartbeat(self, body: dict, _headers) -> dict:
         with self.lock:
