@@ -41,10 +41,16 @@ def test_gsm8k_instantiates_on_local_fixture():
     assert task.train_dataset()[0]["answer"] == "29"
 
 
-def test_hub_models_name_the_hub_id():
+def test_hub_models_name_the_hub_id(tiny_model_dir):
+    """A hub id resolves to its local snapshot; offline without one (as here), to one error naming it."""
+    from echo2.models.hub import from_hub
+
     for name in [n for n in options("model") if n.startswith("qwen3")]:
         cfg = compose([f"model={name}"])
-        assert instantiate(cfg.model.path).startswith("Qwen/Qwen3-")
+        assert cfg.model.path.name_or_path.startswith("Qwen/Qwen3-")
+        with pytest.raises(Exception, match=rf"model '{cfg.model.path.name_or_path}' is not in the local"):
+            instantiate(cfg.model.path)
+    assert from_hub(tiny_model_dir) == tiny_model_dir
 
 
 @pytest.mark.parametrize("override", ["rollout.stalenes=4", "learner.lr=1e-3", "task.levle=copy", "run.step=3"])
