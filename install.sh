@@ -27,4 +27,5 @@ if ! command -v iptables >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
     || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends iptables >/dev/null 2>&1) \
     || echo "echo2: could not install iptables; the namespace WAN testbed will be unavailable"
 fi
+touch "$venv/.echo2-installed"  # launchers/join.sh installs until this exists
 echo "echo2: environment ready in $venv ($req)"
