@@ -195,3 +195,30 @@ def test_join_installs_once_when_an_array_starts_together(tmp_path):
     assert all(p.returncode == 0 for p in procs)
     assert (tmp_path / "log").read_text().split() == ["install"]
     assert all("ran -m echo2.worker --coordinator http://h:1 --model m" in o for o in outs), outs
+
+
+@pytest.mark.slow
+def test_wan_launcher_stopped_by_sigterm_writes_its_summary_and_removes_its_namespaces(tmp_path):
+    from echo2.broadcast import testbed
+
+    why = testbed.available()
+    if why:
+        pytest.skip(f"require_netns: {why}")
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    proc = subprocess.Popen([sys.executable, "launchers/wan.py", "--workers", "1", "--engine", "hf", "--port", "29612",
+                             "--", "run.steps=1000", "run.eval_every_steps=0", "run.wandb=disabled",
+                             "run.progress=false", f"hydra.run.dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text(),
+                   timeout_s=400)  # it trains: the worker in its own host reached the learner
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and 1 <= summary["steps"] < 1000
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
