@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from echo2.broadcast import delta, relay
 from echo2.broadcast import topology as topo
+from echo2.rollout.rendezvous import reachable_host
 from echo2.rollout.wire import Client
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ class RelayBroadcaster:
         self.store = relay.Store(keep=2)
         self.server = relay.RelayServer(self.store, token, host, port,
                                         link=relay.Link(up_mbit=uplink_mbit, latency_s=latency_ms / 1e3)).start()
-        self.origin = (advertise_host or self.server.addr[0], self.server.addr[1])
+        # Bound to every interface (0.0.0.0), it is reached at this machine's name unless told otherwise.
+        self.origin = (advertise_host or reachable_host(self.server.addr[0]), self.server.addr[1])
         self.peers: dict[str, Peer] = {}
         self.latest: int | None = None
         self.full_manifest: dict | None = None  # of the latest version

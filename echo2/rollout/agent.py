@@ -179,7 +179,9 @@ def default_engine() -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m echo2.worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--coordinator", required=True, help="the learner's coordinator URL, http://HOST:PORT")
+    p.add_argument("--coordinator", required=True,
+                   help="the learner's coordinator URL, http://HOST:PORT, or the path of its run dir's "
+                        "coordinator.json (waited for; on a cluster's shared filesystem)")
     p.add_argument("--token", default=os.environ.get("ECHO2_TOKEN"), help="the run's token (default $ECHO2_TOKEN)")
     p.add_argument("--model", required=True, help="the same initial weights as the learner (path or hub id)")
     p.add_argument("--engine", default=default_engine(), choices=["vllm", "hf"])
@@ -226,7 +228,14 @@ def main(argv: list[str] | None = None) -> None:
     except HubUnavailable as e:
         p.error(str(e))
     identity = model_identity(args.model)  # declared at registration: the learner refuses another model
-    max_model_len = args.max_model_len or identity["max_position_embeddings"]
+    needed = None
+    if not args.coordinator.startswith(("http://", "https://")):  # a learner that may not have started yet
+        from echo2.rollout import rendezvous
+
+        found = rendezvous.read(args.coordinator, args.reconnect_timeout_s)
+        log.info("learner found in %s: %s (context %d tokens)", args.coordinator, found["url"], found["max_model_len"])
+        args.coordinator, needed = found["url"], found["max_model_len"]
+    max_model_len = args.max_model_len or needed or identity["max_position_embeddings"]
     try:
         engine = build_engine(args.engine, args.model, args.dtype, max_model_len, stop, args.engine_log,
                               args.vllm_arg)

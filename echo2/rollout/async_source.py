@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from echo2.models.identity import model_identity
+from echo2.rollout import rendezvous
 from echo2.rollout.ledger import journal_path
 from echo2.rollout.protocols import RolloutContext, RunStopped
 from echo2.rollout.scoring import longest_prompt
@@ -80,6 +81,7 @@ class AsyncRolloutSource:
         recover = {"resume_offset": ctx.resume["journal_offset"]} if ctx.resume else None
         self.coordinator = self._spawn(recover)
         self.kwargs["port"] = urlsplit(self.coordinator.url).port  # a restarted coordinator listens where this one did
+        rendezvous.write(ctx.run_dir, self.coordinator.url, self.requires)
         self.pool.start(self.coordinator.url, ctx.token, ctx.model_path, ctx.run_dir)
         self.min_workers, self.wait_log_s = min_workers, wait_log_s
         self.stop_requested = False
@@ -106,7 +108,8 @@ class AsyncRolloutSource:
     def _waiting_on(self) -> str:
         """What the rollout plane holds now, and where workers should come from."""
         st = self._call("status")
-        where = self.pool.describe(self.coordinator.url) if hasattr(self.pool, "describe") else ""
+        url = rendezvous.advertised_url(self.coordinator.url)
+        where = self.pool.describe(url) if hasattr(self.pool, "describe") else ""
         return (f"{len(st['workers'])} workers connected ({st['registered']} registered since the start, "
                 f"rollout.source.min_workers={self.min_workers}), {st['buffered_groups']} groups buffered, "
                 f"{st['in_flight_groups']} in flight; {where}").rstrip("; ")
