@@ -137,3 +137,34 @@ def test_local_pool_gets_the_context_the_run_needs(tmp_path):
         assert source.pool.max_model_len == need and source.requires["model"]["digest"]
     finally:
         source.close()
+
+
+def test_an_engine_failure_is_not_taken_for_an_unreachable_coordinator(tiny_model_dir):
+    """vLLM's 4xx is an OSError (requests.HTTPError) from the engine: the agent stops with the engine's error at
+    once, instead of retrying it as 'coordinator not reachable' for --reconnect-timeout-s."""
+    import requests
+
+    from echo2.rollout.agent import Agent, EngineError
+    from echo2.rollout.types import SamplingParams
+
+    class Failing:
+        name, calls = "vllm", 0
+
+        def generate(self, prompts, params):
+            self.calls += 1
+            raise requests.HTTPError("400 Client Error: Bad Request (prompt longer than max_model_len)")
+
+        def close(self):
+            pass
+
+    coord = small_coordinator(tiny_model_dir)
+    engine = Failing()
+    agent = Agent(coord.url, "secret", engine, reconnect_timeout_s=600)
+    try:
+        agent.worker_id = agent._register()["worker_id"]
+        with pytest.raises(EngineError, match="the vllm engine failed to generate: 400 Client Error"):
+            agent._retrying(lambda: agent._step(SamplingParams(n=2, max_tokens=3)))
+        assert engine.calls == 1
+    finally:
+        agent.receiver.close()
+        coord.close()
