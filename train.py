@@ -24,8 +24,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from echo2.config import register_configs, validate
+from echo2.config import check_overrides, register_configs, validate
 from echo2.env import configure_process, run_token, world
+from echo2.rollout.protocols import RunStopped
 
 log = logging.getLogger("echo2")
 register_configs()
@@ -172,6 +173,7 @@ def main(cfg: DictConfig) -> dict:
         if callback.stop_requested:
             signal.default_int_handler(signum, frame)
         callback.stop_requested = signal.Signals(signum).name
+        source.request_stop()  # a step still waiting for workers or rollouts ends now, without training
         log.warning("%s: stopping after this step (again to stop now)", callback.stop_requested)
 
     signal.signal(signal.SIGTERM, on_stop)
@@ -179,6 +181,8 @@ def main(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=checkpoint)
+    except RunStopped as e:
+        log.warning("%s; the run ends after %d steps", e, trainer.state.global_step)
     finally:
         accounting = source.close()
     summary = callback.summary(wall_s=time.perf_counter() - t0, learner_backend=trainer.backend(),
@@ -189,12 +193,15 @@ def main(cfg: DictConfig) -> dict:
 
         print(summary_table(summary, load(run_dir)["records"]), flush=True)
     evals = summary["eval_accuracy_by_step"]
-    log.info("done: %d steps in %.1f s (%s x %d); reward %.3f at step 1 -> %.3f over the last 20; "
+    num = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731 (no step: no reward)
+    log.info("done: %d steps in %.1f s (%s x %d); reward %s at step 1 -> %s over the last 20; "
              "eval accuracy %s; run dir %s", summary["steps"], summary["wall_s"], summary["learner_backend"],
-             world_size, summary["reward_first"], summary["reward_last20_mean"],
+             world_size, num(summary["reward_first"]), num(summary["reward_last20_mean"]),
              " -> ".join(f"{a:.3f}@{s}" for s, a in evals.items()) or "off", run_dir)
     return summary
 
 
 if __name__ == "__main__":
+    if bad := check_overrides(sys.argv[1:]):  # before Hydra: its message would suggest adding the key with +
+        sys.exit("invalid override:\n  " + "\n  ".join(bad))
     main()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # size MB : link Mbit/s : RTT ms. Aggregate emulated traffic is kept at <= ~2 Gbit/s for N = 8 (2 cores; see
-# shared/research/wan-testbed.md), so the 1 Gbit/s rows stop at N = 4 here.
+# docs/design.md §5), so the 1 Gbit/s rows stop at N = 4 here.
 GRID = ["50:100:40", "50:100:150", "200:250:100", "500:1000:20"]
 
 

@@ -11,9 +11,9 @@ worker i; μ = Σ_{i∈A} μ_i.
 
 Derivation. Let the learner's steps last T_step = T_train + I (I: time it waits for rollouts). Version v is
 published when step v−1's compute ends and is usable by every worker L = T_bcast + T_load + T_batch later.
-Step t may consume rollouts from versions x ≥ t − S (DESIGN §2). Only every κ-th version is published, so in
-the worst phase the oldest usable published version is p = t − S + κ − 1, usable from p·T_step + L; step t's
-R rollouts must be ready when its compute starts, at t·T_step + I. Its generation window is therefore
+Step t may consume rollouts from versions x ≥ t − S (docs/design.md §1). Only every κ-th version is published,
+so in the worst phase the oldest usable published version is p = t − S + κ − 1, usable from p·T_step + L; step
+t's R rollouts must be ready when its compute starts, at t·T_step + I. Its generation window is therefore
 
     W = (S − κ + 1)·T_step + I − L
 
@@ -36,7 +36,7 @@ Checks: S = 0, κ = 1 gives T_step = T_train + L + R/μ (synchronous: train, dis
 Large S gives μ_req → R/T_train (rate matching). A larger L (slow WAN, one-to-many) raises μ_req or makes small
 S infeasible.
 
-Where this differs from the paper's reconstructed rule (DESIGN §4, ``paper_required_rate``):
+Where this differs from the paper's reconstructed rule (docs/design.md §3; ``paper_required_rate``):
 T_bcast + κR/μ ≤ κ·T_train, i.e. μ ≥ κR/(κ·T_train − T_bcast). That rule assumes the κR rollouts of a window
 are generated only after its snapshot arrived. echo2's workers keep generating with the version they hold
 while the next one streams in (the relay runs beside the engine; the agent applies between batches), and the
@@ -44,10 +44,10 @@ buffer admits those rollouts as long as their lag is ≤ S; so generation overla
 requirement is the rate R/T_train as soon as the window (S − κ + 1)·T_train − L is at least one step, where
 the paper's rule still asks for κ/(κ − T_bcast/T_train) times more. Conversely, its schedule (generate the
 window's κR rollouts with version p after p arrives, consume them in the next window) consumes version-p
-rollouts up to 2κ − 1 steps after p: with the default κ = S − 1 that exceeds S once S ≥ 4, which DESIGN §2's
-admission rule forbids, so there the rule is not sufficient (paper example: R = 512, T_train = 60 s,
-T_bcast = 120 s, S = 4, κ = 3: the rule asks 25.6 rollouts/s; here the window is empty and the learner must
-wait whatever μ). The paper's rule also omits T_load and T_batch; here they delay usability like T_bcast.
+rollouts up to 2κ − 1 steps after p: with the default κ = S − 1 that exceeds S once S ≥ 4, which the
+admission rule (docs/design.md §1) forbids, so there the rule is not sufficient (paper example: R = 512,
+T_train = 60 s, T_bcast = 120 s, S = 4, κ = 3: the rule asks 25.6 rollouts/s; here the window is empty and the
+learner must wait whatever μ). The paper's rule also omits T_load and T_batch; here they delay usability like T_bcast.
 
 Queued dissemination. If T_bcast > κ·T_step, rounds run back to back (each sends the newest published
 version when it starts): versions reach workers every T_bcast seconds, not every κ steps, and each round
@@ -244,6 +244,7 @@ def queued_step_time_s(rollouts_per_step: float, train_step_s: float, staleness:
 
 
 def paper_required_rate(rollouts_per_step: float, train_step_s: float, interval: int, bcast_s: float) -> float:
-    """The reconstructed ECHO-2 rule (DESIGN §4): κR / (κ·T_train − T_bcast); inf when κ·T_train ≤ T_bcast."""
+    """The reconstructed ECHO-2 rule (docs/design.md §3): κR / (κ·T_train − T_bcast); inf when
+    κ·T_train ≤ T_bcast."""
     room = interval * train_step_s - bcast_s
     return interval * rollouts_per_step / room if room > 0 else math.inf

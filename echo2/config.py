@@ -6,6 +6,9 @@ composed, before anything starts. Each knob's meaning and units are documented i
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -144,12 +147,82 @@ def register_configs() -> None:
 
 
 WANDB_MODES = ("offline", "online", "disabled")
+TASK_SCHEMAS = (ArithTaskConfig, KuhnTaskConfig, Gsm8kTaskConfig)
+
+
+def unknown_key(dotted: str) -> str | None:
+    """Why ``dotted`` (an override's key, e.g. ``rollout.stalenes``) is not an option, or None if it may be one.
+    Walks the structured configs; below a field typed ``Any`` or ``dict`` (``rollout.source``, ``pool``,
+    ``learner.trl``, ``learner.deepspeed``) anything goes. ``task`` keys are checked against every task's schema."""
+    parts = dotted.lstrip("+~").split(".")
+    if parts[0] == "hydra" or "/" in parts[0]:
+        return None
+    nodes: tuple = (Config,)
+    for depth, key in enumerate(parts):
+        fields: dict[str, Any] = {}
+        for node in nodes:
+            fields.update(typing.get_type_hints(node))
+        if key not in fields:
+            if depth == 0 and key in GROUPS_WITHOUT_SCHEMA:
+                return None
+            where = ".".join(parts[:depth]) or "the top level"
+            near = difflib.get_close_matches(key, [f for f in fields if not f.startswith("_")], n=1)
+            hint = f" (did you mean {'.'.join(parts[:depth] + near)}?)" if near else ""
+            return (f"{dotted.lstrip('+~')}: no such option in {where}{hint}; every option is listed in "
+                    "docs/config.md")
+        hint = fields[key]
+        if typing.get_origin(hint) is typing.Union:  # Optional[X]
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        if depth == 0 and key == "task":
+            nodes = TASK_SCHEMAS
+        elif dataclasses.is_dataclass(hint):
+            nodes = (hint,)
+        else:
+            return None  # a value (or a free-form node): Hydra and the component check it
+    return None
+
+
+GROUPS_WITHOUT_SCHEMA = ("experiment",)
+
+
+def check_overrides(argv: list[str]) -> list[str]:
+    """The errors of command-line overrides that name no option, ``+key=value`` included (Hydra would add such
+    a key to a structured config silently). Run before Hydra composes, so that ``--cfg job`` fails too."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    candidates = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except Exception:
+        return []  # not ours to judge: Hydra reports malformed overrides itself
+    return [why for o in overrides if not o.is_delete() and (why := unknown_key(o.key_or_group))]
+
+
+def unknown_keys(cfg: Any) -> list[str]:
+    """Keys of a composed config that its structured configs do not declare (e.g. added with ``+``)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    out = []
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, DictConfig):
+            return
+        kind = OmegaConf.get_type(node)
+        for key in node.keys():
+            dotted = f"{prefix}{key}"
+            if dataclasses.is_dataclass(kind) and key not in {f.name for f in dataclasses.fields(kind)}:
+                out.append(unknown_key(dotted) or f"{dotted}: no such option")
+            else:
+                walk(node._get_node(key), dotted + ".")
+
+    walk(cfg, "")
+    return out
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Fail fast, with the key to change, on settings that compose but cannot run."""
     r = cfg.rollout
-    errors = []
+    errors = unknown_keys(cfg)
     if r.group_size < 2:
         errors.append(f"rollout.group_size={r.group_size}: GRPO needs at least 2 completions per prompt")
     if r.prompts_per_step < 1 or r.prompts_per_step % world_size:

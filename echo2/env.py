@@ -6,7 +6,7 @@ import os
 
 
 def configure_process() -> None:
-    """Defaults measured to matter on small CPU machines (shared/research/stack.md); each can be overridden.
+    """Defaults measured to matter on small CPU machines (docs/design.md §5); each can be overridden.
 
     ``OMP_NUM_THREADS=1``: with 2 OpenMP threads on a busy 2-core box a tiny fwd+bwd went from 16 ms to 1.3 s.
     """

@@ -18,17 +18,17 @@ import hmac
 import http.client
 import ipaddress
 import json
+import logging
 import os
 import re
-import tempfile
-import logging
 import socket
 import ssl
+import tempfile
 import threading
 from collections import Counter
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,6 +37,12 @@ import requests
 log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 64 << 20
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def reachable_host(host: str) -> str:
+    """The name others reach a server at: this machine's name for a wildcard bind, else the host as given."""
+    return socket.getfqdn() if host in WILDCARDS else host
 
 
 class BadRequest(Exception):

@@ -5,17 +5,25 @@
 #   launchers/join.sh https://LEARNER_HOST:PORT --ca-hash sha256:... --model Qwen/Qwen3-4B [worker options]
 #   (the learner prints the URL and the run CA's fingerprint when it starts)
 #
-# First time on a box: sets up .venv with ./install.sh (--gpu where nvidia-smi sees a GPU). Every option
-# after the URL goes to `python -m echo2.worker` (--help lists them: --engine, --dtype, --usd-per-hour,
-# --advertise-host, --snapshot-port, --relay-port, --vllm-arg ...). The learner must reach this box's snapshot
+# First time on a box: sets up .venv with ./install.sh (--gpu where nvidia-smi sees a GPU), once even when many
+# tasks of an array start together in one shared checkout; $ECHO2_PYTHON: use that interpreter, install nothing.
+# Every option after the URL goes to `python -m echo2.worker` (--help lists them: --engine, --dtype,
+# --max-model-len, --usd-per-hour, --advertise-host, --snapshot-port, --relay-port, --vllm-arg ...). The learner must reach this box's snapshot
 # port, and other workers its relay port: on a rented box open both and pass --advertise-host <public IP>.
 set -euo pipefail
 url=${1:?usage: launchers/join.sh https://LEARNER:PORT --ca-hash sha256:... [--model M] [worker options]}
 shift
 cd "$(dirname "$0")/.."
 : "${ECHO2_TOKEN:?export ECHO2_TOKEN first: the credential of this worker for the run to join}"
-py=${ECHO2_PYTHON:-.venv/bin/python}
-if [ ! -x "$py" ]; then
-  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then ./install.sh --gpu; else ./install.sh; fi
+py=${ECHO2_PYTHON:-}
+if [ -z "$py" ]; then
+  py=.venv/bin/python
+  # Many array tasks may share this checkout: one installs (under a lock), the others wait and then use it.
+  exec 9>.venv.install.lock
+  flock 9
+  if [ ! -f .venv/.echo2-installed ]; then
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then ./install.sh --gpu; else ./install.sh; fi
+  fi
+  flock -u 9
 fi
 exec "$py" -m echo2.worker --coordinator "$url" "$@"

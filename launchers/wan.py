@@ -2,14 +2,14 @@
 """The learner plus N local worker agents, each in its own emulated WAN host (network namespaces, shaped links,
 a delay line: echo2/broadcast/testbed.py). Needs root and iptables (Linux).
 
-    sudo .venv/bin/python launchers/wan.py --workers 3 --link-mbit 100 --rtt-ms 40 -- run.steps=100 pool.engine=hf
+    sudo .venv/bin/python launchers/wan.py --workers 3 --link-mbit 100 --rtt-ms 40 --engine hf -- run.steps=100
     sudo .venv/bin/python launchers/wan.py --workers 4 --link-mbit 50 --learner-uplink-mbit 200 -- broadcast=one_to_many
 
 The learner (train.py with pool=static) runs on host 0, worker i (python -m echo2.worker) on host i; every
 worker's up- and downlink is shaped to --link-mbit, the learner's to --learner-uplink-mbit, and every pair of
-hosts is --rtt-ms apart. Arguments after ``--`` go to train.py. Ctrl-C stops the learner after its step (it
-writes its summary), then the workers; the namespaces are removed on exit, also on failure. Worker logs go to
-<run dir>/workers/.
+hosts is --rtt-ms apart. Arguments after ``--`` go to train.py. Ctrl-C or SIGTERM stops the learner after its
+step (it writes its summary; a second one stops it at once), then the workers; the namespaces are removed on
+exit, also on failure and on SIGTERM. Worker logs go to <run dir>/workers/.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from echo2.broadcast import testbed
+
+    def stop_now(signum, _frame):  # a SIGTERM before the learner runs: unwind, so the namespaces are removed
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop_now)
 
     why = testbed.available()
     if why:
@@ -77,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             workers.append(tb.popen(i, cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         print(f"wan: learner on {host0} (run dir {run_dir}), {args.workers} workers at {args.link_mbit} Mbit/s, "
               f"RTT {args.rtt_ms} ms", flush=True)
+
+        def on_term(signum, _frame):  # pass it on: the learner stops (after its step, with its summary), we clean up
+            if learner.poll() is None:
+                learner.send_signal(signum)
+
+        signal.signal(signal.SIGTERM, on_term)
         try:
             code = learner.wait()
         except KeyboardInterrupt:  # our Ctrl-C reached the learner too: it stops after its step

@@ -38,7 +38,7 @@ def test_required_rate_falls_with_S_to_rate_matching_and_beats_no_one():
 
 
 def test_paper_rule_where_it_differs():
-    # DESIGN §4's worked example: R = 512, T = 60 s, T_bcast = 120 s.
+    # docs/design.md §3's worked example: R = 512, T = 60 s, T_bcast = 120 s.
     assert capacity.paper_required_rate(512, 60, 3, 120) == pytest.approx(25.6)
     assert not capacity.predict(512, 60, 4, 3, 120, 0, [25.6]).feasible  # κ = S−1 = 3 consumes lag 5 > S there
     assert capacity.predict(512, 60, 4, 1, 120, 0, [512 / 60]).utilization == pytest.approx(1.0)  # κ = 1 is fine
@@ -231,3 +231,25 @@ def test_train_hands_the_relay_shape_to_the_coordinator_process(tmp_path, caplog
     finally:
         source.close()
     assert "planned for a tree relay (fanout 3)" in (tmp_path / "coordinator.log").read_text()
+
+
+def test_on_change_runs_from_where_train_py_was_started(tmp_path, monkeypatch):
+    """``activation.on_change='sh stop_or_start.sh'`` as the README writes it: a path relative to the directory
+    the user started train.py in (not the run dir; the coordinator's process inherits that directory), told the
+    run dir and who was switched off."""
+    from types import SimpleNamespace
+
+    from echo2.activation.planner import Change
+    from echo2.rollout.activation import OnChangeHook
+
+    launch, run_dir = tmp_path / "launch", tmp_path / "run"
+    launch.mkdir()
+    run_dir.mkdir()
+    (launch / "stop_or_start.sh").write_text('echo "$ECHO2_DEACTIVATED $ECHO2_RUN_DIR" > "$ECHO2_RUN_DIR/hook.out"\n')
+    monkeypatch.chdir(launch)
+    hook = OnChangeHook("sh stop_or_start.sh", run_dir=str(run_dir))
+    workers = [SimpleNamespace(worker_id=w, snapshot_url=None, relay=None, usd_per_hour=1.0) for w in ("w1", "w2")]
+    hook(Change(active=frozenset({"w1"}), on=frozenset(), off=frozenset({"w2"}), replan=1), workers, "exact")
+    hook.running[0].wait(timeout=30)
+    assert hook.running[0].returncode == 0, (run_dir / "activation_hook.log").read_text()
+    assert (run_dir / "hook.out").read_text().split() == ["w2", str(run_dir)]

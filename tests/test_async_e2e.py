@@ -33,7 +33,8 @@ def test_activation_turns_off_a_worker_that_does_not_pay_and_costs_add_up(tmp_pa
     once it has measured both (2 workers cannot be faster than the learner's own step here), re-plans at least
     once, and the cost/ metrics accrue. activation.on_change (the cloud stop/start hook) is told which one."""
     hook = tmp_path / "hook.sh"  # one file per call: calls run in the background and may overlap
-    hook.write_text('printf "%s|%s|%s" "$ECHO2_ACTIVE" "$ECHO2_DEACTIVATED" "$ECHO2_WORKERS_JSON" > change.$ECHO2_REPLAN\n')
+    hook.write_text('printf "%s|%s|%s" "$ECHO2_ACTIVE" "$ECHO2_DEACTIVATED" "$ECHO2_WORKERS_JSON" '
+                    '> "$ECHO2_RUN_DIR/change.$ECHO2_REPLAN"\n')  # it runs from where train.py was started
     _, _, source, acc, records = train(tmp_path, [
         "pool.engine=hf", "run.steps=60", "pool.usd_per_hour=[0.05,5.0]", "activation.solver=exact",
         "activation.learner_usd_per_hour=1.0", "activation.replan_every_s=0.5", f"activation.on_change='sh {hook}'",
@@ -51,7 +52,7 @@ def test_activation_turns_off_a_worker_that_does_not_pay_and_costs_add_up(tmp_pa
             out[int(f.suffix[1:])] = (active, off, json.loads(workers))
         return out
 
-    # the call that switched the dear worker off (hooks run in the background, from the run dir)
+    # the call that switched the dear worker off (hooks run in the background)
     wait_until(lambda: any(off for _, off, _ in changes().values()), timeout_s=30,
                what="an on_change hook call that switched a worker off")
     seen = changes()

@@ -46,10 +46,14 @@ def test_multirun_gives_each_job_its_own_dir(tmp_path):
         assert yaml.safe_load((tmp_path / d / "resolved_config.yaml").read_text())["seed"] == num
 
 
-def test_typo_is_a_clear_error(tmp_path):
-    out = run_train(["rollout.stalenes=4", f"hydra.run.dir={tmp_path}"], tmp_path)
-    assert out.returncode != 0
-    assert "stalenes" in out.stderr and "Traceback" not in out.stderr
+@pytest.mark.parametrize("typo", ["rollout.stalenes=4", "+rollout.stalenes=4"])
+def test_typo_is_a_clear_error(tmp_path, typo):
+    """With or without Hydra's ``+`` (which adds a key unchecked), and even when only composing (--cfg job)."""
+    for extra in ([f"hydra.run.dir={tmp_path}"], ["--cfg", "job"]):
+        out = run_train([typo, *extra], tmp_path)
+        assert out.returncode != 0, out.stdout[-500:]
+        assert "rollout.stalenes" in out.stderr and "did you mean rollout.staleness" in out.stderr
+        assert "Traceback" not in out.stderr and "+rollout" not in out.stderr
 
 
 def test_experiment_runs_one_step(tmp_path):

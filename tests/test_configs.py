@@ -42,10 +42,16 @@ def test_gsm8k_instantiates_on_local_fixture():
     assert task.train_dataset()[0]["answer"] == "29"
 
 
-def test_hub_models_name_the_hub_id():
+def test_hub_models_name_the_hub_id(tiny_model_dir):
+    """A hub id resolves to its local snapshot; offline without one (as here), to one error naming it."""
+    from echo2.models.hub import from_hub
+
     for name in [n for n in options("model") if n.startswith("qwen3")]:
         cfg = compose([f"model={name}"])
-        assert instantiate(cfg.model.path).startswith("Qwen/Qwen3-")
+        assert cfg.model.path.name_or_path.startswith("Qwen/Qwen3-")
+        with pytest.raises(Exception, match=rf"model '{cfg.model.path.name_or_path}' is not in the local"):
+            instantiate(cfg.model.path)
+    assert from_hub(tiny_model_dir) == tiny_model_dir
 
 
 @pytest.mark.parametrize("override", ["rollout.stalenes=4", "learner.lr=1e-3", "task.levle=copy", "run.step=3"])
@@ -81,3 +87,34 @@ def test_deepspeed_settings_are_overridable():
     assert cfg.learner.deepspeed.zero_optimization.stage == 2
     assert cfg.learner.deepspeed.zero_optimization.overlap_comm is True
     assert compose(["learner=zero3"]).learner.deepspeed.zero_optimization.stage == 3
+
+
+@pytest.mark.parametrize("override, why", [
+    ("rollout.stalenes=4", "did you mean rollout.staleness"), ("+rollout.stalenes=4", "did you mean rollout.staleness"),
+    ("++run.stepz=3", "did you mean run.steps"), ("task.levl=mod10", "did you mean task.level"),
+    ("sede=1", "did you mean seed"), ("rollout.stalenes=0,2,4", "no such option in rollout"),
+])
+def test_an_override_that_names_no_option_is_refused_before_composing(override, why):
+    from echo2.config import check_overrides
+
+    errors = check_overrides([override])
+    assert len(errors) == 1 and why in errors[0] and "+" not in errors[0], errors
+
+
+@pytest.mark.parametrize("override", [
+    "rollout.staleness=4", "rollout=sync", "hydra/launcher=slurm", "experiment=mod10", "+learner.trl.top_entropy=1",
+    "rollout.source.min_workers=2", "pool.workers=3", "learner.deepspeed.zero_optimization.overlap_comm=true",
+    "model.path.name_or_path=/x", "hydra.run.dir=/tmp/x", "~run.group",
+])
+def test_real_options_and_free_form_nodes_pass_the_override_check(override):
+    from echo2.config import check_overrides
+
+    assert check_overrides([override]) == []
+
+
+def test_a_key_added_with_plus_fails_validation_after_composing():
+    """Hydra's ``+`` adds keys to structured configs unchecked; validate() catches what reaches it that way."""
+    cfg = compose(["+rollout.stalenes=4"])
+    with pytest.raises(ValueError, match=r"rollout.stalenes: no such option in rollout \(did you mean"):
+        validate(cfg)
+    validate(compose(["+learner.trl.top_entropy_quantile=0.2"]))  # a free-form node takes any key

@@ -129,10 +129,96 @@ def test_wan_launcher_puts_each_worker_in_its_own_shaped_host(tmp_path):
 
 def test_min_workers_times_out_with_a_clear_error_and_stops_its_coordinator(tmp_path):
     before = descendants(os.getpid())
-    with pytest.raises(Exception, match=r"only 0 of rollout.source.min_workers=2 workers registered"):  # via Hydra
-        build_run(tmp_path, ["rollout=async", "pool=static", "rollout.source.min_workers=2",
-                             "rollout.source.take_timeout_s=1"])
+    _, _, source, _ = build_run(tmp_path, ["rollout=async", "pool=static", "rollout.source.min_workers=2",
+                                           "rollout.source.take_timeout_s=1"])
+    try:  # the first step waits for them
+        with pytest.raises(TimeoutError, match=r"2 workers to register \(rollout.source.min_workers=2; 0 so far\)"
+                                               r".*take_timeout_s.*pool=static starts no worker"):
+            source.collect([{}] * 16, 0)
+    finally:
+        source.close()
     left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
             for pid in descendants(os.getpid()) - before}
     left = {pid: cmd for pid, cmd in left.items() if b"resource_tracker" not in cmd}  # multiprocessing's, for life
     assert not left, left  # the coordinator process it started was stopped
+
+
+def test_install_puts_the_checkout_on_the_venv_path_so_modules_run_from_anywhere(tmp_path):
+    """``python -m echo2.report`` from outside the checkout: install.sh's .pth step, run on a bare venv."""
+    step = next(line for line in (ROOT / "install.sh").read_text().splitlines() if "echo2.pth" in line)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "v")], check=True, timeout=120)
+    subprocess.run(["bash", "-c", f'py={tmp_path / "v/bin/python"}; cd {ROOT}; {step}'], check=True, timeout=60)
+    out = subprocess.run([str(tmp_path / "v/bin/python"), "-c", "import echo2; print(echo2.__file__)"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == str(ROOT / "echo2" / "__init__.py"), out.stderr
+
+
+@pytest.mark.slow
+def test_a_run_waiting_for_workers_says_so_and_stops_at_the_first_sigterm(tmp_path):
+    """pool.workers=0: the learner's first step waits for rollouts that never come. It says what it waits for
+    (periodically, naming the option), and one SIGTERM ends the run at once with a summary.json."""
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "train.py", "pool.workers=0", "run.steps=2", "run.wandb=disabled",
+                                 "rollout.source.wait_log_s=1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: log.read_text().count("waiting") >= 2, timeout_s=300)
+        text = log.read_text()
+        assert "16 rollout groups for step 1: 0 workers connected" in text and "pool.workers=0" in text, text[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]  # was: ~65 s, then no summary
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["stopped_by"] == "SIGTERM"
+    assert summary["rollout_accounting"]["dispatched"] == 0
+
+
+def test_join_installs_once_when_an_array_starts_together(tmp_path):
+    """16 SLURM array tasks in one shared checkout run join.sh at once: one ./install.sh, the rest wait for it."""
+    (tmp_path / "launchers").mkdir()
+    (tmp_path / "launchers" / "join.sh").write_text((ROOT / "launchers" / "join.sh").read_text())
+    (tmp_path / "install.sh").write_text(
+        "#!/usr/bin/env bash\nset -e\n"
+        "[ ! -e busy ] || echo overlap >> log\ntouch busy; echo install >> log; sleep 1\n"
+        "mkdir -p .venv/bin; printf '#!/bin/sh\\necho ran \"$@\"\\n' > .venv/bin/python; chmod +x .venv/bin/python\n"
+        "rm busy; touch .venv/.echo2-installed\n")
+    os.chmod(tmp_path / "install.sh", 0o755)
+    env = {k: v for k, v in os.environ.items() if k != "ECHO2_PYTHON"}
+    env.update(ECHO2_TOKEN="t", PATH="/usr/bin:/bin")  # no nvidia-smi on this PATH: the CPU install
+    procs = [subprocess.Popen(["bash", "launchers/join.sh", "http://h:1", "--model", "m"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert (tmp_path / "log").read_text().split() == ["install"]
+    assert all("ran -m echo2.worker --coordinator http://h:1 --model m" in o for o in outs), outs
+
+
+@pytest.mark.slow
+def test_wan_launcher_stopped_by_sigterm_writes_its_summary_and_removes_its_namespaces(tmp_path):
+    from echo2.broadcast import testbed
+
+    why = testbed.available()
+    if why:
+        pytest.skip(f"require_netns: {why}")
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    proc = subprocess.Popen([sys.executable, "launchers/wan.py", "--workers", "1", "--engine", "hf", "--port", "29612",
+                             "--", "run.steps=1000", "run.eval_every_steps=0", "run.wandb=disabled",
+                             "run.progress=false", f"hydra.run.dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text(),
+                   timeout_s=400)  # it trains: the worker in its own host reached the learner
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and 1 <= summary["steps"] < 1000
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before

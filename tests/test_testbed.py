@@ -56,3 +56,22 @@ def test_testbed_cleans_up_after_a_failure():
             assert "127.100.0.11" in tb.run(1, ["ip", "-br", "addr"])
             raise RuntimeError("boom")
     assert namespaces() == before
+
+
+@require_netns
+def test_a_host_has_loopback_and_still_reaches_the_others():
+    """A worker's vLLM server binds 127.0.0.1 in its host (free_port()); host-to-host traffic still crosses the
+    shaped links (127.100.0.x is not swallowed by loopback)."""
+    before = namespaces()
+    bind = "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print('bound', s.getsockname()[1])"
+    with testbed.NetnsTestbed([testbed.HostLink(50, 50)] * 2, rtt_ms=10, prefix="e2bt-i17lo") as tb:
+        assert tb.run(1, [sys.executable, "-c", bind]).startswith("bound")
+        serve = "import socket; s = socket.create_server(('127.100.0.10', 29777)); c, a = s.accept(); " \
+                "c.sendall(a[0].encode())"
+        server = tb.popen(0, [sys.executable, "-c", serve], stdout=subprocess.PIPE)
+        client = ("import socket, time\nfor _ in range(50):\n    try:\n"
+                  "        c = socket.create_connection(('127.100.0.10', 29777), timeout=5); break\n"
+                  "    except OSError: time.sleep(0.1)\nprint(c.recv(100).decode())")
+        assert tb.run(1, [sys.executable, "-c", client]).strip() == tb.addr(1)  # it came from host 1's address
+        server.wait(timeout=30)
+    assert namespaces() == before

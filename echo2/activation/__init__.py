@@ -1,2 +1,2 @@
-"""Cost-aware activation of priced rollout workers (DESIGN §5): ``solve`` (exact, greedy, all_on) and
+"""Cost-aware activation of priced rollout workers (docs/design.md §4): ``solve`` (exact, greedy, all_on) and
 ``online`` (re-planning with hysteresis). Pure: no sockets, threads or torch."""

@@ -1,4 +1,4 @@
-"""Which workers to run: the active set that minimises the cost of training (DESIGN §5). Pure.
+"""Which workers to run: the active set that minimises the cost of training (docs/design.md §4). Pure.
 
     cost per learner step = (learner $/h + Σ_{i∈A} worker $/h) / 3600 × T_step(A)
 

@@ -1,4 +1,4 @@
-"""Weight dissemination: how snapshot v reaches the rollout workers (DESIGN §3).
+"""Weight dissemination: how snapshot v reaches the rollout workers (docs/design.md §2).
 
 ``snapshot``     serialise a state dict (safetensors, never pickle)
 ``base``         the ``Broadcaster`` protocol the coordinator sees

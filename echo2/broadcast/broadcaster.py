@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from echo2.broadcast import delta, relay
 from echo2.broadcast import topology as topo
-from echo2.transport import PEER_NAME, Client
+from echo2.transport import PEER_NAME, Client, reachable_host
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class RelayBroadcaster:
         self.store = relay.Store(keep=2)
         self.server = relay.RelayServer(self.store, token, host, port,
                                         link=relay.Link(up_mbit=uplink_mbit, latency_s=latency_ms / 1e3)).start()
-        self.origin = (advertise_host or self.server.addr[0], self.server.addr[1])
+        # Bound to every interface (0.0.0.0), it is reached at this machine's name unless told otherwise.
+        self.origin = (advertise_host or reachable_host(self.server.addr[0]), self.server.addr[1])
         self.peers: dict[str, Peer] = {}
         self.latest: int | None = None
         self.full_manifest: dict | None = None  # of the latest version

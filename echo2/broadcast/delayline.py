@@ -1,6 +1,6 @@
 """Packet-level one-way delay (and optional jitter) without netem: the WAN testbed's delay line.
 
-As measured in shared/research/wan-testbed.md (Appendix B; RTTs accurate to +0.3-0.7 ms, 4 x 1 Gbit/s flows);
+As measured on this project's machines (RTTs accurate to +0.3-0.7 ms, 4 x 1 Gbit/s flows; docs/design.md);
 run by testbed.py inside the switch namespace under SCHED_FIFO.
 
 Binds an NFQUEUE with raw netlink (no extra packages), holds each queued IPv4

@@ -1,4 +1,4 @@
-"""Lossless sparse delta of a snapshot against one the receiver already holds (DESIGN §3).
+"""Lossless sparse delta of a snapshot against one the receiver already holds (docs/design.md §2).
 
 An RL step with a small learning rate moves few bf16 values by at least one unit in the last place, so most
 elements of snapshot v are bit-identical to v-κ. The delta lists, per word (2 bytes for bf16/fp16, 4 for

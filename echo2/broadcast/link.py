@@ -2,7 +2,7 @@
 
 Debt-based token buckets on the uplink and downlink plus a one-way latency (applied by relay.Snapshot as bytes
 become "visible"). Optimistic next to real links (no slow start, no header overhead): the namespace testbed
-(testbed.py) is what the broadcast figures use. Design and measurements: shared/research/wan-testbed.md §3.
+(testbed.py) is what the broadcast figures use. Measurements: docs/design.md §5.
 """
 
 from __future__ import annotations

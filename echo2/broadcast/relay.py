@@ -1,4 +1,4 @@
-"""The relay transport: snapshots streamed byte by byte from the learner through a tree of peers (DESIGN §3).
+"""The relay transport: snapshots streamed byte by byte from the learner through a tree of peers (docs/design.md §2).
 
     learner (origin) ══► peer a ══► peer b ══► peer c        chain: each peer pulls from its parent and serves
                                                                its children from the same buffer as bytes land

@@ -8,7 +8,7 @@
 Host i has address 127.100.0.(10+i) with route_localnet, so a command run outside its namespace by mistake can
 only ever reach loopback. Upload cap: HTB on the host's wan0; download cap: HTB on its switch port. Everything
 has a unique prefix (``e2b<pid>``) and is deleted on exit, also on failure (context manager + atexit).
-Needs root, iproute2 and the ``iptables`` binary (shared/research/wan-testbed.md has the measurements).
+Needs root, iproute2 and the ``iptables`` binary (docs/design.md §5, has the measurements).
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ class NetnsTestbed:
         queue = max(2_000_000, 2 * bdp)
         for i, (h, link) in enumerate(zip(self.hosts, self.links)):
             _sh("ip", "netns", "add", h)
+            # Loopback up (a worker's engine listens on 127.0.0.1) but as 127.0.0.1/32 only: the default /8 would
+            # make every host's 127.100.0.x address local here, and hosts could not reach each other.
+            _sh("ip", "-n", h, "link", "set", "lo", "up")
+            _sh("ip", "-n", h, "addr", "del", "127.0.0.1/8", "dev", "lo")
+            _sh("ip", "-n", h, "addr", "add", "127.0.0.1/32", "dev", "lo")
             _sh("ip", "netns", "exec", h, "sysctl", "-qw", "net.ipv4.conf.all.route_localnet=1",
                 "net.ipv4.conf.default.route_localnet=1", f"net.ipv4.tcp_wmem=4096 16384 {self.tcp_buf}",
                 f"net.ipv4.tcp_rmem=4096 131072 {self.tcp_buf}", "net.ipv4.tcp_congestion_control=bbr",

@@ -1,4 +1,4 @@
-"""Who pulls a snapshot from whom: pure planning, no sockets (DESIGN §3).
+"""Who pulls a snapshot from whom: pure planning, no sockets (docs/design.md §2).
 
     chain:  origin → p1 → p2 → ... → pN        every link carries each byte once; time ≈ M/B + N·(latency + piece)
     tree:   origin → p1 → {p2, p3}, p2 → {p4, p5}, ...   (binary heap order with ``fanout`` children per node)

@@ -9,7 +9,7 @@ How it differs from TRL's trainer (trl==1.16.0), and nothing else:
   token (``old_per_token_logps``). TRL instead recomputes them with the current weights or assumes
   ratio 1; with stale rollouts that would silently treat them as on-policy.
 * One optimizer step per batch of R = P·G rollouts (``steps_per_generation = 1``,
-  ``num_iterations = 1``), so the policy version is exactly ``state.global_step`` (DESIGN §2).
+  ``num_iterations = 1``), so the policy version is exactly ``state.global_step`` (docs/design.md §1).
 
 The loss itself (``_compute_loss``: every TRL ``loss_type``, clipping, KL, entropy terms) is TRL's, untouched.
 ``tests/test_trl_contract.py`` fails if a TRL method overridden or called here changes signature.
@@ -97,7 +97,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
 
     @property
     def version(self) -> int:
-        """Policy version: optimizer steps applied so far (DESIGN §2)."""
+        """Policy version: optimizer steps applied so far (docs/design.md §1)."""
         return self.state.global_step
 
     @contextmanager

@@ -3,7 +3,8 @@
 The planning itself (T_train and throughput estimates, cost accrual, re-plan timing, the solver) is pure and
 lives in echo2/activation/planner.py; the coordinator feeds it and hands each ``Change`` it returns to
 ``OnChangeHook``. The hook is a shell command (a cloud provider's stop/start of instances; see
-conf/activation/default.yaml) started in its own process group, from the run dir; it is reaped, and its exit
+conf/activation/default.yaml) started in its own process group, from where train.py was started (told the run dir in
+$ECHO2_RUN_DIR); it is reaped, and its exit
 status logged, on a later call, so the coordinator's lock is never held while it runs.
 """
 
@@ -34,13 +35,15 @@ class OnChangeHook:
         if not self.command:
             return
         ids = lambda xs: ",".join(sorted(xs))  # noqa: E731
-        env = dict(os.environ, ECHO2_ACTIVE=ids(change.active), ECHO2_ACTIVATED=ids(change.on),
-                   ECHO2_DEACTIVATED=ids(change.off), ECHO2_REPLAN=str(change.replan),
+        env = dict(os.environ, ECHO2_RUN_DIR=self.run_dir, ECHO2_ACTIVE=ids(change.active),
+                   ECHO2_ACTIVATED=ids(change.on), ECHO2_DEACTIVATED=ids(change.off), ECHO2_REPLAN=str(change.replan),
                    ECHO2_WORKERS_JSON=json.dumps([
                        {"id": w.worker_id, "snapshot_url": w.snapshot_url, "relay": w.relay,
                         "usd_per_hour": w.usd_per_hour, "active": w.worker_id in change.active} for w in workers]))
         with open(os.path.join(self.run_dir, "activation_hook.log"), "ab") as out:
-            self.running.append(subprocess.Popen(self.command, shell=True, cwd=self.run_dir, env=env, stdout=out,
+            # From where train.py was started (this process inherits its directory: Hydra does not change it), so
+            # that a relative path in the command means what the user typed.
+            self.running.append(subprocess.Popen(self.command, shell=True, env=env, stdout=out,
                                                  stderr=subprocess.STDOUT, start_new_session=True))
         log.info("activation.on_change started (pid %d)", self.running[-1].pid)
 

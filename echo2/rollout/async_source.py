@@ -1,4 +1,4 @@
-"""The asynchronous source: rollouts from remote worker agents, each at most S versions stale (DESIGN §2).
+"""The asynchronous source: rollouts from remote worker agents, each at most S versions stale (docs/design.md §1).
 
     learner step t:  collect() ── coordinator.take(P) ──► P scored groups, every one with t − x ≤ S
                      ...loss, optimizer step...
@@ -33,14 +33,32 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from echo2.activation.settings import ActivationSettings, BroadcastShape, detached
+from echo2.models.identity import model_identity
+from echo2.rollout import rendezvous
 from echo2.rollout.ledger import journal_path
 from echo2.rollout.liveness import Liveness
-from echo2.rollout.protocols import RolloutContext
+from echo2.rollout.protocols import RolloutContext, RunStopped
+from echo2.rollout.scoring import longest_prompt
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
 from echo2.rollout.types import RolloutGroup
 from echo2.transport import RunCA, is_loopback
 
 log = logging.getLogger(__name__)
+
+WAIT_SLICE_S = 2.0
+"""Longest single wait on the coordinator: how late a stop request (SIGTERM) or a progress line can be."""
+
+
+def run_needs(ctx: RolloutContext) -> dict[str, Any]:
+    """What every worker must serve (checked at registration): the learner's model (name and digest) and a
+    context of the longest training prompt plus the task's completion length, in tokens."""
+    t0 = time.perf_counter()
+    prompts = ctx.task.train_dataset()["prompt"]
+    need = {"model": model_identity(ctx.model_path, ctx.tokenizer),
+            "max_model_len": longest_prompt(ctx.tokenizer, list(prompts)) + ctx.sampling.max_tokens}
+    log.info("workers must serve %s (digest %s) with a context of >= %d tokens (measured in %.1f s)",
+             need["model"]["name"], need["model"]["digest"], need["max_model_len"], time.perf_counter() - t0)
+    return need
 
 
 def probe_tokens(vocab_size: int, n: int = 33) -> list[int]:
@@ -59,9 +77,9 @@ class AsyncRolloutSource:
     def __init__(self, ctx: RolloutContext, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_timeout_s: float = 30.0, take_timeout_s: float = 900.0, groups_per_pull: int = 4,
                  coordinator_cores: list[int] | None = None, coordinator_restarts: int = 3,
-                 restart_window_s: float = 600.0, min_workers: int = 0, deadline_floor_s: float = 10.0,
-                 deadline_cap_s: float = 600.0, deadline_slack: float = 4.0, worker_share: float = 0.5,
-                 deadline_strikes: int = 3, tls: str = "auto", check_every_steps: int = 0,
+                 restart_window_s: float = 600.0, min_workers: int = 0, wait_log_s: float = 30.0,
+                 deadline_floor_s: float = 10.0, deadline_cap_s: float = 600.0, deadline_slack: float = 4.0,
+                 worker_share: float = 0.5, deadline_strikes: int = 3, tls: str = "auto", check_every_steps: int = 0,
                  check_max_abs_log_ratio: float = 1.0, check_min_tokens: int = 256):
         if ctx.publish_interval < 1:
             raise ValueError(f"broadcast.interval={ctx.publish_interval}: must be >= 1")
@@ -89,16 +107,44 @@ class AsyncRolloutSource:
         self.kwargs["epoch"] = os.urandom(8).hex()
         Liveness(**self.kwargs["liveness"])  # a bad value fails here, not in the coordinator's process
         self.ca_hash = self._tls(tls, host)
+        self.kwargs["requires"] = self.requires = run_needs(ctx)
+        if getattr(self.pool, "max_model_len", 0) is None:  # local agents get the context the run needs
+            self.pool.max_model_len = self.requires["max_model_len"]
         recover = {"resume_offset": ctx.resume["journal_offset"]} if ctx.resume else None
         self.coordinator = self._spawn(recover)
         self.kwargs["port"] = urlsplit(self.coordinator.url).port  # a restarted coordinator listens where this one did
+        rendezvous.write(ctx.run_dir, self.coordinator.url, self.requires, ca_hash=self.ca_hash)
         self.pool.start(self.coordinator.url, ctx.token, ctx.model_path, ctx.run_dir, ca_hash=self.ca_hash)
-        if min_workers > 0:
-            try:
-                self._wait_for_workers(min_workers)
-            except BaseException:  # (Ctrl-C too) stop the coordinator we started; its journal keeps the books
-                self.close()
-                raise
+        self.min_workers, self.wait_log_s = min_workers, wait_log_s
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        """Called from the learner's signal handler: a wait for workers or rollouts ends (RunStopped) within
+        WAIT_SLICE_S instead of lasting up to take_timeout_s."""
+        self.stop_requested = True
+
+    def _waited(self, what: str, start: float, last_log: float) -> float:
+        """One turn of a wait loop: stop if asked, fail after take_timeout_s, say what we wait for every
+        wait_log_s. Returns when the wait was last logged."""
+        if self.stop_requested:
+            raise RunStopped(f"stop requested while waiting for {what}")
+        now = time.monotonic()
+        if now - start > self.take_timeout_s:
+            raise TimeoutError(f"waited {now - start:.0f} s for {what} (rollout.source.take_timeout_s): "
+                               f"{self._waiting_on()}")
+        if now - last_log >= self.wait_log_s:
+            log.warning("waiting %.0f s for %s: %s", now - start, what, self._waiting_on())
+            return now
+        return last_log
+
+    def _waiting_on(self) -> str:
+        """What the rollout plane holds now, and where workers should come from."""
+        st = self._call("status")
+        url = rendezvous.advertised_url(self.coordinator.url)
+        where = self.pool.describe(url) if hasattr(self.pool, "describe") else ""
+        return (f"{len(st['workers'])} workers connected ({st['registered']} registered since the start, "
+                f"rollout.source.min_workers={self.min_workers}), {st['buffered_groups']} groups buffered, "
+                f"{st['in_flight_groups']} in flight; {where}").rstrip("; ")
 
     def _tls(self, mode: str, host: str) -> str | None:
         """Decide TLS for the rollout plane; returns the run CA's fingerprint, or None for plain HTTP."""
@@ -120,12 +166,10 @@ class AsyncRolloutSource:
         """Block until ``n`` workers have registered (rollout.source.min_workers), so that the first steps are not
         all generated by whichever agent loaded its model first; give up after take_timeout_s."""
         log.info("waiting for %d workers to register (rollout.source.min_workers)", n)
-        start = time.monotonic()
+        start = last_log = time.monotonic()
         while (have := self._call("status")["registered"]) < n:
-            if time.monotonic() - start > self.take_timeout_s:
-                raise TimeoutError(f"only {have} of rollout.source.min_workers={n} workers registered within "
-                                   f"{self.take_timeout_s:.0f} s (rollout.source.take_timeout_s); see the workers' "
-                                   "logs, or lower min_workers")
+            last_log = self._waited(f"{n} workers to register (rollout.source.min_workers={n}; {have} so far)",
+                                    start, last_log)
             time.sleep(0.2)
         log.info("%d workers registered after %.1f s", have, time.monotonic() - start)
 
@@ -156,8 +200,18 @@ class AsyncRolloutSource:
             return getattr(self.coordinator, name)(*args)
 
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
-        # The learner times this call itself (train/learner_idle_s).
-        return self._call("take", len(rows), self.take_timeout_s)
+        """The step's P groups. The learner times this call itself (train/learner_idle_s), the first step's wait
+        for min_workers included. Asks the coordinator in slices of WAIT_SLICE_S, so that a stop request or a
+        log line is never further away than that."""
+        if self.min_workers > 0:
+            self._wait_for_workers(self.min_workers)
+            self.min_workers = 0
+        start = last_log = time.monotonic()
+        while True:
+            try:
+                return self._call("take", len(rows), WAIT_SLICE_S)
+            except TimeoutError:
+                last_log = self._waited(f"{len(rows)} rollout groups for step {version + 1}", start, last_log)
 
     def on_version(self, version: int, policy: Any) -> None:
         self.version, self.policy = version, policy

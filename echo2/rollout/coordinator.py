@@ -37,6 +37,7 @@ from typing import Any
 
 from echo2.activation.planner import OnlinePlanner
 from echo2.activation.settings import ActivationSettings, BroadcastShape
+from echo2.models.identity import mismatch
 from echo2.rollout.activation import OnChangeHook
 from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
 from echo2.rollout.gate import Gate
@@ -48,6 +49,12 @@ from echo2.rollout.types import Completion, Rollout, RolloutGroup
 from echo2.transport import BadRequest, JsonServer, Unauthorized
 
 log = logging.getLogger(__name__)
+
+
+class CannotServe(BadRequest):
+    """A registering worker serves another model, or too short a context (HTTP 409, the reason in the body)."""
+
+    status = 409
 
 
 @dataclass
@@ -85,14 +92,16 @@ class Coordinator:
                  activation: ActivationSettings | None = None, broadcast_shape: BroadcastShape | None = None,
                  journal: str | None = None, recover: dict | None = None, version: int = 0,
                  liveness: dict | None = None, tls_dir: str | None = None, epoch: str | None = None,
-                 checks: dict | None = None):
+                 checks: dict | None = None, requires: dict | None = None):
         """``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
         ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
         checkpoint taken at journal length N; ``version``: the learner's version then. ``liveness``: Liveness's
         fields (deadlines, per-worker share, strikes). ``tls_dir``: the run CA's directory (transport.RunCA); set,
         every server of the rollout plane speaks TLS and workers get their certificates here. ``epoch``: names the
         learner process (a resumed learner is a new epoch); told to workers at registration, so that one holding
-        another epoch's weights waits for this one's instead of generating with them."""
+        another epoch's weights waits for this one's instead of generating with them. ``requires``: what a worker
+        must serve, ``{"model": identity, "max_model_len": tokens}`` (echo2/models/identity.py); None: no check."""
+        self.requires = requires
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
         self.S, self.P, self.G = staleness, prompts_per_step, group_size
         self.sampling, self.vocab_size = sampling, vocab_size
@@ -161,6 +170,8 @@ class Coordinator:
         return worker
 
     def _register(self, body: dict, headers) -> dict:
+        if self.requires is not None and (why := mismatch(self.requires, body)):
+            raise CannotServe(f"this worker cannot serve this run: {why}")  # registered never: no work, no id
         with self.lock:
             relay_addr = body.get("relay")
             if relay_addr is not None and not (isinstance(relay_addr, str) and relay_addr.rpartition(":")[2].isdigit()):
@@ -178,7 +189,7 @@ class Coordinator:
         log.info("worker %s joined (%s engine, snapshots at %s)", worker.worker_id, worker.engine,
                  worker.snapshot_url)
         return {"worker_id": worker.worker_id, "version": self.version, "epoch": self.epoch, "group_size": self.G,
-                "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4}
+                "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4, "requires": self.requires}
 
     def _revoke(self, body: dict, _headers) -> dict:
         """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its workers are

@@ -61,15 +61,46 @@ class StaticPool:
                  "python -m echo2.worker --coordinator %s%s --model %s --listen-host 0.0.0.0 "
                  "--advertise-host <its public address>", coordinator_url, pin, model_path)
 
+    def describe(self, coordinator_url: str) -> str:
+        """Where this pool's workers come from (for the learner's waiting lines)."""
+        return (f"pool=static starts no worker: start them elsewhere with `python -m echo2.worker --coordinator "
+                f"{coordinator_url} --model MODEL` (launchers/join.sh) and the run's ECHO2_TOKEN")
+
     def stop(self) -> None:
         pass
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them for a child (none without CUDA)."""
+    try:
+        import torch
+
+        count = torch.cuda.device_count()
+    except Exception:
+        return []
+    if not count:
+        return []
+    names = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return names[:count] if names else [str(i) for i in range(count)]
+
+
+def gpu_assignment(n_agents: int, gpus: list[str]) -> list[str | None]:
+    """Each local agent's GPU: the learner keeps the first, agents take the others round-robin; with a single
+    GPU everyone shares it; with none, None (CPU). Pure."""
+    if not gpus:
+        return [None] * n_agents
+    spare = gpus[1:] or gpus
+    return [spare[i % len(spare)] for i in range(n_agents)]
+
+
 class LocalPool:
-    def __init__(self, workers: int = 2, engine: str = "auto", dtype: str = "float32", max_model_len: int = 128,
+    def __init__(self, workers: int = 2, engine: str = "auto", dtype: str = "auto", max_model_len: int | None = None,
                  max_groups: int = 4, log_subdir: str | None = "workers", cores: list[int] | None = None,
-                 vllm_args: list[str] | None = None, usd_per_hour: float | list[float] = 0.0):
-        self.n, self.engine, self.dtype = workers, engine, dtype
+                 vllm_args: list[str] | None = None, usd_per_hour: float | list[float] = 0.0,
+                 gpus: str | list | None = "auto"):
+        self.gpus = visible_gpus() if gpus == "auto" else [str(g) for g in (gpus or [])]
+        self.n, self.engine = workers, engine
+        self.dtype = dtype if dtype != "auto" else ("bfloat16" if self.gpus else "float32")
         self.max_model_len, self.max_groups, self.log_subdir = max_model_len, max_groups, log_subdir
         self.log_dir: Path | None = None
         self.cores = list(cores) if cores else None
@@ -83,16 +114,21 @@ class LocalPool:
     def start(self, coordinator_url: str, token: str, model_path: str, run_dir: str,
               ca_hash: str | None = None) -> None:
         self.args = dict(coordinator_url=coordinator_url, token=token, model_path=model_path, ca_hash=ca_hash)
+        if len(self.gpus) == 1 and self.n:
+            log.warning("one GPU for the learner and %d agents: they share it (set vLLM's memory share with "
+                        "pool.vllm_args=[--gpu-memory-utilization=F])", self.n)
+        elif len(self.gpus) > 1 and self.n > len(self.gpus) - 1:
+            log.warning("%d agents on %d spare GPUs: some share one", self.n, len(self.gpus) - 1)
         self.log_dir = Path(run_dir) / self.log_subdir if self.log_subdir else None
         for _ in range(self.n):
             self.add()
 
-    def add(self) -> subprocess.Popen:
-        """Start one more agent (also mid-run: a joining worker)."""
-        i = len(self.procs)
+    def command(self, i: int) -> tuple[list[str], dict[str, str]]:
+        """Agent i's command line and environment (its GPU, its token)."""
         cmd = [sys.executable, "-m", "echo2.worker", "--coordinator", self.args["coordinator_url"],
-               "--model", self.args["model_path"], "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-               "--max-groups", str(self.max_groups)]
+               "--model", self.args["model_path"], "--dtype", self.dtype, "--max-groups", str(self.max_groups)]
+        if self.max_model_len is not None:
+            cmd += ["--max-model-len", str(self.max_model_len)]
         if self.engine != "auto":
             cmd += ["--engine", self.engine]
         if self.args["ca_hash"]:
@@ -100,6 +136,15 @@ class LocalPool:
         cmd += [f"--vllm-arg={a}" for a in self.vllm_args]
         cmd += ["--usd-per-hour", str(self.usd_per_hour[i % len(self.usd_per_hour)])]
         env = dict(os.environ, ECHO2_TOKEN=self.args["token"])
+        gpu = gpu_assignment(i + 1, self.gpus)[i]
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        return cmd, env
+
+    def add(self) -> subprocess.Popen:
+        """Start one more agent (also mid-run: a joining worker)."""
+        i = len(self.procs)
+        cmd, env = self.command(i)
         pin = None
         if self.cores:  # worker i on core cores[i % len]: its agent, its vLLM server and vLLM's OpenMP threads
             core = self.cores[i % len(self.cores)]
@@ -117,9 +162,19 @@ class LocalPool:
             cmd += ["--engine-log", str(self.log_dir / f"worker{i}.engine.log")]
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_child_setup(pin))
         self.procs.append(proc)
-        log.info("started local worker %d (pid %d, engine %s, vLLM threads on core %d%s)", i, proc.pid, self.engine,
-                 core, ", pinned" if pin else "")
+        log.info("started local worker %d (pid %d, engine %s, %s)", i, proc.pid, self.engine,
+                 f"GPU {env['CUDA_VISIBLE_DEVICES']}" if self.gpus else
+                 f"vLLM threads on core {core}{', pinned' if pin else ''}")
         return proc
+
+    def describe(self, coordinator_url: str) -> str:
+        """Where this pool's workers come from, and how the started ones fare (for the learner's waiting lines)."""
+        if self.n == 0:
+            return "pool=local with pool.workers=0 starts no worker: set pool.workers=N, or join workers yourself"
+        dead = [f"worker{i} (exit {p.returncode})" for i, p in enumerate(self.procs) if p.poll() is not None]
+        logs = f"; logs in {self.log_dir}/worker*.log" if self.log_dir else ""
+        return (f"pool=local started pool.workers={self.n}" + (f", exited: {', '.join(dead)}" if dead else "")
+                + logs)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM every agent (each stops its own engine), wait, then SIGKILL stragglers."""

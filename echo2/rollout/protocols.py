@@ -43,6 +43,10 @@ class Engine(Protocol):
         ...
 
 
+class RunStopped(Exception):
+    """Raised by ``collect`` when ``request_stop`` was called while it waited: the run ends without the step."""
+
+
 class RolloutSource(Protocol):
     """Where the learner's batches come from.
 
@@ -75,6 +79,10 @@ class RolloutSource(Protocol):
 
     def on_resume(self, version: int, policy: Any) -> None:
         """Called once when a resumed learner starts, with its restored version and weights."""
+        ...
+
+    def request_stop(self) -> None:
+        """Called from a signal handler (SIGTERM, Ctrl-C): a ``collect`` that waits raises RunStopped soon."""
         ...
 
     def close(self) -> dict[str, Any]:

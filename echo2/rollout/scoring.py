@@ -49,3 +49,11 @@ def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
     ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def longest_prompt(tokenizer: Any, prompts: list[Any]) -> int:
+    """Tokens in the longest of ``prompts`` (as encode_prompt counts them): what a worker's context must hold
+    before the completion. Plain strings are tokenized in one batch."""
+    text = [p for p in prompts if isinstance(p, str)]
+    longest = max(map(len, tokenizer(text, add_special_tokens=False)["input_ids"]), default=0) if text else 0
+    return max([longest, *(len(encode_prompt(tokenizer, p)) for p in prompts if not isinstance(p, str))])

@@ -215,7 +215,8 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
             if name not in one_way:
                 conn.send(("ok", value))
         except Exception as e:  # report to the learner; the coordinator's state is untouched by a failed call
-            log.exception("coordinator call %s failed", name)
+            if not isinstance(e, TimeoutError):  # a take that found no batch yet: the learner asks again
+                log.exception("coordinator call %s failed", name)
             if name not in one_way:
                 conn.send(("error", (type(e).__name__, str(e))))
 

@@ -55,6 +55,9 @@ class SyncRolloutSource:
     def metrics(self) -> dict[str, float]:
         return {"rollout/received": float(self._generated), "rollout/generate_s": self._generate_s}
 
+    def request_stop(self) -> None:
+        pass  # it never waits: the step in progress ends, then the callback stops the run
+
     def close(self) -> dict[str, Any]:
         """Every rollout generated here is consumed by the step that asked for it."""
         n = self._generated

@@ -1,7 +1,7 @@
 """Records that cross the rollout plane.
 
 A ``Rollout`` is one completion: its token ids, the behaviour logprob of each token under the policy that
-sampled it, and that policy's version (the number of optimizer steps behind its weights; DESIGN §2). A
+sampled it, and that policy's version (the number of optimizer steps behind its weights; docs/design.md §1). A
 ``RolloutGroup`` is the G completions of one prompt, admitted or dropped together.
 """
 

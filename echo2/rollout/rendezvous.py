@@ -1,0 +1,58 @@
+"""Where a learner can be found: ``<run dir>/coordinator.json``, for workers that start before its address is known.
+
+On a cluster the learner's node is known only once its job runs. The learner writes this file when its
+coordinator is up; a worker given the file's path instead of a URL (``python -m echo2.worker --coordinator
+runs/x/coordinator.json``, launchers/workers.sbatch) waits for it on the shared filesystem and reads the URL and
+the context length the run needs, and the run CA's fingerprint to pin when the learner speaks TLS. The token is
+never written here: workers take it from $ECHO2_TOKEN.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from echo2.transport import reachable_host
+
+log = logging.getLogger(__name__)
+
+FILE = "coordinator.json"
+
+
+def advertised_url(url: str) -> str:
+    """``url`` with a wildcard host (``http://0.0.0.0:8700``) replaced by this machine's name."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{reachable_host(parts.hostname or '')}:{parts.port}"
+
+
+def write(run_dir: str, url: str, requires: dict[str, Any], ca_hash: str | None = None) -> dict[str, Any]:
+    """``ca_hash``: the run CA's fingerprint when the learner speaks TLS (public: it pins, it does not grant)."""
+    info = {"url": advertised_url(url), "model": requires["model"], "max_model_len": requires["max_model_len"],
+            "ca_hash": ca_hash, "written_at": time.time()}
+    path = Path(run_dir) / FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info, indent=1))
+    os.replace(tmp, path)  # a reader never sees half of it
+    log.info("workers can find this run in %s (%s)", path, info["url"])
+    return info
+
+
+def read(path: str, timeout_s: float, poll_s: float = 2.0) -> dict[str, Any]:
+    """The learner's coordinator.json at ``path`` (or in the directory ``path``), waiting up to ``timeout_s``
+    for the learner to write it."""
+    target = Path(path) / FILE if Path(path).is_dir() else Path(path)
+    deadline, said = time.monotonic() + timeout_s, 0.0
+    while not target.is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{target} did not appear within {timeout_s:.0f} s: is the learner's job running, "
+                               "with this run directory (hydra.run.dir / hydra.sweep.dir)?")
+        if time.monotonic() - said > 60:
+            log.info("waiting for the learner to write %s", target)
+            said = time.monotonic()
+        time.sleep(poll_s)
+    return json.loads(target.read_text())
