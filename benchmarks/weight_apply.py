@@ -35,23 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (the vLLM server under its guard, the engine core), from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def pss_bytes(pids: list[int]) -> int:
     total = 0
     for pid in pids:
@@ -109,7 +92,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from echo2.broadcast import snapshot
-    from echo2.env import configure_process
+    from echo2.env import configure_process, descendants
     from echo2.models.tiny import build_tiny
     from echo2.rollout.async_source import probe_tokens
     from echo2.rollout.engines.hf import probe_logprobs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def configure_process() -> None:
@@ -38,3 +39,21 @@ def run_token() -> tuple[str, str]:
     if os.environ.get("ECHO2_TOKEN"):
         return os.environ["ECHO2_TOKEN"], "from $ECHO2_TOKEN"
     return secrets.token_urlsafe(24), "generated for this run"
+
+
+def descendants(pid: int) -> set[int]:
+    """PIDs of every live descendant of ``pid`` (from /proc): to measure a process tree, or to check that none of
+    it outlived its root."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out

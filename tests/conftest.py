@@ -24,6 +24,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from echo2.env import descendants  # noqa: E402, F401  (the tests' process-tree helper)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def echo2_cache(tmp_path_factory) -> Path:
@@ -71,23 +73,6 @@ def build_run(tmp_path, overrides: list[str]):
 
     cfg = compose(["run.wandb=disabled", "run.progress=false", "run.eval_every_steps=0", *overrides])
     return cfg, *train.build(cfg, str(tmp_path), rank=0, world_size=1)
-
-
-def descendants(pid: int) -> set[int]:
-    """PIDs of every live descendant of ``pid`` (from /proc), to check later that none outlived it."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
 
 
 def alive(pid: int) -> bool:
