@@ -16,7 +16,6 @@ from a worker at lag S.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections import deque
 from typing import Any
@@ -25,6 +24,14 @@ from echo2.rollout.protocols import RolloutContext
 from echo2.rollout.sync import SyncRolloutSource
 
 log = logging.getLogger(__name__)
+
+
+def fresh_copy(policy: Any) -> Any:
+    """A new model of the policy's class and config, on its device and in its dtype, in eval mode. Not
+    ``copy.deepcopy``: the trainer's model carries an instance ``forward`` wrapper whose closure still calls the
+    original model, so a deep copy generated with the live weights whatever was loaded into it."""
+    param = next(policy.parameters())
+    return type(policy)(policy.config).to(device=param.device, dtype=param.dtype).eval()
 
 
 class LaggedRolloutSource(SyncRolloutSource):
@@ -46,7 +53,7 @@ class LaggedRolloutSource(SyncRolloutSource):
             self.held.popleft()
         lagged_version, state = self.held[0]
         if self.behaviour is None:
-            self.behaviour = copy.deepcopy(policy).eval()
+            self.behaviour = fresh_copy(policy)
         self.behaviour.load_state_dict(state)
         # every rollout carries the generator's version, which the learner judges the lag by
         return super().collect(rows, lagged_version, self.behaviour)
