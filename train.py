@@ -151,6 +151,9 @@ def main(cfg: DictConfig) -> dict:
     rank, world_size = world()
     if rank:  # one voice: the other ranks log warnings only
         logging.getLogger().setLevel(logging.WARNING)
+    from echo2.learner.args import check_launch
+
+    check_launch(cfg, world_size)  # before DeepSpeed starts: no launcher, N not dividing P, micro-batches, precision
     validate(cfg, world_size)
     run_dir = HydraConfig.get().runtime.output_dir
     if rank == 0:

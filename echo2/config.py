@@ -70,6 +70,8 @@ class LearnerConfig:
     scale_rewards: str = "group"
     mask_truncated_completions: bool = False
     bf16: bool = False
+    low_precision_weights: bool = False
+    micro_batch_size: Optional[int] = None
     gradient_checkpointing: bool = False
     deepspeed: Optional[Any] = None
     trl: dict[str, Any] = field(default_factory=dict)

@@ -48,7 +48,8 @@ class Echo2Callback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step:  # resumed from a checkpoint: weights, optimizer, RNG and step are restored
-            self.trainer.rollouts_consumed = state.global_step * args.per_device_train_batch_size * args.world_size
+            self.trainer.rollouts_consumed = state.global_step * (args.per_device_train_batch_size
+                                                                      * args.gradient_accumulation_steps * args.world_size)
             self.trainer.rollout_source.on_resume(state.global_step, kwargs.get("model"))
         else:
             self._evaluate(0)
