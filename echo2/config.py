@@ -160,8 +160,6 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if not remote and r.staleness != 0:
         errors.append(f"rollout.staleness={r.staleness}: the sync source is on-policy (S=0); "
                       "use rollout=async for S > 0")
-    if remote and world_size > 1:
-        errors.append("rollout=async with a multi-process learner is not supported yet: use one learner process")
     if remote and not 1 <= cfg.broadcast.interval <= r.staleness + 1:
         errors.append(f"broadcast.interval={cfg.broadcast.interval} with rollout.staleness={r.staleness}: need "
                       "1 <= interval <= S+1, else workers hold weights too old for any dispatch and the learner "

@@ -232,3 +232,16 @@ def test_launch_errors_say_what_to_run():
         check_launch(compose(["model.dtype=bfloat16"]), 1, env={})
     check_launch(compose(["model.dtype=bfloat16", "learner.bf16=true"]), 1, env={})
     check_launch(compose(["model.dtype=bfloat16", "learner.low_precision_weights=true"]), 1, env={})
+
+
+def test_kl_is_zero_at_step_one_and_grows(tmp_path):
+    """learner.beta > 0: TRL keeps a frozen copy of the initial weights and echo2 computes its logprobs, so the KL
+    term is exactly 0 while the policy still is the initial one (step 1) and grows as the policy moves away; the
+    reference weights themselves never change."""
+    cfg, trainer, source, _ = build(tmp_path, ["run.steps=4", "learner.beta=0.04", "rollout.prompts_per_step=8"])
+    ref_before = [p.detach().clone() for p in trainer.ref_model.parameters()]
+    trainer.train()
+    kl = [h["kl"] for h in trainer.state.log_history if "kl" in h]
+    assert len(kl) == 4 and kl[0] == 0.0, kl
+    assert 0 < kl[1] < kl[2] < kl[3], kl
+    assert all(torch.equal(a, b) for a, b in zip(ref_before, trainer.ref_model.parameters()))

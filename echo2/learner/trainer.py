@@ -33,6 +33,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import nanstd, pad
 
+from echo2.learner.weights import PolicyWeights
 from echo2.rollout.protocols import RolloutSource
 from echo2.rollout.types import RolloutGroup
 
@@ -105,6 +106,12 @@ class Echo2GRPOTrainer(GRPOTrainer):
         if plugin is not None:
             return f"deepspeed-zero{plugin.zero_stage}"
         return "ddp" if self.accelerator.num_processes > 1 else "single"
+
+    def weights(self) -> PolicyWeights:
+        """The live weights as a snapshot, in the dtype the workers serve: bf16 when training in bf16 (fp32 master
+        weights stay here), else the weights' own."""
+        dtype = torch.bfloat16 if self.args.bf16 else next(self.model.parameters()).dtype
+        return PolicyWeights(self.model, dtype, rank=self.accelerator.process_index)
 
     @property
     def version(self) -> int:
