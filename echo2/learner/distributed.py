@@ -102,7 +102,7 @@ class ShardedSource:
         return self.source.metrics() if self.rank == 0 else {}  # logged by rank 0 only
 
     def checkpoint(self) -> dict[str, Any]:
-        return self._share(self.source.checkpoint)
+        return self._share(lambda: self.source.checkpoint())
 
     def close(self) -> dict[str, Any]:
         """Rank 0 stops the pool and the coordinator; every rank returns the accounting. No collective here: close
