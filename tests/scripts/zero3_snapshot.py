@@ -41,6 +41,7 @@ def main(model_path: str, out_dir: str) -> None:
             state = {k: v.detach().clone() for k, v in module.state_dict().items()}
             torch.save({"state": state, "probe": probe}, os.path.join(out_dir, "gathered.pt"))
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
