@@ -6,6 +6,7 @@ shared cores, which would put each test over several minutes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, balanced, read_jsonl, run_train
+from conftest import ROOT, alive, balanced, descendants, read_jsonl, run_train, wait_until
 
 STEPS, STALENESS = 30, 2
 
@@ -111,21 +112,23 @@ def test_zero3_learner_trains_from_remote_workers_and_resumes_after_kill_9(tmp_p
     checkpoint; the same command resumes from it, and the consumed log is gap-free over the whole run."""
     env = dict(os.environ, ECHO2_RUN_DIR=str(tmp_path), ECHO2_PYTHON=sys.executable)
     cmd = launch(3)
-    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)  # its own process group: the job, as a scheduler kills it
+    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and first.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 12:
             break
         time.sleep(0.2)
-    os.killpg(first.pid, signal.SIGKILL)
+    family = [first.pid, *descendants(first.pid)]  # the job, as a scheduler kills it (torchrun gives each rank its
+    for pid in family:                             # own session, so a process group is not enough)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     first.wait()
+    wait_until(lambda: not any(alive(p) for p in family), timeout_s=30, what="every process of the killed job to exit")
     killed_at = len(metrics.read_text().splitlines())
     assert 12 <= killed_at < STEPS, killed_at
     saved = [int(p.parent.name.split("-")[1]) for p in (tmp_path / "trainer").glob("checkpoint-*/echo2_state.json")]
     assert saved and max(saved) >= 10, saved
-    time.sleep(2)  # the killed group's ports and memory files go with it
     second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-5000:]
     assert f"checkpoint-{max(saved)} (step {max(saved)})" in second.stdout + second.stderr

@@ -36,6 +36,7 @@ class ShardedSource:
             raise ValueError("only rank 0 holds the rollout source")
         self.source, self.rank, self.world_size = source, rank, world_size
         self.last_batch: list[RolloutGroup] = []  # the whole step's groups (rank 0 logs them as consumed)
+        self.resumed: tuple[int, Any] | None = None  # restored weights to publish before the first collect
 
     def _share(self, fn) -> Any:
         """Run ``fn`` on rank 0 and return its result on every rank; its exception, on every rank."""
@@ -65,6 +66,14 @@ class ShardedSource:
 
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
         """Rank 0 takes the whole step's P groups (this rank's rows times N); each rank keeps its own P/N."""
+        if self.resumed:
+            version, weights = self.resumed
+            # Under ZeRO-3 a forward with DeepSpeed's hooks before the first training step of a resumed run broke
+            # that step's backward (a partition left at size 0); publish from the full parameters with the hooks off,
+            # as TRL generates: a full copy on every rank, once per resume.
+            with weights.unsharded():
+                self._publish(version, weights)
+            self.resumed = None
         groups = self._share(lambda: self.source.collect(rows * self.world_size, version))
         self.last_batch = groups
         per_rank = len(groups) // self.world_size
@@ -75,8 +84,7 @@ class ShardedSource:
             self._publish(version, weights)
 
     def on_resume(self, version: int, weights: Any) -> None:
-        self._share(lambda: setattr(self.source, "version", version))
-        self._publish(version, weights)
+        self.resumed = (version, weights)
 
     def _publish(self, version: int, weights: Any) -> None:
         """Every rank: the probe forward and the parameter gathers, in the same order; rank 0 writes."""

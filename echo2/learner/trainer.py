@@ -111,7 +111,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
         """The live weights as a snapshot, in the dtype the workers serve: bf16 when training in bf16 (fp32 master
         weights stay here), else the weights' own."""
         dtype = torch.bfloat16 if self.args.bf16 else next(self.model.parameters()).dtype
-        return PolicyWeights(self.model, dtype, rank=self.accelerator.process_index)
+        return PolicyWeights(self.model, dtype, rank=self.accelerator.process_index, unsharded=self.live_policy)
 
     @property
     def version(self) -> int:

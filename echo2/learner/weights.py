@@ -14,6 +14,7 @@ rank runs it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -32,8 +33,9 @@ class PolicyWeights:
     ``probe_logprobs`` then ``write`` together; ``write`` on a rank other than 0 takes ``path=None`` and only joins
     the gathers."""
 
-    def __init__(self, model: Any, dtype: torch.dtype, rank: int = 0):
+    def __init__(self, model: Any, dtype: torch.dtype, rank: int = 0, unsharded: Any = None):
         self.model, self.torch_dtype, self.rank = model, dtype, rank
+        self.unsharded = unsharded or contextlib.nullcontext  # () -> context with full parameters, hooks off
         self.dtype = str(dtype).removeprefix("torch.")  # stated in the snapshot's manifest (probe["dtype"])
         self.sharded = zero3(model)
         # Each tensor once (a tied LM head is its embedding: named_parameters lists it under its first name, as
@@ -72,7 +74,7 @@ class PolicyWeights:
         ranks other than 0 the gathered parameter is released at once."""
         for name in snapshot.order(specs):
             t = self.tensors[name]
-            if self.sharded and hasattr(t, "ds_id"):
+            if self.sharded and hasattr(t, "ds_id") and t.ds_status.name != "AVAILABLE":
                 import deepspeed
 
                 with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
