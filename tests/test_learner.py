@@ -245,3 +245,36 @@ def test_kl_is_zero_at_step_one_and_grows(tmp_path):
     assert len(kl) == 4 and kl[0] == 0.0, kl
     assert 0 < kl[1] < kl[2] < kl[3], kl
     assert all(torch.equal(a, b) for a, b in zip(ref_before, trainer.ref_model.parameters()))
+
+
+def changed_fraction(tmp_path, overrides) -> tuple[float, object]:
+    """Fraction of weight elements that one sync step at lr 1e-6 changes, and the trainer."""
+    cfg, trainer, source, _ = build(tmp_path, ["run.steps=1", "model.dtype=bfloat16", "learner.learning_rate=1e-6",
+                                               "rollout.prompts_per_step=8", *overrides])
+    before = torch.cat([p.detach().float().flatten().clone() for p in trainer.model.parameters()])
+    trainer.train()
+    after = torch.cat([p.detach().float().flatten() for p in trainer.model.parameters()])
+    return (after != before).float().mean().item(), trainer
+
+
+def test_bf16_keeps_fp32_master_weights_and_publishes_bf16(tmp_path):
+    """learner.bf16=true: fp32 master weights (bf16 autocast compute), so a 1e-6 step moves (nearly) every weight;
+    AdamW straight on bf16 weights (the explicit opt-in) rounds almost every such update away. The snapshot the
+    workers get is bf16, the fp32 weights rounded, and says so in its manifest (probe dtype)."""
+    from echo2.broadcast import snapshot
+
+    moved, trainer = changed_fraction(tmp_path / "bf16", ["learner.bf16=true"])
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert moved > 0.9, moved
+    moved_pure, pure = changed_fraction(tmp_path / "pure", ["learner.low_precision_weights=true"])
+    assert {p.dtype for p in pure.model.parameters()} == {torch.bfloat16}
+    assert moved_pure < 0.2, moved_pure
+    print(f"changed by one 1e-6 step: fp32 masters {moved:.3f}, bf16 weights {moved_pure:.3f}")
+
+    weights = trainer.weights()
+    assert weights.dtype == "bfloat16" and weights.local
+    path = tmp_path / "snapshot.safetensors"
+    weights.write(str(path))
+    published = snapshot.decode(path.read_bytes())
+    for name, p in trainer.model.named_parameters():
+        assert published[name].dtype == torch.bfloat16 and torch.equal(published[name], p.detach().to(torch.bfloat16))
