@@ -38,6 +38,13 @@ class ShardedSource:
         self.last_batch: list[RolloutGroup] = []  # the whole step's groups (rank 0 logs them as consumed)
         self.resumed: tuple[int, Any] | None = None  # restored weights to publish before the first collect
 
+    def __getattr__(self, name: str) -> Any:
+        """Anything else is the wrapped source's (rank 0), e.g. ``coordinator`` for tools and tests."""
+        source = self.__dict__.get("source")
+        if source is None:
+            raise AttributeError(f"{name!r}: only learner rank 0 holds the rollout source")
+        return getattr(source, name)
+
     def _share(self, fn) -> Any:
         """Run ``fn`` on rank 0 and return its result on every rank; its exception, on every rank."""
         payload: dict[str, Any] = {}
