@@ -104,7 +104,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
                                is_bounds=(cfg.rollout.is_min, cfg.rollout.is_max))
     log.info("learner %s on %d process(es): %s, %s, weights %s%s", type(trainer).__name__, world_size,
              trainer.backend(), trainer.accelerator.device, next(trainer.model.parameters()).dtype,
-             ", bf16 autocast" if trainer.args.bf16 else "")
+             ", bf16 compute with fp32 master weights" if trainer.args.bf16 else "")
 
     sink = None
     if rank == 0:
