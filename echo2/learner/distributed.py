@@ -17,6 +17,7 @@ With one process the broadcasts are no-ops and this is the source itself.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from echo2.rollout.types import RolloutGroup
@@ -37,6 +38,7 @@ class ShardedSource:
         self.source, self.rank, self.world_size = source, rank, world_size
         self.last_batch: list[RolloutGroup] = []  # the whole step's groups (rank 0 logs them as consumed)
         self.resumed: tuple[int, Any] | None = None  # restored weights to publish before the first collect
+        self.publish_s = 0.0  # the last on_version's wall time: gather + publish of a snapshot, when one was due
 
     def __getattr__(self, name: str) -> Any:
         """Anything else is the wrapped source's (rank 0), e.g. ``coordinator`` for tools and tests."""
@@ -87,8 +89,10 @@ class ShardedSource:
         return groups[self.rank * per_rank:(self.rank + 1) * per_rank]
 
     def on_version(self, version: int, weights: Any) -> None:
+        t0 = time.perf_counter()
         if self._share(lambda: self.source.advance(version)):
             self._publish(version, weights)
+        self.publish_s = time.perf_counter() - t0
 
     def on_resume(self, version: int, weights: Any) -> None:
         self.resumed = (version, weights)
@@ -114,7 +118,10 @@ class ShardedSource:
                 raise RankZeroError(f"learner rank 0 failed to publish snapshot v{version}")
 
     def metrics(self) -> dict[str, float]:
-        return self.source.metrics() if self.rank == 0 else {}  # logged by rank 0 only
+        """Rank 0's source's metrics, and the time the previous step spent publishing (probe, gather, handoff)."""
+        if self.rank != 0:
+            return {}  # logged by rank 0 only
+        return {**self.source.metrics(), "train/publish_s": self.publish_s}
 
     def checkpoint(self) -> dict[str, Any]:
         return self._share(lambda: self.source.checkpoint())
