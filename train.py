@@ -4,7 +4,7 @@
     python train.py task.level=mod10 run.steps=400    # any key, from the command line
     python train.py -m seed=0,1,2                     # a sweep: one run directory per job
     python train.py hydra.run.dir=RUN_DIR             # resumes from RUN_DIR's newest checkpoint, if any
-    launchers/learner.sh 2 learner=zero2 rollout=sync # DeepSpeed ZeRO-2 over 2 processes
+    launchers/learner.sh 2 learner=zero3              # DeepSpeed ZeRO-3 over 2 processes, remote workers
 
 Reads like the algorithm: compose config -> build model, task, rollout source, learner -> train -> summary.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from echo2.config import check_overrides, register_configs, validate
@@ -57,6 +57,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     from echo2.activation.settings import BroadcastShape
     from echo2.learner.args import grpo_config
     from echo2.learner.callbacks import CHECKPOINT_STATE, Echo2Callback
+    from echo2.learner.distributed import ShardedSource
     from echo2.learner.trainer import Echo2GRPOTrainer
     from echo2.metrics import MetricsSink
     from echo2.rollout.evaluate import Evaluator
@@ -93,8 +94,11 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
                          resume=resumed["source"] if resumed and resumed["source"] else None,
                          activation=OmegaConf.to_object(cfg.activation),
                          broadcast_shape=BroadcastShape.of(cfg.broadcast))
-    source = instantiate(cfg.rollout.source, ctx=ctx)
-    log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(source).__name__,
+    if get_class(cfg.rollout.source._target_).needs_policy:  # generates in this process: every rank its own slice
+        source = instantiate(cfg.rollout.source, ctx=ctx)
+    else:  # remote workers: rank 0 alone owns the coordinator, pool and broadcaster, and hands out the slices
+        source = ShardedSource(instantiate(cfg.rollout.source, ctx=ctx) if rank == 0 else None, rank, world_size)
+    log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(getattr(source, "source", source)).__name__,
              cfg.rollout.staleness, cfg.rollout.prompts_per_step, cfg.rollout.group_size, token_origin)
 
     trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
@@ -103,7 +107,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
                                is_bounds=(cfg.rollout.is_min, cfg.rollout.is_max))
     log.info("learner %s on %d process(es): %s, %s, weights %s%s", type(trainer).__name__, world_size,
              trainer.backend(), trainer.accelerator.device, next(trainer.model.parameters()).dtype,
-             ", bf16 autocast" if trainer.args.bf16 else "")
+             ", bf16 compute with fp32 master weights" if trainer.args.bf16 else "")
     if cfg.learner.lr_staleness == "inverse":
         from echo2.learner.staleness_lr import StalenessLR
 
@@ -159,6 +163,9 @@ def main(cfg: DictConfig) -> dict:
     rank, world_size = world()
     if rank:  # one voice: the other ranks log warnings only
         logging.getLogger().setLevel(logging.WARNING)
+    from echo2.learner.args import check_launch
+
+    check_launch(cfg, world_size)  # before DeepSpeed starts: no launcher, N not dividing P, micro-batches, precision
     validate(cfg, world_size)
     run_dir = HydraConfig.get().runtime.output_dir
     if rank == 0:

@@ -76,6 +76,8 @@ class LearnerConfig:
     scale_rewards: str = "group"
     mask_truncated_completions: bool = False
     bf16: bool = False
+    low_precision_weights: bool = False
+    micro_batch_size: Optional[int] = None
     gradient_checkpointing: bool = False
     deepspeed: Optional[Any] = None
     trl: dict[str, Any] = field(default_factory=dict)
@@ -235,8 +237,12 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if source.max_staleness is not None and r.staleness > source.max_staleness:
         errors.append(f"rollout.staleness={r.staleness}: {source.__name__} supports S <= {source.max_staleness}; "
                       "use rollout=async (remote workers) or rollout=lagged (in-process, lag exactly S) for S > 0")
-    if remote and world_size > 1:
-        errors.append("rollout=async with a multi-process learner is not supported yet: use one learner process")
+    if remote and world_size > 1 and r.source.get("check_every_steps", 0):
+        errors.append("rollout.source.check_every_steps > 0 with a multi-process learner is not supported yet (the "
+                      "check's forward would run on rank 0 alone); set it to 0 or use one learner process")
+    if getattr(source, "single_process", False) and world_size > 1:
+        errors.append(f"rollout.source: {source.__name__} runs with one learner process only (it keeps whole copies "
+                      f"of the weights); launched with {world_size}")
     if remote and not 1 <= cfg.broadcast.interval <= r.staleness + 1:
         errors.append(f"broadcast.interval={cfg.broadcast.interval} with rollout.staleness={r.staleness}: need "
                       "1 <= interval <= S+1, else workers hold weights too old for any dispatch and the learner "

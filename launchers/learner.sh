@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Multi-process learner through `accelerate launch`, e.g. DeepSpeed ZeRO-2 on 2 processes:
 #
-#   launchers/learner.sh 2 learner=zero2 rollout=sync [more hydra overrides]
+#   launchers/learner.sh 2 learner=zero2 [more hydra overrides]
 #
-# (remote rollouts, rollout=async, need a single learner process for now)
+# With remote rollouts (rollout=async, the default) rank 0 alone starts the coordinator and the worker pool and
+# hands every rank its slice of each batch. N must divide rollout.prompts_per_step (whole groups per rank).
 #
 # On CPU the processes talk over gloo; on a GPU node use one process per GPU. The DeepSpeed settings
 # come from the learner config (learner/zero2.yaml, zero3.yaml), not from an accelerate config file, so

@@ -74,7 +74,6 @@ def test_wrong_type_fails_at_compose_time():
         (["rollout.correction=magic"], "rollout.correction"),
         (["run.wandb=maybe"], "run.wandb"),
         (["rollout=sync", "rollout.prompts_per_step=3"], "multiple of the 2 learner processes"),
-        ([], "multi-process learner is not supported yet"),
     ],
 )
 def test_validation_names_the_key(overrides, message):

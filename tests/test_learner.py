@@ -172,3 +172,109 @@ def test_importance_weights_change_the_update(tmp_path):
 
     ids, _, d_none, _ = first_step(tmp_path, "none", 1.5)
     assert ids == ids0 and not close(d_none, d_tis, rtol=0.1)
+
+
+def one_step(tmp_path, overrides):
+    """One sync learner step with plain SGD (AdamW's first update is lr * g / |g|: float noise in a near-zero
+    gradient would flip whole updates, so the weights would not show whether the gradients agree). Returns
+    (token ids of the batch, gradient before the optimizer step, weights after, the step's logged loss)."""
+    from transformers import TrainerCallback
+
+    cfg, trainer, source, _ = build(tmp_path, ["run.steps=1", "+learner.trl.optim=sgd", *overrides])
+    seen = {}
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            seen["grad"] = torch.cat([p.grad.detach().flatten().clone() for p in trainer.model.parameters()])
+
+    trainer.add_callback(Grab())
+    trainer.train()
+    ids = [r.completion.token_ids for g in trainer.last_groups for r in g.rollouts]
+    loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    return ids, seen["grad"], torch.cat([p.detach().flatten() for p in trainer.model.parameters()]), loss, trainer
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
+def test_micro_batches_give_the_same_step(tmp_path, loss_type):
+    """learner.micro_batch_size = R/4 (4 forward/backward passes, gradients accumulated) takes the same optimizer
+    step as the whole batch at once: same batch, same loss, same gradient, same updated weights (float tolerance),
+    for each loss type whose normalisation depends on the batch. The copy task's 2-token completions vary in length
+    (EOS after 1 or 2 tokens), so bnpo's per-micro-batch token counts differ from R/4 of the slice's."""
+    # R = 16 prompts x 8 = 128 rollouts (the default; with fewer, the untrained model's groups often all tie)
+    common = [f"learner.loss_type={loss_type}", "learner.max_grad_norm=1e9"]
+    ids, g, w, loss, trainer = one_step(tmp_path / "whole", common)
+    ids4, g4, w4, loss4, trainer4 = one_step(tmp_path / "micro", [*common, "learner.micro_batch_size=32"])
+    assert trainer.args.gradient_accumulation_steps == 1 and trainer4.args.gradient_accumulation_steps == 4
+    assert ids == ids4, "not the same batch: the comparison below would mean nothing"
+    assert len({len(i) for i in ids}) > 1, "all completions have one length: bnpo's normalisation is not exercised"
+    assert g.norm() > 0 and trainer4.version == 1
+    assert loss4 == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(g4, g, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(w4, w, rtol=1e-5, atol=1e-7)
+
+
+def test_launch_errors_say_what_to_run():
+    """Checked before DeepSpeed starts (train.main): no launcher, N not dividing P, micro-batches, precision."""
+    from conftest import compose
+    from echo2.learner.args import check_launch
+
+    launched = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    zero2 = compose(["learner=zero2"])
+    with pytest.raises(RuntimeError, match=r"launchers/learner\.sh N"):
+        check_launch(zero2, 1, env={})
+    check_launch(zero2, 2, env=launched)
+    check_launch(compose([]), 1, env={})  # no DeepSpeed: no launcher needed
+    with pytest.raises(ValueError, match=r"Processes that would: \[1, 2, 4, 8, 16\]"):
+        check_launch(zero2, 3, env=launched)
+    with pytest.raises(ValueError, match=r"micro_batch_size=24.*64 rollouts.*\[1, 2, 4, 8, 16, 32, 64\]"):
+        check_launch(compose(["learner.micro_batch_size=24"]), 2, env=launched)
+    with pytest.raises(ValueError, match=r"learner\.bf16=true"):
+        check_launch(compose(["model.dtype=bfloat16"]), 1, env={})
+    check_launch(compose(["model.dtype=bfloat16", "learner.bf16=true"]), 1, env={})
+    check_launch(compose(["model.dtype=bfloat16", "learner.low_precision_weights=true"]), 1, env={})
+
+
+def test_kl_is_zero_at_step_one_and_grows(tmp_path):
+    """learner.beta > 0: TRL keeps a frozen copy of the initial weights and echo2 computes its logprobs, so the KL
+    term is exactly 0 while the policy still is the initial one (step 1) and grows as the policy moves away; the
+    reference weights themselves never change."""
+    cfg, trainer, source, _ = build(tmp_path, ["run.steps=4", "learner.beta=0.04", "rollout.prompts_per_step=8"])
+    ref_before = [p.detach().clone() for p in trainer.ref_model.parameters()]
+    trainer.train()
+    kl = [h["kl"] for h in trainer.state.log_history if "kl" in h]
+    assert len(kl) == 4 and kl[0] == 0.0, kl
+    assert 0 < kl[1] < kl[2] < kl[3], kl
+    assert all(torch.equal(a, b) for a, b in zip(ref_before, trainer.ref_model.parameters()))
+
+
+def changed_fraction(tmp_path, overrides) -> tuple[float, object]:
+    """Fraction of weight elements that one sync step at lr 1e-6 changes, and the trainer."""
+    cfg, trainer, source, _ = build(tmp_path, ["run.steps=1", "model.dtype=bfloat16", "learner.learning_rate=1e-6",
+                                               "rollout.prompts_per_step=8", *overrides])
+    before = torch.cat([p.detach().float().flatten().clone() for p in trainer.model.parameters()])
+    trainer.train()
+    after = torch.cat([p.detach().float().flatten() for p in trainer.model.parameters()])
+    return (after != before).float().mean().item(), trainer
+
+
+def test_bf16_keeps_fp32_master_weights_and_publishes_bf16(tmp_path):
+    """learner.bf16=true: fp32 master weights (bf16 autocast compute), so a 1e-6 step moves (nearly) every weight;
+    AdamW straight on bf16 weights (the explicit opt-in) rounds almost every such update away. The snapshot the
+    workers get is bf16, the fp32 weights rounded, and says so in its manifest (probe dtype)."""
+    from echo2.broadcast import snapshot
+
+    moved, trainer = changed_fraction(tmp_path / "bf16", ["learner.bf16=true"])
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert moved > 0.9, moved
+    moved_pure, pure = changed_fraction(tmp_path / "pure", ["learner.low_precision_weights=true"])
+    assert {p.dtype for p in pure.model.parameters()} == {torch.bfloat16}
+    assert moved_pure < 0.2, moved_pure
+    print(f"changed by one 1e-6 step: fp32 masters {moved:.3f}, bf16 weights {moved_pure:.3f}")
+
+    weights = trainer.weights()
+    assert weights.dtype == "bfloat16" and weights.local
+    path = tmp_path / "snapshot.safetensors"
+    weights.write(str(path))
+    published = snapshot.decode(path.read_bytes())
+    for name, p in trainer.model.named_parameters():
+        assert published[name].dtype == torch.bfloat16 and torch.equal(published[name], p.detach().to(torch.bfloat16))

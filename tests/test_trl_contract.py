@@ -51,5 +51,14 @@ def test_batch_keys_the_loss_reads():
     """_compute_loss must still read the keys echo2's batch provides, old_per_token_logps above all."""
     src = inspect.getsource(GRPOTrainer._compute_loss)
     for key in ["prompt_ids", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
-                "num_items_in_batch"]:
+                "num_items_in_batch", "ref_per_token_logps"]:
         assert f'"{key}"' in src, key
+
+
+def test_bnpo_normalisation_echo2_rescales():
+    """Echo2GRPOTrainer._compute_loss rescales bnpo for micro-batches assuming TRL divides by the micro-batch's token
+    count and by the accumulation steps; fail if that changes."""
+    src = inspect.getsource(GRPOTrainer._compute_loss)
+    bnpo = src[src.index('elif self.loss_type == "bnpo":'):src.index('elif self.loss_type == "dr_grpo":')]
+    assert "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)" in bnpo
+    assert "self.current_gradient_accumulation_steps" in bnpo and "loss = loss / normalizer" in bnpo

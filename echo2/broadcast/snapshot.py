@@ -39,25 +39,40 @@ def save(state_dict: dict[str, Any], path: str) -> None:
     """The state dict in safetensors format, streamed into ``path`` one tensor at a time: no copy of the whole
     snapshot in memory (a GPU learner moves one tensor at a time to the CPU), and ``path`` may be a memory file's
     ``/proc/self/fd/<n>`` (safetensors' own ``save_file`` writes a temporary file beside its target and renames it,
-    which a memory file cannot have). Tensors are laid out by element size, largest first, as safetensors does, so
-    each stays aligned for ``views``; ``decode`` (safetensors) reads the result."""
+    which a memory file cannot have). ``decode`` (safetensors) reads the result."""
+    unique = _unique(state_dict)
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in unique.items()}
+    save_stream(specs, (unique[name] for name in order(specs)), path)
+
+
+def order(specs: dict[str, tuple[Any, tuple[int, ...]]]) -> list[str]:
+    """The order tensors are written in: by element size, largest first, then by name, as safetensors does, so each
+    stays aligned for ``views``. A sharded learner gathers its parameters in this order (every rank the same)."""
+    return sorted(specs, key=lambda n: (-specs[n][0].itemsize, n))
+
+
+def save_stream(specs: dict[str, tuple[Any, tuple[int, ...]]], tensors: Iterator[Any], path: str) -> None:
+    """Write a snapshot from its tensors' (dtype, shape) and the tensors themselves, produced one at a time in
+    ``order(specs)``: the writer never needs them all at once (a sharded learner gathers each just before it is
+    written). Each tensor must have the dtype and shape its spec says."""
     import torch
 
     codes = {v: k for k, v in _dtypes().items()}
-    unique = _unique(state_dict)
-    order = sorted(unique, key=lambda n: (-unique[n].element_size(), n))
+    names = order(specs)
     header, offset = {}, 0
-    for name in order:
-        t = unique[name]
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": codes[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+    for name in names:
+        dtype, shape = specs[name]
+        size = dtype.itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": codes[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
-        for name in order:
-            t = unique[name].detach().to("cpu").contiguous()
+        for name, t in zip(names, tensors, strict=True):
+            t = t.detach().to("cpu").contiguous()
+            if (t.dtype, tuple(t.shape)) != (specs[name][0], tuple(specs[name][1])):
+                raise ValueError(f"snapshot tensor {name}: got {t.dtype} {tuple(t.shape)}, spec says {specs[name]}")
             if t.numel():
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 

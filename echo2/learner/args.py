@@ -1,7 +1,11 @@
-"""Map echo2's config onto TRL's ``GRPOConfig``: the one place learner settings meet TRL's names."""
+"""Map echo2's config onto TRL's ``GRPOConfig``: the one place learner settings meet TRL's names, and the checks
+on how the learner was started (launcher, process count, micro-batches, precision) that must run before DeepSpeed
+or TRL would fail with a less helpful message."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -9,21 +13,86 @@ import torch
 from omegaconf import OmegaConf
 from trl import GRPOConfig
 
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_launch(cfg: Any, world_size: int, env: Mapping[str, str] = os.environ) -> None:
+    """Fail, saying what to run instead, where the learner cannot start as launched.
+
+    * DeepSpeed without a launcher: ``deepspeed.init_distributed`` finds no RANK / WORLD_SIZE and falls back on MPI
+      discovery, which fails with ``No module named 'mpi4py'``.
+    * N processes must each take whole groups: N must divide P (``rollout.prompts_per_step``).
+    """
+    if cfg.learner.deepspeed is not None:
+        missing = [k for k in LAUNCHER_ENV if k not in env]
+        if missing:
+            raise RuntimeError(
+                f"learner.deepspeed is set but this process was not started by a launcher ({', '.join(missing)} "
+                "unset; DeepSpeed would then look for MPI). Start it with `launchers/learner.sh N [overrides]` "
+                "(N learner processes, e.g. one per GPU; N=1 is fine), or use learner=default for a single process "
+                "without DeepSpeed.")
+    p = cfg.rollout.prompts_per_step
+    if p < 1 or p % world_size:
+        raise ValueError(
+            f"{world_size} learner processes with rollout.prompts_per_step={p}: every process trains on whole groups, "
+            f"so the number of processes must divide P. Processes that would: {_divisors(p) if p > 0 else '-'}; "
+            f"or set rollout.prompts_per_step to a multiple of {world_size}.")
+    slice_rollouts = p // world_size * cfg.rollout.group_size
+    mb = cfg.learner.micro_batch_size
+    if mb is not None and (mb < 1 or slice_rollouts % mb):
+        raise ValueError(
+            f"learner.micro_batch_size={mb}: each of the {world_size} learner process(es) trains on "
+            f"{slice_rollouts} rollouts per step (P*G/N), which must split into equal micro-batches. Values that "
+            f"would: {_divisors(slice_rollouts)} (null: the whole slice at once).")
+    check_precision(cfg)
+
+
+def check_precision(cfg: Any) -> None:
+    """AdamW on bf16/fp16 weights loses small updates: at lr 1e-6 an update below half an ulp of the weight (bf16
+    keeps 8 significant bits) rounds away, so most weights never move. Refuse it unless the user opts in."""
+    lc = cfg.learner
+    if cfg.model.dtype in LOW_PRECISION and not lc.bf16 and not lc.low_precision_weights:
+        raise ValueError(
+            f"model.dtype={cfg.model.dtype} with learner.bf16=false would train {cfg.model.dtype} weights directly "
+            "with AdamW, which rounds small updates away (at lr 1e-6 most of them). Set learner.bf16=true (fp32 "
+            "master weights and optimizer state, bf16 compute; snapshots published in bf16), or model.dtype=float32; "
+            "learner.low_precision_weights=true trains the low-precision weights anyway.")
+
+
+def micro_batches(cfg: Any, world_size: int) -> tuple[int, int]:
+    """(rollouts per forward/backward per process, micro-batches per optimizer step)."""
+    slice_rollouts = cfg.rollout.prompts_per_step // world_size * cfg.rollout.group_size
+    mb = cfg.learner.micro_batch_size or slice_rollouts
+    return mb, slice_rollouts // mb
+
+
+def master_dtype(cfg: Any) -> str:
+    """The dtype the learner holds its weights in: float32 under learner.bf16 (bf16 is the compute dtype: autocast,
+    or DeepSpeed's bf16 mode with fp32 master weights in the optimizer), else model.dtype."""
+    return "float32" if cfg.learner.bf16 else cfg.model.dtype
+
 
 def grpo_config(cfg: Any, run_dir: str | Path, world_size: int) -> GRPOConfig:
     lc, rc = cfg.learner, cfg.rollout
-    rollouts_per_step = rc.prompts_per_step * rc.group_size
     extra = OmegaConf.to_container(lc.trl, resolve=True) if lc.trl else {}
     deepspeed = OmegaConf.to_container(lc.deepspeed, resolve=True) if lc.deepspeed else None
+    micro, steps = micro_batches(cfg, world_size)
     return GRPOConfig(
         output_dir=str(Path(run_dir) / "trainer"),
         seed=cfg.seed,
         max_steps=cfg.run.steps,
-        # One optimizer step per R = P·G rollouts, split evenly over the learner processes.
-        per_device_train_batch_size=rollouts_per_step // world_size,
+        # One optimizer step per R = P·G rollouts, split evenly over the learner processes, each slice in `steps`
+        # micro-batches of `micro`: TRL buffers the slice and hands out one micro-batch per accumulation step
+        # (steps_per_generation = gradient_accumulation_steps), so version == optimizer step.
+        per_device_train_batch_size=micro,
         num_generations=rc.group_size,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        gradient_accumulation_steps=steps,
+        steps_per_generation=steps,
         num_iterations=1,
         max_completion_length=cfg.task.max_completion_length,
         temperature=rc.temperature,  # the learner's logprobs must use the sampling temperature
@@ -42,7 +111,7 @@ def grpo_config(cfg: Any, run_dir: str | Path, world_size: int) -> GRPOConfig:
         gradient_checkpointing=lc.gradient_checkpointing,
         deepspeed=deepspeed,
         use_cpu=not torch.cuda.is_available(),
-        model_init_kwargs={"dtype": cfg.model.dtype},
+        model_init_kwargs={"dtype": master_dtype(cfg)},
         logging_steps=1,
         report_to="none",  # echo2's MetricsSink owns wandb, with namespaced keys
         save_strategy="steps" if cfg.run.save_every_steps else "no",

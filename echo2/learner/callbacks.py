@@ -48,8 +48,9 @@ class Echo2Callback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step:  # resumed from a checkpoint: weights, optimizer, RNG and step are restored
-            self.trainer.rollouts_consumed = state.global_step * args.per_device_train_batch_size * args.world_size
-            self.trainer.rollout_source.on_resume(state.global_step, kwargs.get("model"))
+            self.trainer.rollouts_consumed = state.global_step * (args.per_device_train_batch_size
+                                                                      * args.gradient_accumulation_steps * args.world_size)
+            self.trainer.rollout_source.on_resume(state.global_step, self.trainer.weights())
         else:
             self._evaluate(0)
             self.pending.clear()  # the step-0 accuracy lives in summary.json; records start at step 1
@@ -59,9 +60,16 @@ class Echo2Callback(TrainerCallback):
         self.t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.rollout_source.on_version(state.global_step, kwargs.get("model"))
-        if self.sink is not None and state.is_world_process_zero and self.trainer.last_groups:
-            self.sink.consumed(state.global_step, self.trainer.last_groups)
+        self.trainer.rollout_source.on_version(state.global_step, self.trainer.weights())
+        batch = getattr(self.trainer.rollout_source, "last_batch", None) or self.trainer.last_groups  # all ranks'
+        if self.sink is not None and state.is_world_process_zero and batch:
+            self.sink.consumed(state.global_step, batch)
+        if args.world_size > 1:  # a signal to any rank stops every rank after the same step (no rank left waiting)
+            import torch
+
+            flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.trainer.accelerator.device)
+            if self.trainer.accelerator.reduce(flag, reduction="sum").item() and not self.stop_requested:
+                self.stop_requested = "stopped by another learner rank"
         if self.stop_requested:
             control.should_training_stop = True
             control.should_save = bool(args.save_strategy != "no")

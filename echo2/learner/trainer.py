@@ -8,10 +8,16 @@ How it differs from TRL's trainer (trl==1.16.0), and nothing else:
 * The "old" policy of GRPO's clipped ratio is the **behaviour** logprobs the engine returned with each
   token (``old_per_token_logps``). TRL instead recomputes them with the current weights or assumes
   ratio 1; with stale rollouts that would silently treat them as on-policy.
-* One optimizer step per batch of R = P·G rollouts (``steps_per_generation = 1``,
-  ``num_iterations = 1``), so the policy version is exactly ``state.global_step`` (docs/design.md §1).
+* One optimizer step per batch of R = P·G rollouts, so the policy version is exactly ``state.global_step``
+  (docs/design.md §1). Each process's slice of R/N rollouts may be split into micro-batches
+  (``learner.micro_batch_size``): TRL's own buffering does it (``steps_per_generation =
+  gradient_accumulation_steps = k``, ``num_iterations = 1``). TRL's grpo, dr_grpo and dapo normalisations then
+  equal the whole slice's; bnpo's (per micro-batch token count) is rescaled here to the slice's token count, so
+  the step does not depend on the micro-batch size.
+* With ``beta > 0`` the reference logprobs (TRL's frozen ``ref_model``, sharded like the policy under ZeRO-3)
+  are computed here, once per slice, for TRL's KL term.
 
-The loss itself (``_compute_loss``: every TRL ``loss_type``, clipping, KL, entropy terms) is TRL's, untouched.
+The loss itself (``_compute_loss``: every TRL ``loss_type``, clipping, KL, entropy terms) is TRL's.
 ``tests/test_trl_contract.py`` fails if a TRL method overridden or called here changes signature.
 """
 
@@ -28,6 +34,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import nanstd, pad
 
+from echo2.learner.weights import PolicyWeights
 from echo2.rollout.protocols import RolloutSource
 from echo2.rollout.types import RolloutGroup
 
@@ -78,8 +85,14 @@ class Echo2GRPOTrainer(GRPOTrainer):
         if correction not in CORRECTIONS:
             raise ValueError(f"rollout.correction={correction!r}: expected one of {CORRECTIONS}")
         self.correction, self.is_bounds = correction, is_bounds
-        if self.args.steps_per_generation != 1 or self.num_iterations != 1:
-            raise ValueError("echo2's learner takes one optimizer step per batch: steps_per_generation=num_iterations=1")
+        if self.args.steps_per_generation != self.args.gradient_accumulation_steps or self.num_iterations != 1:
+            raise ValueError("echo2's learner takes one optimizer step per batch: steps_per_generation = "
+                             "gradient_accumulation_steps (the micro-batches of one slice), num_iterations = 1")
+        if (self.loss_type == "bnpo" and self.args.gradient_accumulation_steps > 1
+                and (self._entropy_bonus_enabled or self.aux_loss_enabled)):
+            raise ValueError("loss_type=bnpo with learner.micro_batch_size and an entropy bonus or router aux loss: "
+                             "not supported (bnpo's per-slice normalisation is applied to the whole loss); use one "
+                             "micro-batch or another loss_type")
         self.rollout_source = rollout_source
         self._t_start = 0.0  # set at the first batch
         self._idle_s = self._idle_total_s = 0.0  # time spent obtaining rollouts, not training
@@ -94,6 +107,12 @@ class Echo2GRPOTrainer(GRPOTrainer):
         if plugin is not None:
             return f"deepspeed-zero{plugin.zero_stage}"
         return "ddp" if self.accelerator.num_processes > 1 else "single"
+
+    def weights(self) -> PolicyWeights:
+        """The live weights as a snapshot, in the dtype the workers serve: bf16 when training in bf16 (fp32 master
+        weights stay here), else the weights' own."""
+        dtype = torch.bfloat16 if self.args.bf16 else next(self.model.parameters()).dtype
+        return PolicyWeights(self.model, dtype, rank=self.accelerator.process_index, unsharded=self.live_policy)
 
     @property
     def version(self) -> int:
@@ -194,7 +213,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
             learner_logps = old_logps if self.correction != "none" else None
             self._check(groups, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps,
                         learner_logps)
-        return {
+        batch = {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
             "completion_ids": completion_ids,
@@ -202,7 +221,33 @@ class Echo2GRPOTrainer(GRPOTrainer):
             "old_per_token_logps": old_logps,
             "advantages": advantages,
             "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
+            "slice_tokens": completion_mask.sum(),  # 0-dim: every micro-batch of the slice gets it whole
         }
+        if self.beta != 0.0:
+            batch["ref_per_token_logps"] = self._reference_logps(prompt_ids, prompt_mask, completion_ids,
+                                                                 completion_mask)
+        return batch
+
+    def _reference_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        """Logprobs of the slice's completions under the frozen reference policy (the initial weights), in
+        micro-batches. Under ZeRO-3 this forward is a collective: every rank runs it on a slice of equal size."""
+        if self.ref_model is None:
+            raise ValueError("learner.beta > 0 needs a reference model, and TRL kept none (a PEFT model?)")
+        with torch.no_grad():
+            ref, _, _ = self._get_per_token_logps_and_entropies(
+                self.ref_model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
+                completion_ids.size(1), batch_size=self.args.per_device_train_batch_size)
+        return ref
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        k = self.current_gradient_accumulation_steps
+        if self.loss_type == "bnpo" and k > 1 and self.model.training:
+            # TRL: (sum over the micro-batch's tokens) / (its token count) / k. The whole slice at once would be
+            # (sum over the slice's tokens) / (the slice's token count): rescale to that.
+            tokens = inputs["completion_mask"].sum().clamp(min=1.0)
+            loss = loss * (tokens * k / inputs["slice_tokens"].clamp(min=1.0))
+        return loss
 
     def _decoupled(self, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps, advantages):
         """Decoupled off-policy loss (``rollout.correction`` tis / mask): the clipped ratio is taken against the

@@ -3,9 +3,12 @@
     learner step t:  collect() ── coordinator.take(P) ──► P scored groups, every one with t − x ≤ S
                      ...loss, optimizer step...
                      on_version(t+1) ── coordinator.set_version(t+1)  (evicts what became too stale)
-                                     └─ every κ steps: coordinator.publish(t+1, snapshot bytes, probe)  (returns
-                                        at once; probe: the learner's logprobs of fixed tokens, which every worker
-                                        reproduces with its engine before it claims version t+1)
+                                     └─ every κ steps: weights.write(memory file) → coordinator.publish(t+1, probe)
+                                        (returns at once; probe: the learner's logprobs of fixed tokens, which every
+                                        worker reproduces with its engine before it claims version t+1)
+
+With several learner processes only rank 0 holds this source (echo2/learner/distributed.py hands each rank its
+slice and runs the snapshot's gather on every rank); nothing here knows how many learner processes there are.
 
 The coordinator and the broadcaster run in a process of their own (service.py), so serving workers takes
 neither the learner's GIL nor its core. The learner never generates and never waits for a broadcast; it waits
@@ -37,7 +40,7 @@ from echo2.models.identity import model_identity
 from echo2.rollout import rendezvous
 from echo2.rollout.ledger import journal_path
 from echo2.rollout.liveness import Liveness
-from echo2.rollout.protocols import RolloutContext, RunStopped
+from echo2.rollout.protocols import RolloutContext, RunStopped, Weights
 from echo2.rollout.scoring import longest_prompt
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
 from echo2.rollout.types import RolloutGroup
@@ -90,7 +93,8 @@ class AsyncRolloutSource:
         self.restarts = 0
         self.pool = ctx.pool
         self.version = ctx.resume["version"] if ctx.resume else 0
-        self.policy: Any = None  # the live model, kept to republish after a coordinator restart
+        self.weights: Weights | None = None  # the live weights, kept to republish after a coordinator restart
+        self.republish = False  # a restarted coordinator's workers wait for the next snapshot
         self.probe_ids = probe_tokens(len(ctx.tokenizer))
         self.kwargs = dict(
             token=ctx.token, staleness=ctx.staleness, prompts_per_step=ctx.prompts_per_step, group_size=s.n,
@@ -184,20 +188,28 @@ class AsyncRolloutSource:
         try:
             return getattr(self.coordinator, name)(*args)
         except CoordinatorDied as e:
-            now = time.monotonic()
-            self.restart_times = [t for t in self.restart_times if now - t < self.restart_window_s]
-            if len(self.restart_times) >= self.max_restarts:
-                raise CoordinatorDied(f"{e}; it was restarted {len(self.restart_times)} times in the last "
-                                      f"{self.restart_window_s:.0f} s (rollout.source.coordinator_restarts, "
-                                      "restart_window_s): giving up") from e
-            self.restart_times.append(now)
-            self.restarts += 1
-            log.error("%s: starting a new one from the journal (restart %d)", e, self.restarts)
-            self.coordinator.abandon()
-            self.coordinator = self._spawn({"restart": True})
-            if self.policy is not None:  # workers need weights at the current version to be useful again
-                self.coordinator.publish_state_dict(self.version, *self._snapshot(self.policy))
+            self._restart(e)
             return getattr(self.coordinator, name)(*args)
+
+    def _restart(self, e: CoordinatorDied) -> None:
+        """A new coordinator from the journal, within the restart budget; workers then need the current weights:
+        republished at once where this process can write them alone, else (sharded weights, whose gather needs
+        every learner rank) with the next version."""
+        now = time.monotonic()
+        self.restart_times = [t for t in self.restart_times if now - t < self.restart_window_s]
+        if len(self.restart_times) >= self.max_restarts:
+            raise CoordinatorDied(f"{e}; it was restarted {len(self.restart_times)} times in the last "
+                                  f"{self.restart_window_s:.0f} s (rollout.source.coordinator_restarts, "
+                                  "restart_window_s): giving up") from e
+        self.restart_times.append(now)
+        self.restarts += 1
+        log.error("%s: starting a new one from the journal (restart %d)", e, self.restarts)
+        self.coordinator.abandon()
+        self.coordinator = self._spawn({"restart": True})
+        if self.weights is not None and getattr(self.weights, "local", True):
+            self.publish(self.version, self.weights)
+        else:
+            self.republish = True
 
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
         """The step's P groups. The learner times this call itself (train/learner_idle_s), the first step's wait
@@ -213,25 +225,36 @@ class AsyncRolloutSource:
             except TimeoutError:
                 last_log = self._waited(f"{len(rows)} rollout groups for step {version + 1}", start, last_log)
 
-    def on_version(self, version: int, policy: Any) -> None:
-        self.version, self.policy = version, policy
+    def on_version(self, version: int, weights: Weights) -> None:
+        if self.advance(version):
+            self.publish(version, weights)
+
+    def advance(self, version: int) -> bool:
+        """Tell the coordinator the new version; returns whether a snapshot is due now (every κ versions, or to
+        catch a restarted coordinator's workers up)."""
+        self.version = version
         self._call("set_version", version)
-        if version % self.ctx.publish_interval == 0:
-            self._call("publish_state_dict", version, *self._snapshot(policy))
+        return version % self.ctx.publish_interval == 0 or self.republish
 
-    def on_resume(self, version: int, policy: Any) -> None:
+    def on_resume(self, version: int, weights: Weights) -> None:
         """A resumed learner's first act: publish its restored weights, so that workers catch up to them."""
-        self.version, self.policy = version, policy
-        self._call("publish_state_dict", version, *self._snapshot(policy))
+        self.version = version
+        self.publish(version, weights)
 
-    def _snapshot(self, policy: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The policy's weights, and its probe: its logprobs of fixed tokens, signed into the snapshot's manifest,
-        which a worker's engine must reproduce after applying the snapshot before the worker claims the version."""
-        from echo2.rollout.engines.hf import probe_logprobs
-
-        dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
-        probe = {"token_ids": self.probe_ids, "logprobs": probe_logprobs(policy, self.probe_ids), "dtype": dtype}
-        return policy.state_dict(), probe
+    def publish(self, version: int, weights: Weights, probe: list[float] | None = None) -> None:
+        """Hand snapshot ``version`` to the broadcaster: ``weights.write`` streams it into a memory file, with its
+        probe (the policy's logprobs of fixed tokens, signed into the manifest with the snapshot's dtype), which a
+        worker's engine must reproduce after applying the snapshot before the worker claims the version.
+        ``probe``: already computed (by every learner rank together, under ZeRO-3)."""
+        self.weights, self.republish = weights, False
+        if probe is None:
+            probe = weights.probe_logprobs(self.probe_ids)
+        manifest_probe = {"token_ids": self.probe_ids, "logprobs": probe, "dtype": weights.dtype}
+        try:
+            self.coordinator.publish_written(version, weights.write, manifest_probe)
+        except CoordinatorDied as e:  # not retried here: a sharded write is a collective, done once per version
+            self.weights = self.weights if getattr(weights, "local", True) else None
+            self._restart(e)
 
     def on_check(self, stats: dict[str, tuple[int, float]]) -> None:
         """Per-worker sums of the log-ratio of the learner's logprobs to the workers' (rollout checks)."""

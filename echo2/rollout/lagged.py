@@ -37,6 +37,7 @@ def fresh_copy(policy: Any) -> Any:
 class LaggedRolloutSource(SyncRolloutSource):
     needs_policy = True
     max_staleness = None  # any S: the lag is exactly S once S steps have passed
+    single_process = True  # it copies whole weights: a sharded (ZeRO-3) learner holds only partitions
 
     def __init__(self, ctx: RolloutContext):
         super().__init__(ctx)
@@ -58,14 +59,14 @@ class LaggedRolloutSource(SyncRolloutSource):
         # every rollout carries the generator's version, which the learner judges the lag by
         return super().collect(rows, lagged_version, self.behaviour)
 
-    def on_version(self, version: int, policy: Any) -> None:
-        self._keep(version, policy)
+    def on_version(self, version: int, weights: Any) -> None:
+        self._keep(version, weights.model)
 
-    def on_resume(self, version: int, policy: Any) -> None:
+    def on_resume(self, version: int, weights: Any) -> None:
         self.held.clear()
-        self._keep(version, policy)
+        self._keep(version, weights.model)
 
-    def _keep(self, version: int, policy: Any) -> None:
-        self.held.append((version, {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()}))
+    def _keep(self, version: int, model: Any) -> None:
+        self.held.append((version, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}))
         while len(self.held) > self.staleness + 1:
             self.held.popleft()

@@ -47,6 +47,21 @@ class RunStopped(Exception):
     """Raised by ``collect`` when ``request_stop`` was called while it waited: the run ends without the step."""
 
 
+class Weights(Protocol):
+    """The learner's live weights as a snapshot source (what ``RolloutSource.on_version`` is handed)."""
+
+    dtype: str  # the snapshot's dtype, e.g. "bfloat16": what the workers will serve
+    local: bool  # True: this process can write the snapshot alone; False: sharded, every learner rank joins write()
+
+    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """Called before each publish (by every learner rank when sharded): the policy's logprobs of fixed tokens."""
+        ...
+
+    def write(self, path: str | None) -> None:
+        """Called once per publish: stream the snapshot (safetensors) into ``path`` (None: another rank writes)."""
+        ...
+
+
 class RolloutSource(Protocol):
     """Where the learner's batches come from.
 
@@ -64,8 +79,9 @@ class RolloutSource(Protocol):
         within the source's staleness bound."""
         ...
 
-    def on_version(self, version: int, policy: Any) -> None:
-        """Called after every optimizer step with the new version (the place to publish a snapshot)."""
+    def on_version(self, version: int, weights: Weights) -> None:
+        """Called after every optimizer step with the new version and the live weights (the place to publish a
+        snapshot)."""
         ...
 
     def metrics(self) -> dict[str, float]:
@@ -77,7 +93,7 @@ class RolloutSource(Protocol):
         handed back as ``RolloutContext.resume``."""
         ...
 
-    def on_resume(self, version: int, policy: Any) -> None:
+    def on_resume(self, version: int, weights: Weights) -> None:
         """Called once when a resumed learner starts, with its restored version and weights."""
         ...
 

@@ -30,6 +30,7 @@ import mmap
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,10 @@ class CoordinatorProcess:
         from echo2.broadcast import snapshot
 
         self._handoff(version, lambda path: snapshot.save(state_dict, path), probe)
+
+    def publish_written(self, version: int, write: Callable[[str], None], probe: dict | None = None) -> None:
+        """Publish what ``write(path)`` streams into a memory file (a sharded learner's gathered weights)."""
+        self._handoff(version, write, probe)
 
     def _handoff(self, version: int, write, probe: dict | None) -> None:
         """Write the snapshot into a new memory file and tell the child its path; the child maps it (no copy).

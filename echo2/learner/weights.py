@@ -1,0 +1,94 @@
+"""The live policy's weights as a snapshot: streamed one parameter at a time, gathered from shards under ZeRO-3.
+
+A snapshot is written by rank 0 into a path (a memory file the coordinator maps). With one process, or under
+ZeRO-2 / DDP, every rank holds the full parameters and rank 0 just streams them. Under ZeRO-3 each parameter is
+partitioned: every rank enters ``deepspeed.zero.GatheredParameters([p])`` for one parameter at a time, in the
+snapshot's write order (``snapshot.order``), and only rank 0 keeps what it gathered, until it is written. So the
+most any rank holds beyond its shard is one full parameter (as TRL's ``sync_weights`` does); rank 0's snapshot
+bytes (one full copy) live in the memory file.
+
+The probe (the policy's logprobs of fixed tokens, which a worker reproduces before claiming the version) is one
+forward pass; under ZeRO-3 it is a collective (each layer's parameters are gathered by DeepSpeed's hooks), so every
+rank runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from echo2.broadcast import snapshot
+
+
+def zero3(model: Any) -> bool:
+    """Whether ``model``'s parameters are ZeRO-3 partitions (DeepSpeed tags each with ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+class PolicyWeights:
+    """What ``AsyncRolloutSource`` publishes (``rollout.protocols.Weights``). Every learner rank builds one and calls
+    ``probe_logprobs`` then ``write`` together; ``write`` on a rank other than 0 takes ``path=None`` and only joins
+    the gathers."""
+
+    def __init__(self, model: Any, dtype: torch.dtype, rank: int = 0, unsharded: Any = None):
+        self.model, self.torch_dtype, self.rank = model, dtype, rank
+        self.unsharded = unsharded or contextlib.nullcontext  # () -> context with full parameters, hooks off
+        self.dtype = str(dtype).removeprefix("torch.")  # stated in the snapshot's manifest (probe["dtype"])
+        self.sharded = zero3(model)
+        # Each tensor once (a tied LM head is its embedding: named_parameters lists it under its first name, as
+        # snapshot._unique does for a state dict), then persistent buffers; in state-dict order.
+        self.tensors: dict[str, Any] = dict(model.named_parameters())
+        buffers = self._buffer_keys()
+        self.tensors.update({n: b for n, b in model.named_buffers() if n in buffers})
+        self.local = not self.sharded  # rank 0 can write it alone (a coordinator restart republishes at once)
+        self.written = False  # whether write() has started: its gathers are collectives, joined once per publish
+
+    def _buffer_keys(self) -> set[str]:
+        """State-dict keys that are buffers (persistent ones), without calling ``state_dict()``."""
+        keys = set()
+        for prefix, module in self.model.named_modules():
+            non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and name not in non_persistent:
+                    keys.add(f"{prefix}.{name}" if prefix else name)
+        return keys
+
+    def specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        def shape(t):
+            return tuple(t.ds_shape) if hasattr(t, "ds_shape") else tuple(t.shape)
+
+        return {n: (self.torch_dtype if t.is_floating_point() else t.dtype, shape(t)) for n, t in self.tensors.items()}
+
+    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) at temperature 1 under the live weights (all ranks, together)."""
+        from echo2.rollout.engines.hf import probe_logprobs
+
+        with torch.no_grad():
+            return probe_logprobs(self.model, token_ids)
+
+    def gathered(self, specs: dict) -> Iterator[torch.Tensor]:
+        """The full tensors in write order, cast to the snapshot dtype, one at a time (all ranks, together). On
+        ranks other than 0 the gathered parameter is released at once."""
+        for name in snapshot.order(specs):
+            t = self.tensors[name]
+            if self.sharded and hasattr(t, "ds_id") and t.ds_status.name != "AVAILABLE":
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                    out = t.detach().to(device="cpu", dtype=specs[name][0], copy=True) if self.rank == 0 else None
+            else:
+                out = t.detach().to(device="cpu", dtype=specs[name][0]) if self.rank == 0 else None
+            yield out
+
+    def write(self, path: str | None) -> None:
+        """Rank 0: stream the snapshot into ``path``. Other ranks (``path=None``): join each parameter's gather."""
+        self.written = True
+        specs = self.specs()
+        if path is None:
+            for _ in self.gathered(specs):
+                pass
+            return
+        snapshot.save_stream(specs, self.gathered(specs), path)

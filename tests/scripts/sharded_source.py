@@ -1,0 +1,48 @@
+"""Run by tests/test_sharded_learner.py under torchrun with 2 processes (gloo): rank 0 holds a stub rollout source,
+rank 1 none. A step's batch is handed out as whole groups per rank; then rank 0's source fails (a take timeout) and
+every rank must raise, naming the error, instead of waiting in a collective. Each rank writes what it saw to
+OUT_DIR/rank<r>.json."""
+
+import json
+import os
+import sys
+
+
+class Stub:
+    needs_policy = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def collect(self, rows, version, policy=None):
+        self.calls += 1
+        if self.calls == 2:
+            raise TimeoutError("only 3 of 4 admissible groups within 900 s (rollout.source.take_timeout_s)")
+        return [f"g{i}" for i in range(len(rows))]
+
+
+def main(out_dir: str) -> None:
+    from accelerate import PartialState
+
+    from echo2.learner.distributed import RankZeroError, ShardedSource
+
+    state = PartialState(cpu=True)
+    rank = state.process_index
+    source = ShardedSource(Stub() if rank == 0 else None, rank, state.num_processes)
+    seen = {"slice": source.collect([{"row": 0}, {"row": 1}], 0), "batch": source.last_batch}
+    try:
+        source.collect([{"row": 0}, {"row": 1}], 1)
+    except RankZeroError as e:
+        seen["error"] = f"RankZeroError: {e}"
+    except TimeoutError as e:
+        seen["error"] = f"TimeoutError: {e}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
