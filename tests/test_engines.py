@@ -193,10 +193,13 @@ def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
 
     path = wide_model(tmp_path, tied)
     learner = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    engine = VLLMServerEngine(path, dtype="float32", max_model_len=64)
+    # A context shorter than the 33 probe tokens, as a run's workers get (its longest prompt + completion): the
+    # engine scores the prefix that fits, and the agent compares that prefix.
+    engine = VLLMServerEngine(path, dtype="float32", max_model_len=16)
     agent = agent_with(engine)
     ids = probe_tokens(72)
     try:
+        assert len(ids) == 33 and len(engine.probe_logprobs(ids)) == 14
         for version in range(4):
             if version:
                 perturb(learner, version)

@@ -105,7 +105,10 @@ class Agent:
         version, blob, probe = pending
         for attempt in (1, 2):
             t0 = time.perf_counter()
-            self.engine.load_weights(version, blob)
+            try:
+                self.engine.load_weights(version, blob)
+            except OSError as e:
+                raise EngineError(f"the {self.engine.name} engine failed to apply v{version}: {e}") from e
             apply_s = time.perf_counter() - t0
             error = self._probe_error(probe)
             if error is None or error <= self._tolerance(probe):
@@ -123,11 +126,18 @@ class Agent:
         log.info("applied snapshot v%d (%.1f MB) in %.3f s; %s", version, len(blob) / 1e6, apply_s, checked)
 
     def _probe_error(self, probe: dict | None) -> float | None:
-        """Largest |engine - learner| logprob over the probe tokens, or None without a probe."""
+        """Largest |engine - learner| logprob over the probe tokens (those the engine's context holds: a prefix of
+        the learner's, which is causal, so the prefix's logprobs are a prefix of its list), or None without a
+        probe."""
         if not probe:
             return None
-        got = self.engine.probe_logprobs(probe["token_ids"])
-        return max(abs(a - b) for a, b in zip(got, probe["logprobs"], strict=True))
+        try:
+            got = self.engine.probe_logprobs(probe["token_ids"])
+        except OSError as e:  # the engine's failure, not the coordinator's: never retried as unreachable
+            raise EngineError(f"the {self.engine.name} engine failed to score the probe: {e}") from e
+        if not got:
+            raise EngineError("the engine's context holds no probe token to check")
+        return max(abs(a - b) for a, b in zip(got, probe["logprobs"]))
 
     def _tolerance(self, probe: dict | None) -> float:
         if self.probe_tolerance is not None:

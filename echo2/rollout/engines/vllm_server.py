@@ -76,7 +76,7 @@ class VLLMServerEngine:
                  kv_cache_gib: int = 1, enforce_eager: bool | None = None, seed: int = 0,
                  startup_timeout_s: float = 600.0, extra_args: Sequence[str] = (), log_path: str | None = None,
                  stop: threading.Event | None = None):
-        self.model_path = model_path
+        self.model_path, self.max_model_len = model_path, max_model_len
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.workdir = Path(tempfile.mkdtemp(prefix="echo2-weights-"))
@@ -157,8 +157,11 @@ class VLLMServerEngine:
         return results[0]
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
-        """log p(token_ids[i] | token_ids[:i]) at temperature 1 for i >= 1, as the engine serves them now."""
-        body = {"model": self.model_path, "prompt": [list(token_ids)], "max_tokens": 1, "temperature": 1.0,
+        """log p(token_ids[i] | token_ids[:i]) at temperature 1 for i >= 1, as the engine serves them now. Only as
+        many tokens as the engine's context holds (a prompt and one generated token): the logprobs of a prefix are a
+        prefix of the logprobs, so the caller compares what is returned."""
+        token_ids = list(token_ids)[:self.max_model_len - 1]
+        body = {"model": self.model_path, "prompt": [token_ids], "max_tokens": 1, "temperature": 1.0,
                 **NEUTRAL, "prompt_logprobs": 0}
         r = self.session.post(f"{self.base}/v1/completions", json=body, timeout=120)
         r.raise_for_status()
