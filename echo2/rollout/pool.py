@@ -131,7 +131,7 @@ class LocalPool:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.engine != "auto":
             cmd += ["--engine", self.engine]
-        if self.args["ca_hash"]:
+        if self.args.get("ca_hash"):  # the run speaks TLS: agents pin its CA
             cmd += ["--ca-hash", self.args["ca_hash"]]
         cmd += [f"--vllm-arg={a}" for a in self.vllm_args]
         cmd += ["--usd-per-hour", str(self.usd_per_hour[i % len(self.usd_per_hour)])]
