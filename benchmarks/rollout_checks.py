@@ -32,14 +32,18 @@ sys.path.insert(0, str(ROOT))
 from echo2.transport import Client, RemoteError, worker_credential  # noqa: E402
 
 
-def forge(url: str, secret: str, vocab: int, stop: threading.Event, out: dict) -> None:
-    """Register as 'forger' once the coordinator answers, then push fabricated groups until refused."""
+def forge(url: str, secret: str, vocab: int, stop: threading.Event, out: dict, run_dir: Path) -> None:
+    """Register as 'forger' once the coordinator answers (claiming the run's own model and context, read from its
+    coordinator.json, as a hostile client would), then push fabricated groups until refused."""
     client, rng = Client(url, worker_credential(secret, "forger"), timeout_s=10), random.Random(0)
     while not stop.is_set():
         try:
-            out["wid"] = client.post("/register", {})["worker_id"]
+            found = json.loads((run_dir / "coordinator.json").read_text())
+            claims = {"model": {k: found["model"][k] for k in ("name", "digest")},
+                      "max_model_len": found["max_model_len"]}
+            out["wid"] = client.post("/register", claims)["worker_id"]
             break
-        except (RemoteError, OSError):
+        except (RemoteError, OSError, ValueError):  # not up yet (no file, a half-written one, no server)
             time.sleep(0.5)
     version = 0
     while not stop.is_set():
@@ -73,7 +77,7 @@ def run(staleness: int, steps: int, out_dir: Path, port: int) -> dict:
            f"rollout.source.port={port}", "rollout.source.check_every_steps=1", "rollout.source.min_workers=2"]
     stop, forged = threading.Event(), {}
     vocab = len(AutoTokenizer.from_pretrained(model))
-    thread = threading.Thread(target=forge, args=(f"http://127.0.0.1:{port}", secret, vocab, stop, forged),
+    thread = threading.Thread(target=forge, args=(f"http://127.0.0.1:{port}", secret, vocab, stop, forged, run_dir),
                               daemon=True)
     thread.start()
     with open(out_dir / f"S{staleness}.log", "w") as log:

@@ -32,20 +32,30 @@ def test_a_stopped_worker_is_retired_and_rejoins_when_continued(tmp_path):
             ev["pid"] = source.pool.procs[0].pid
             os.kill(ev["pid"], signal.SIGSTOP)
             ev["stopped"] = time.monotonic()
-            # the learner is held until the coordinator has retired it (2 s heartbeat timeout)
-            wait_until(lambda: len(source.coordinator.status()["workers"]) == 1, timeout_s=30,
-                       what="the coordinator to retire the stopped worker")
+            # the learner is held until the coordinator has retired it (2 s heartbeat timeout); what the stopped worker
+            # holds then (it cannot pull or push any more; it may hold nothing) is what must be counted lost
+            held = {}
+
+            def retired() -> bool:
+                status = source.coordinator.status()
+                if len(status["workers"]) == 2:
+                    held.update(status["held"])
+                    return False
+                ev["held"] = sum(n for w, n in held.items() if w not in status["workers"])
+                return True
+
+            wait_until(retired, timeout_s=30, what="the coordinator to retire the stopped worker")
         if step == 6 and "pid" in ev:
             os.kill(ev["pid"], signal.SIGCONT)
             ev["continued"] = time.monotonic()
         if step == 10:
             wait_registered(source, 3)  # it came back
 
-    _, trainer, source, acc, _ = train(tmp_path, ["pool.engine=hf", "run.steps=40",
-                                                  "rollout.source.heartbeat_timeout_s=2"], hook)
+    cfg, trainer, source, acc, _ = train(tmp_path, ["pool.engine=hf", "run.steps=40",
+                                                    "rollout.source.heartbeat_timeout_s=2"], hook)
     assert trainer.state.global_step == 40 and "continued" in ev
     assert acc["workers_retired"].get("worker_dead") == 1, acc
-    assert acc["lost"].get("worker_dead", 0) > 0, acc  # it held work when it stopped
+    assert acc["lost"].get("worker_dead", 0) == ev["held"] * cfg.rollout.group_size, (ev, acc)  # what it held
     assert acc["by_worker"].get("w2", 0) > 0, acc["by_worker"]  # it came back as w2 and delivered
     assert balanced(acc), acc
 
@@ -206,8 +216,16 @@ def test_a_worker_cut_off_the_network_is_retired_and_rejoins_when_reconnected(tm
             metrics = tmp_path / "metrics.jsonl"
             steps = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0  # noqa: E731
             registered = lambda log: log.read_text(errors="replace").count("registered as")  # noqa: E731
-            wait_until(lambda: steps() >= 20 and all(registered(log) for log in logs), timeout_s=180,
-                       what="20 steps with both agents registered")
+
+            def delivering() -> int:
+                """Workers that have pushed rollouts (each has a measured throughput in the last metrics line)."""
+                lines = metrics.read_text().splitlines() if metrics.exists() else []
+                last = json.loads(lines[-1]) if lines else {}
+                return sum(k.startswith("rollout/throughput/") for k in last)
+
+            # both must have delivered before the cut (a worker that registers late can be cut before its first push)
+            wait_until(lambda: steps() >= 20 and all(registered(log) for log in logs) and delivering() >= 2,
+                       timeout_s=180, what="20 steps with both agents registered and delivering")
             assert steps() >= 20, "the run did not start"
             tb.set_link(1, up=False)
             coord_log = tmp_path / "coordinator.log"

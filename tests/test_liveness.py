@@ -115,14 +115,15 @@ class _FailingEngine:
 
 
 def test_the_agent_hands_back_its_groups_when_generate_fails(tiny_model_dir):
-    from echo2.rollout.agent import Agent
+    from echo2.rollout.agent import Agent, EngineError
     from echo2.rollout.types import SamplingParams
 
     coord = _coord(tiny_model_dir)
     agent = Agent(coord.url, "secret", _FailingEngine())
     try:
         agent.worker_id = agent.client.post("/register", {})["worker_id"]
-        with pytest.raises(OSError, match="engine died"):
+        # the engine's failure stops the worker as the engine's (not retried as an unreachable coordinator)
+        with pytest.raises(EngineError, match="engine died"):
             agent._step(SamplingParams(n=G, max_tokens=3))
         acc = coord.accounting()
         assert acc["lost"] == {"generate_failed": 2 * G} and acc["in_flight"] == 0, acc
@@ -134,10 +135,13 @@ def test_the_agent_hands_back_its_groups_when_generate_fails(tiny_model_dir):
 class _Hoarder(threading.Thread):
     """A real client that registers, pulls as much as it is given and heartbeats, but never pushes."""
 
-    def __init__(self, url, token):
+    def __init__(self, url, token, requires=None):
         super().__init__(daemon=True)
         self.client, self.stop, self.pulled, self.version = Client(url, token), threading.Event(), 0, 0
-        self.wid = self.client.post("/register", {"engine": "hoarder"})["worker_id"]
+        # it declares the run's own model and context, as a hostile client would (the handshake checks claims only)
+        claims = {"model": {k: requires["model"][k] for k in ("name", "digest")},
+                  "max_model_len": requires["max_model_len"]} if requires else {}
+        self.wid = self.client.post("/register", {"engine": "hoarder", **claims})["worker_id"]
         self.errors: list[str] = []
 
     def run(self):
@@ -161,7 +165,7 @@ def test_a_client_that_holds_work_and_heartbeats_cannot_stop_the_run(tmp_path):
 
     def hook(step, source):
         if step == 2:
-            ev["hoarder"] = _Hoarder(source.coordinator.url, source.ctx.token)
+            ev["hoarder"] = _Hoarder(source.coordinator.url, source.ctx.token, source.requires)
             ev["hoarder"].start()
         if "hoarder" in ev:
             held = source.coordinator.status()["held"].get(ev["hoarder"].wid, 0)

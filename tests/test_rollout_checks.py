@@ -49,10 +49,13 @@ def test_a_retired_worker_loses_its_buffered_rollouts_and_its_credential(tiny_mo
 class _Forger(threading.Thread):
     """A real client with its own credential that pushes random tokens claimed at logprob -0.05."""
 
-    def __init__(self, url, secret, vocab):
+    def __init__(self, url, secret, vocab, requires=None):
         super().__init__(daemon=True)
         self.client, self.vocab = Client(url, worker_credential(secret, "forger")), vocab
-        self.wid = self.client.post("/register", {})["worker_id"]
+        # it claims the run's own model and context: the handshake checks claims, the rollout checks check tokens
+        claims = {"model": {k: requires["model"][k] for k in ("name", "digest")},
+                  "max_model_len": requires["max_model_len"]} if requires else {}
+        self.wid = self.client.post("/register", claims)["worker_id"]
         self.stop, self.pushed, self.version = threading.Event(), 0, 0
 
     def run(self):
@@ -65,8 +68,10 @@ class _Forger(threading.Thread):
                     {"token_ids": [rng.randrange(self.vocab)] * 2, "logprobs": [-0.05, -0.05], "finish_reason": "length"}
                     for _ in range(8)]} for w in reply["work"]]
                 if results:
-                    self.pushed += len(self.client.post("/push", {"worker_id": self.wid, "results": results})["accepted"])
-            except (RemoteError, OSError):
+                    self.pushed += len(self.client.post("/push", {"worker_id": self.wid, "results": results,
+                                                             "rollouts_per_s": 1000.0})["accepted"])
+            except (RemoteError, OSError) as e:
+                self.error = str(e)
                 return  # retired and revoked: refused
 
 
@@ -75,18 +80,21 @@ def test_a_forging_client_is_retired_and_honest_workers_are_not(tmp_path):
     ev = {}
 
     def hook(step, source):
-        if step == 2:
-            ev["forger"] = _Forger(source.coordinator.url, source.ctx.token, len(source.ctx.tokenizer))
+        if step == 1:
+            ev["forger"] = _Forger(source.coordinator.url, source.ctx.token, len(source.ctx.tokenizer),
+                                   source.requires)
             ev["forger"].start()
 
     try:
         _, trainer, source, acc, records = train(tmp_path, [
-            "pool.engine=hf", "run.steps=30", "rollout.source.check_every_steps=1", "rollout.source.check_min_tokens=64"],
+            "pool.engine=hf", "run.steps=30", "rollout.source.check_every_steps=1", "rollout.source.check_min_tokens=64",
+            # one honest worker, holding at most a third of the in-flight cap: the forger finds work to forge
+            "pool.workers=1", "rollout.source.worker_share=0.33"],
             hook)
     finally:
         if "forger" in ev:
             ev["forger"].stop.set()
     forger = ev["forger"]
-    assert trainer.state.global_step == 30 and forger.pushed > 0
+    assert trainer.state.global_step == 30 and forger.pushed > 0, getattr(forger, "error", None)
     assert acc["workers_retired"].get("untrusted") == 1, acc  # the forger, and only it
     assert records[-1]["rollout/flagged_workers"] <= 1 and balanced(acc), acc
