@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from transformers import AutoConfig, AutoTokenizer
 
 from echo2.models.tiny import build_tiny
@@ -32,3 +34,19 @@ def test_config_suits_vllm_cpu(tiny_model_dir):
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     assert cfg.head_dim == 32  # vLLM's CPU attention rejects 16
     assert cfg.tie_word_embeddings is False  # reload_weights would leave a tied head stale
+
+
+def test_vocabulary_padded_to_a_real_models_size(tiny_model_dir, tmp_path):
+    """vocab_size gives the real embedding and head shapes (Qwen3: 151,936 rows); text encodes as before, and a
+    padding token the model samples decodes to its own name."""
+    from transformers import AutoModelForCausalLM
+
+    padded = build_tiny(vocab_size=300, tie_word_embeddings=True, cache_dir=str(tmp_path))
+    tok, plain = AutoTokenizer.from_pretrained(padded), AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(padded)
+    assert len(tok) == 300 and model.get_input_embeddings().weight.shape[0] == 300
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert tok("12+7=")["input_ids"] == plain("12+7=")["input_ids"]
+    assert tok.decode([299]) == "<|p299|>"
+    with pytest.raises(ValueError, match="smaller than"):
+        build_tiny(vocab_size=10, cache_dir=str(tmp_path))

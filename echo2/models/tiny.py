@@ -40,6 +40,7 @@ def build_tiny(
     max_position_embeddings: int = 64,
     init_seed: int = 0,
     tie_word_embeddings: bool = False,
+    vocab_size: int | None = None,
     cache_dir: str | None = None,
 ) -> str:
     """Build (once) and return the folder holding the tiny model and its tokenizer."""
@@ -56,6 +57,11 @@ def build_tiny(
     )
     if tie_word_embeddings:  # only when set, so that the untied models keep their cache folders
         spec["tie_word_embeddings"] = True
+    if vocab_size is not None:
+        if vocab_size < len(SPECIAL_TOKENS) + len(dict.fromkeys(chars)):
+            raise ValueError(f"vocab_size={vocab_size} is smaller than the {len(SPECIAL_TOKENS)} special tokens and "
+                             f"{len(dict.fromkeys(chars))} characters")
+        spec["vocab_size"] = vocab_size
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     out = root / "models" / f"tiny-{key}"
@@ -78,6 +84,9 @@ def _write_tiny(out: Path, spec: dict) -> None:
 
     chars = list(dict.fromkeys(spec["chars"]))
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + chars)}
+    # Padding to a real model's vocabulary size (e.g. Qwen3's 151,936) with tokens no text encodes to: the model
+    # gets the real embedding and head shapes, and what it samples there still decodes (to "<|pN|>").
+    vocab.update({f"<|p{i}|>": i for i in range(len(vocab), spec.get("vocab_size", len(vocab)))})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # One token per character: the split regex keeps every character as its own piece.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"."), behavior="isolated")
