@@ -282,7 +282,7 @@ def default_engine() -> str:
     return "vllm" if importlib.util.find_spec("vllm") else "hf"
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m echo2.worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--coordinator", required=True,
@@ -318,6 +318,11 @@ def main(argv: list[str] | None = None) -> None:
                         "(default: 1e-3 when both sides are float32, else 0.25)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="passed to the vLLM server as is, e.g. --vllm-arg=--gpu-memory-utilization=0.85 (repeatable)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = _parser()
     args = p.parse_args(argv)
     if not args.token:
         p.error("no token: set $ECHO2_TOKEN or pass --token")
@@ -343,14 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     except HubUnavailable as e:
         p.error(str(e))
     identity = model_identity(args.model)  # declared at registration: the learner refuses another model
-    needed = None
-    if not args.coordinator.startswith(("http://", "https://")):  # a learner that may not have started yet
-        from echo2.rollout import rendezvous
-
-        found = rendezvous.read(args.coordinator, args.reconnect_timeout_s)
-        log.info("learner found in %s: %s (context %d tokens)", args.coordinator, found["url"], found["max_model_len"])
-        args.coordinator, needed = found["url"], found["max_model_len"]
-        args.ca_hash = args.ca_hash or found.get("ca_hash")
+    needed = _find_learner(args)
     max_model_len = args.max_model_len or needed or identity["max_position_embeddings"]
     try:
         engine = build_engine(args.engine, args.model, args.dtype, max_model_len, stop, args.engine_log,
@@ -387,6 +385,20 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         agent.shutdown()
         log.info("worker stopped")
+
+
+def _find_learner(args) -> int | None:
+    """A --coordinator that is a path names the learner's coordinator.json (the learner may not have started yet):
+    wait for it, take the URL and CA fingerprint from it (in ``args``), and return the context the run needs."""
+    if args.coordinator.startswith(("http://", "https://")):
+        return None
+    from echo2.rollout import rendezvous
+
+    found = rendezvous.read(args.coordinator, args.reconnect_timeout_s)
+    log.info("learner found in %s: %s (context %d tokens)", args.coordinator, found["url"], found["max_model_len"])
+    args.coordinator = found["url"]
+    args.ca_hash = args.ca_hash or found.get("ca_hash")
+    return found["max_model_len"]
 
 
 def _trust(args, stop: threading.Event) -> Trust | None:
