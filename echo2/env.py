@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 
@@ -13,6 +14,10 @@ def configure_process() -> None:
     """
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     os.environ.setdefault("WANDB_SILENT", "true")
+    # DeepSpeed's ZeRO gathers call a torch.distributed function torch deprecates: without this, every rank logs
+    # the same FutureWarning at every step, burying the run's own messages.
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     if not _has_cuda():
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
