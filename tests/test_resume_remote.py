@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from conftest import wait_until
 from echo2.broadcast.broadcaster import RelayBroadcaster
+from echo2.rollout import rendezvous
 from echo2.rollout.agent import Agent
 from echo2.rollout.coordinator import Coordinator
 from echo2.rollout.scoring import Scorer
@@ -68,14 +69,24 @@ def advance(coord, bc, to_version, tag):
         bc.publish(coord.version, blob(tag))
 
 
+def point_to(run_dir, coord) -> None:
+    """The learner's coordinator.json, as the learner writes it when its coordinator is up."""
+    rendezvous.write(str(run_dir), coord.url, {"model": {"name": "tiny"}, "max_model_len": 16})
+
+
 # ahead: the dead run reached v5, the checkpoint was v3. behind: the worker comes back when the resumed run is at
-# v6; its v5 is within S = 2 of it, so only the epoch tells that v5 is the dead run's.
-@pytest.mark.parametrize("dead_at, resumed_at", [(5, 3), (5, 6)], ids=["ahead", "behind"])
-def test_a_remote_worker_follows_a_resumed_learner(tiny_model_dir, dead_at, resumed_at, caplog):
+# v6; its v5 is within S = 2 of it, so only the epoch tells that v5 is the dead run's. moved: as ahead, but the
+# resumed learner comes back at another address (a requeued job on another node), which only its coordinator.json
+# tells the worker.
+@pytest.mark.parametrize("dead_at, resumed_at, moved", [(5, 3, False), (5, 6, False), (5, 3, True)],
+                         ids=["ahead", "behind", "moved"])
+def test_a_remote_worker_follows_a_resumed_learner(tiny_model_dir, tmp_path, dead_at, resumed_at, moved, caplog):
     coord, bc = learner(tiny_model_dir, "dead", 0)
     port = coord.server.address[1]
+    point_to(tmp_path, coord)
     engine = RecordingEngine()
-    agent = Agent(coord.url, "secret", engine, reconnect_timeout_s=60)
+    agent = Agent(coord.url, "secret", engine, reconnect_timeout_s=60,
+                  rendezvous=str(tmp_path / rendezvous.FILE) if moved else None)
     engine.agent = agent
     failed = []
     thread = threading.Thread(target=lambda: _run(agent, failed), daemon=True)
@@ -89,7 +100,9 @@ def test_a_remote_worker_follows_a_resumed_learner(tiny_model_dir, dead_at, resu
         bc.close()
         coord.abort()
         time.sleep(1.0)
-        coord, bc = learner(tiny_model_dir, "resumed", resumed_at, port=port)
+        coord, bc = learner(tiny_model_dir, "resumed", resumed_at, port=0 if moved else port)
+        assert (coord.server.address[1] != port) == moved
+        point_to(tmp_path, coord)
         bc.publish(resumed_at, blob(b"resumed"))  # AsyncRolloutSource.on_resume
         wait_until(lambda: agent.version == resumed_at and agent.epoch == "resumed", timeout_s=60)
         assert engine.loads[-1] == (resumed_at, blob(b"resumed")[:8]), engine.loads
@@ -102,6 +115,7 @@ def test_a_remote_worker_follows_a_resumed_learner(tiny_model_dir, dead_at, resu
         # refused only as unknown ("register first", which made it re-join), never for its version
         assert set(coord.server.rejected) <= {"BadRequest"} and "'version' must be" not in caplog.text, caplog.text
         assert agent.reconnects >= 1
+        assert agent.client.base_url == coord.url and ("the learner moved" in caplog.text) == moved
         held = [bytes(snap.buf[:8]) for snap in agent.receiver.store.snaps.values()]
         assert held and blob(b"dead")[:8] not in held, held  # it cannot serve the dead run's weights to peers
         assert not failed and thread.is_alive(), failed

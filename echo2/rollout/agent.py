@@ -32,6 +32,8 @@ Faults: if the coordinator cannot be reached (restarting, a cut link) the agent 
 (0.5 s doubling to 10 s) for up to ``--reconnect-timeout-s``, then gives up; a coordinator that no longer knows
 it (declared it dead while it was stopped or cut off, or restarted) answers "register first", and it joins
 again under a new id. Work it held then was already counted lost by the coordinator and is not pushed twice.
+A worker that found the learner through coordinator.json re-reads the file while the learner is unreachable: a
+requeued learner job that comes back on another node writes its new address there, and the worker follows it.
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ class Agent:
                  advertise_host: str | None = None, max_groups: int = 4, stop: threading.Event | None = None,
                  snapshot_port: int = 0, relay_port: int = 0, declared: dict | None = None,
                  reconnect_timeout_s: float = 600.0, trust: Trust | None = None,
-                 probe_tolerance: float | None = None, engine_dtype: str = "float32"):
+                 probe_tolerance: float | None = None, engine_dtype: str = "float32", rendezvous: str | None = None):
         self.token, self.engine, self.max_groups = token, engine, max_groups
+        # the coordinator.json the learner was found in: re-read while it is unreachable (a requeued learner job
+        # may come back on another node, and write its new address there)
+        self.rendezvous = rendezvous
         self.client = Client(coordinator_url, token, timeout_s=60, ca_file=trust and trust.ca_file,
                              server_name=LEARNER_NAME)
         self.version = 0
@@ -169,12 +174,34 @@ class Agent:
             except (RemoteError, OSError) as e:
                 if isinstance(e, RemoteError) and e.status < 500:
                     raise
+                if self._learner_moved():
+                    delay, deadline = 0.5, time.monotonic() + self.reconnect_timeout_s
+                    continue
                 if time.monotonic() + delay > deadline:
                     raise ConnectionError(f"coordinator unreachable for {self.reconnect_timeout_s:.0f} s: {e}") from e
                 log.warning("coordinator not reachable (%s); retrying in %.1f s", e, delay)
                 self.stop.wait(delay)
                 delay = min(delay * 2, 10.0)
         raise SystemExit(0)
+
+    def _learner_moved(self) -> bool:
+        """Whether coordinator.json (if the learner was found through one) now names another address; if so, talk
+        to that one from now on (it does not know this worker: the next request is told to register, and it does)."""
+        if self.rendezvous is None:
+            return False
+        from echo2.rollout import rendezvous
+
+        try:
+            url = rendezvous.read(self.rendezvous, timeout_s=0)["url"].rstrip("/")
+        except (OSError, ValueError) as e:  # not there (yet), or unreadable: keep retrying the known address
+            log.debug("cannot re-read %s: %s", self.rendezvous, e)
+            return False
+        if url == self.client.base_url:
+            return False
+        log.warning("the learner moved (its job was requeued?): %s -> %s, as %s says", self.client.base_url, url,
+                    self.rendezvous)
+        self.client.base_url = url
+        return True
 
     def _heartbeat_loop(self, period_s: float) -> None:
         while not self.stop.wait(period_s):
@@ -348,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     except HubUnavailable as e:
         p.error(str(e))
     identity = model_identity(args.model)  # declared at registration: the learner refuses another model
+    rendezvous_path = None if args.coordinator.startswith(("http://", "https://")) else args.coordinator
     needed = _find_learner(args)
     max_model_len = args.max_model_len or needed or identity["max_position_embeddings"]
     try:
@@ -367,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
                             "up_mbit": args.uplink_mbit, "rtt_ms": args.rtt_ms,
                             "model": {k: identity[k] for k in ("name", "digest")}, "max_model_len": max_model_len},
                   reconnect_timeout_s=args.reconnect_timeout_s, trust=trust, probe_tolerance=args.probe_tolerance,
-                  engine_dtype=args.dtype)
+                  engine_dtype=args.dtype, rendezvous=rendezvous_path)
     try:
         agent.run()
     except RemoteError as e:
