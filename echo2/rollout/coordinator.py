@@ -5,7 +5,7 @@
                          └──────────── snapshots (Broadcaster) ◄──────────┘   └ set_version(v) after each step
 
     pull:  dispatch prompt groups, while worth_dispatching (buffer.py): in flight + buffered <= (S+1)·P
-    push:  validate -> score (task rewards, here, never trusted from a worker) -> admit to the buffer
+    push:  validate (results.py) -> score (task rewards, here, never trusted from a worker) -> admit to the buffer
     take:  waits for: P admissible groups in the buffer;  unblocked by: a push that completes the batch
     reaper: a worker silent for ``heartbeat_timeout_s`` is dead: its in-flight groups are counted lost and
             their prompts re-queued, so they are generated again elsewhere; a group past its deadline
@@ -45,7 +45,8 @@ from echo2.rollout.ledger import Ledger
 from echo2.rollout.liveness import Liveness
 from echo2.rollout.trust import Checks
 from echo2.rollout.scoring import Scorer, encode_prompt
-from echo2.rollout.types import Completion, Rollout, RolloutGroup
+from echo2.rollout.results import integer, nonneg, parse_result
+from echo2.rollout.types import RolloutGroup
 from echo2.transport import BadRequest, JsonServer, Unauthorized
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class Coordinator:
             raise Unauthorized(f"worker {worker.worker_id} did not register with {caller!r}'s credential")
         worker.last_seen = time.monotonic()
         if "version" in body:
-            worker.version = _int(body, "version", 0, self.version)
+            worker.version = integer(body, "version", 0, self.version)
         return worker
 
     def _register(self, body: dict, headers) -> dict:
@@ -177,7 +178,7 @@ class Coordinator:
             if relay_addr is not None and not (isinstance(relay_addr, str) and relay_addr.rpartition(":")[2].isdigit()):
                 raise BadRequest("'relay' must be 'host:port'")
             worker = WorkerInfo(self.ledger.new_worker_id(), body.get("snapshot_url"), str(body.get("engine", "?")),
-                                relay_addr, **{k: _nonneg(body, k, default) for k, default in (
+                                relay_addr, **{k: nonneg(body, k, default) for k, default in (
                                     ("usd_per_hour", 0.0), ("down_mbit", 1000.0), ("up_mbit", 1000.0),
                                     ("rtt_ms", 0.0))})
             worker.name = self.gate.caller(headers)
@@ -214,7 +215,7 @@ class Coordinator:
         deadline = time.monotonic() + self.long_poll_s
         with self.lock:
             worker = self._worker(body, headers)
-            want = min(_int(body, "max_groups", 1, 1024), self.groups_per_pull)
+            want = min(integer(body, "max_groups", 1, 1024), self.groups_per_pull)
             while True:
                 work = self._dispatch(worker, want)
                 remaining = deadline - time.monotonic()
@@ -270,7 +271,10 @@ class Coordinator:
         scored = []
         for gid, flight, res in claimed:  # parse and score outside the lock
             try:
-                group = self._parse_group(gid, flight, res)
+                rollouts = parse_result(res, flight.prompt_ids, self.G, int(self.sampling["max_tokens"]),
+                                        self.vocab_size)
+                group = RolloutGroup(row=flight.row, rollouts=rollouts, group_id=gid, row_index=flight.row_index,
+                                     worker_id=flight.worker_id)
                 self.scorer.score(group)
                 scored.append((gid, flight, group))
             except BadRequest as e:
@@ -293,33 +297,6 @@ class Coordinator:
                 worker.rollouts_per_s = float(rate)
             self.lock.notify_all()
         return {"accepted": accepted, "rejected": rejected, "version": self.version}
-
-    def _parse_group(self, gid: str, flight: InFlight, res: dict) -> RolloutGroup:
-        version = _int(res, "version", 0, 1 << 40)
-        comps = res.get("completions")
-        if not isinstance(comps, list) or len(comps) != self.G:
-            raise BadRequest(f"expected {self.G} completions")
-        max_tokens = int(self.sampling["max_tokens"])
-        rollouts = []
-        for c in comps:
-            if not isinstance(c, dict):
-                raise BadRequest("a completion must be an object")
-            ids, lps = c.get("token_ids"), c.get("logprobs")
-            if not isinstance(ids, list) or not isinstance(lps, list) or not 1 <= len(ids) <= max_tokens:
-                raise BadRequest(f"token_ids/logprobs must be lists of 1..{max_tokens}")
-            if len(ids) != len(lps):
-                raise BadRequest("token_ids and logprobs differ in length")
-            if not all(type(t) is int and 0 <= t < self.vocab_size for t in ids):
-                raise BadRequest(f"token id outside the vocabulary [0, {self.vocab_size})")
-            if not all(isinstance(x, (int, float)) and math.isfinite(x) and x <= 1e-4 for x in lps):
-                raise BadRequest("logprobs must be finite and <= 0")
-            finish = c.get("finish_reason")
-            if finish not in ("stop", "length"):
-                raise BadRequest(f"finish_reason {finish!r}")
-            comp = Completion(ids, [float(x) for x in lps], finish)
-            rollouts.append(Rollout(prompt_ids=flight.prompt_ids, completion=comp, version=version))
-        return RolloutGroup(row=flight.row, rollouts=rollouts, group_id=gid, row_index=flight.row_index,
-                            worker_id=flight.worker_id)
 
     def _snapshot_delivered(self, worker_id: str, version: int) -> None:
         with self.lock:
@@ -535,20 +512,6 @@ class Coordinator:
         accounting = self.accounting()
         self.ledger.close()
         return accounting
-
-
-def _int(body: dict, key: str, lo: int, hi: int) -> int:
-    value = body.get(key)
-    if type(value) is not int or not lo <= value <= hi:
-        raise BadRequest(f"{key!r} must be an integer in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def _nonneg(body: dict, key: str, default: float) -> float:
-    value = body.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise BadRequest(f"{key!r} must be a finite number >= 0, got {value!r}")
-    return float(value)
 
 
 def _nonzero(counter: Counter) -> dict[str, int]:
