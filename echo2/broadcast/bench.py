@@ -44,10 +44,10 @@ MODES = {"pipelined": "chain", "one_to_many": "star", "tree": "tree"}
 
 
 def role_peer(args) -> None:
-    from echo2.broadcast import relay
+    from echo2.broadcast.link import Link
     from echo2.broadcast.peer import SnapshotReceiver
 
-    link = relay.Link(up_mbit=args.up_mbit, down_mbit=args.down_mbit, latency_s=args.latency_ms / 1e3)
+    link = Link(up_mbit=args.up_mbit, down_mbit=args.down_mbit, latency_s=args.latency_ms / 1e3)
     trust = None
     if args.tls_dir:
         from echo2.transport import PEER_NAME, RunCA, Trust, server_context
