@@ -102,7 +102,7 @@ TOPOLOGIES = {"chain": "chain", "tree": "tree", "star": "star", "pipelined": "ch
 @dataclass(frozen=True)
 class WorkerLink:
     """One worker's network as the model sees it: Mbit/s down and up, round-trip time to the learner (ms).
-    (The relay's emulated access link for tests is echo2.broadcast.link.Link.)"""
+    (The relay's emulated access link for tests is echo2.lab.link.Link.)"""
 
     down_mbit: float
     up_mbit: float

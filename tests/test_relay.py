@@ -12,13 +12,14 @@ import time
 
 import pytest
 
-from echo2.broadcast import link, topology
+from echo2.broadcast import topology
 from echo2.broadcast.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame, tcp_rtt_s
 from echo2.broadcast.manifest import BadSnapshot, make_manifest, verify_manifest
 from echo2.broadcast.peer import SnapshotReceiver
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
+from echo2.lab import link
 
 TOKEN = "run-secret"
 CHUNK = 256 << 10
@@ -205,6 +206,24 @@ def test_token_bucket_rate():
         tb.take(100_000)
     assert time.monotonic() - t0 >= 0.19
 
+
+
+def test_the_lab_link_delays_and_paces_what_a_node_fetches():
+    """The lab's link around a fetcher's connection (echo2/lab/link.py): behind a 0.3 s one-way latency no byte lands
+    before 0.3 s, behind an 80 Mbit/s downlink 2 MiB take at least 0.15 s more (its burst is 0.2 MB), and the bytes
+    are exact; a node with no link gets none of it (the relay's connections are the sockets themselves)."""
+    blob = os.urandom(8 * CHUNK)
+    _, origin = origin_with(blob)
+    f = Fetcher(Store(), TOKEN, link=link.Link(down_mbit=80, latency_s=0.3), stall_timeout_s=2)
+    t0 = time.monotonic()
+    snap = f.fetch(1, [origin.addr])
+    assert bytes(snap.buf) == blob
+    assert snap.first_byte_at - t0 >= 0.3 and time.monotonic() - t0 >= 0.45
+    plain = Fetcher(Store(), TOKEN, stall_timeout_s=2)
+    plain.fetch(1, [origin.addr])
+    assert all(isinstance(c, socket.socket) for c in plain.conns.values())
+    f.close()
+    plain.close()
 
 def test_store_collects_old_versions_but_not_pinned_ones_and_never_waits_for_collected_ones():
     store = Store(keep=2)

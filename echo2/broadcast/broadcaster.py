@@ -26,13 +26,13 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any
 
 from echo2.broadcast import delta
-from echo2.broadcast.link import Link
+from echo2.broadcast import topology as topo
 from echo2.broadcast.manifest import FULL, make_manifest
 from echo2.broadcast.relay import RelayServer
 from echo2.broadcast.store import Snapshot, Store
-from echo2.broadcast import topology as topo
 from echo2.transport import PEER_NAME, Client, reachable_host
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,7 @@ class Peer:
 class RelayBroadcaster:
     def __init__(self, token: str, topology: str = "chain", fanout: int = 2, chunk_mb: float = 4.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, timeout_s: float = 600.0,
-                 retry_s: float = 5.0, sparse_delta: bool = True, uplink_mbit: float | None = None,
-                 latency_ms: float = 0.0):
+                 retry_s: float = 5.0, sparse_delta: bool = True, link: Any = None):
         if topology not in topo.KINDS:
             raise ValueError(f"broadcast.sender.topology={topology!r}: expected one of {topo.KINDS}")
         self.token, self.kind, self.fanout = token, topology, fanout
@@ -61,8 +60,7 @@ class RelayBroadcaster:
         self.timeout_s, self.retry_s, self.sparse_delta = timeout_s, retry_s, sparse_delta
         self.on_delivered = None  # set by the coordinator: called (peer, version) after each delivery
         self.store = Store(keep=2)
-        self.server = RelayServer(self.store, token, host, port,
-                                        link=Link(up_mbit=uplink_mbit, latency_s=latency_ms / 1e3)).start()
+        self.server = RelayServer(self.store, token, host, port, link=link).start()  # link: the lab's, for tests
         # Bound to every interface (0.0.0.0), it is reached at this machine's name unless told otherwise.
         self.origin = (advertise_host or reachable_host(self.server.addr[0]), self.server.addr[1])
         self.peers: dict[str, Peer] = {}

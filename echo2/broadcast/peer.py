@@ -6,7 +6,7 @@
                                                         └─ on_snapshot(v, buffer, manifest) once every chunk of
                                                            the full snapshot checks; answers {seconds, bytes_per_s}
 
-The worker agent owns one (and so does ``python -m echo2.broadcast.bench``, which measures exactly this code).
+The worker agent owns one (and so does ``python -m echo2.lab.bench``, which measures exactly this code).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 from echo2.broadcast import delta
-from echo2.broadcast.link import Link
 from echo2.broadcast.manifest import FULL, BadSnapshot, verify_manifest
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
@@ -28,16 +27,16 @@ log = logging.getLogger(__name__)
 
 class SnapshotReceiver:
     def __init__(self, token: str, on_snapshot: Callable[[int, Any, dict], None], host: str = "127.0.0.1",
-                 advertise_host: str | None = None, link: Link | None = None, stall_timeout_s: float = 10.0,
+                 advertise_host: str | None = None, link: Any = None, stall_timeout_s: float = 10.0,
                  control_port: int = 0, relay_port: int = 0, trust: Any = None):
-        """``trust`` (a transport.Trust): serve and fetch over TLS pinned to the run's CA."""
+        """``trust`` (a transport.Trust): serve and fetch over TLS pinned to the run's CA. ``link``: the lab's
+        emulated access link (echo2/lab/link.py) for its server and fetcher; a worker has none."""
         self.token, self.on_snapshot = token, on_snapshot
         self.store = Store(keep=2)
-        self.link = link or Link()
         server_tls = trust.server if trust is not None else None
-        self.relay_server = RelayServer(self.store, token, host, relay_port, link=self.link,
+        self.relay_server = RelayServer(self.store, token, host, relay_port, link=link,
                                               stall_timeout_s=max(30.0, stall_timeout_s), tls=server_tls)
-        self.fetcher = Fetcher(self.store, token, link=self.link, stall_timeout_s=stall_timeout_s, trust=trust)
+        self.fetcher = Fetcher(self.store, token, link=link, stall_timeout_s=stall_timeout_s, trust=trust)
         self.control = JsonServer(host, control_port, token, routes={"POST /fetch": self._fetch},
                                   name="snapshots", tls=server_tls)
         self.url = self.control.url(advertise_host)
@@ -89,7 +88,7 @@ class SnapshotReceiver:
         d = self.fetcher.fetch(version, sources, base=base)
         full = Snapshot(manifest)
         full.buf[:] = delta.apply(held.buf, d.buf)
-        full.received = full.visible = full.size
+        full.received = full.size
         if full.check_chunks() or full.checked != len(manifest["chunks"]):
             raise BadSnapshot(f"v{version} rebuilt from the delta against v{base} fails its digests")
         full.complete = True

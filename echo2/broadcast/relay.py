@@ -20,8 +20,8 @@ Transport. Off loopback both ends speak TLS (echo2/transport.py): the server pre
 CA, the fetcher verifies it against that CA alone (pinned when the worker joined). The handshake runs in the
 connection's own thread, never in accept.
 
-Link model. For tests without root a ``Link`` (link.py: token buckets on a node's uplink and downlink plus a
-one-way latency) can be put on every node; the namespace testbed (testbed.py) shapes real links instead.
+Link emulation is not here: tests and the benchmark without root pass ``link`` (echo2/lab/link.py), which wraps
+each connection after its handshake (``link.serve(conn)``, ``link.fetch(conn)``); a run passes none.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import threading
 from typing import Any
 
 from echo2.broadcast.framing import PIECE_BYTES, drain, recv_exact, recv_frame, send_frame, tcp_rtt_s
-from echo2.broadcast.link import Link
 from echo2.broadcast.manifest import FULL, BadSnapshot, request_mac, verify_manifest
 from echo2.broadcast.store import Snapshot, Store
 
@@ -42,12 +41,12 @@ log = logging.getLogger(__name__)
 
 
 class RelayServer:
-    """Serves byte ranges of the snapshots in ``store`` to token holders, as the bytes become visible."""
+    """Serves byte ranges of the snapshots in ``store`` to token holders, as the bytes land there."""
 
-    def __init__(self, store: Store, token: str, host: str = "127.0.0.1", port: int = 0, link: Link | None = None,
+    def __init__(self, store: Store, token: str, host: str = "127.0.0.1", port: int = 0, link: Any = None,
                  manifest_wait_s: float = 30.0, stall_timeout_s: float = 30.0, tls: Any = None):
-        """``tls``: an ``ssl.SSLContext`` to serve with (None: plain TCP)."""
-        self.store, self.token, self.link, self.tls = store, token, link or Link(), tls
+        """``tls``: an ``ssl.SSLContext`` to serve with (None: plain TCP). ``link``: the lab's emulated link."""
+        self.store, self.token, self.link, self.tls = store, token, link, tls
         self.manifest_wait_s, self.stall_timeout_s = manifest_wait_s, stall_timeout_s
         self.sock = socket.create_server((host, port))
         self.addr = self.sock.getsockname()[:2]
@@ -73,13 +72,9 @@ class RelayServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            if self.tls is not None:
-                plain = conn
-                conn.settimeout(30)
-                conn = self.tls.wrap_socket(conn, server_side=True)
-                conn.settimeout(None)
-                self.conns.discard(plain)
-                self.conns.add(conn)
+            plain, conn = conn, self._open(conn)
+            self.conns.discard(plain)
+            self.conns.add(conn)
             while not self.closed:
                 try:
                     req = recv_frame(conn)  # persistent: one request after another
@@ -93,6 +88,14 @@ class RelayServer:
         finally:
             self.conns.discard(conn)
             conn.close()
+
+    def _open(self, conn: socket.socket) -> socket.socket:
+        """The connection as this server speaks on it: TLS after its handshake, then the lab's link if one is set."""
+        if self.tls is not None:
+            conn.settimeout(30)
+            conn = self.tls.wrap_socket(conn, server_side=True)
+            conn.settimeout(None)
+        return self.link.serve(conn) if self.link is not None else conn
 
     def _answer(self, conn: socket.socket, req: dict) -> None:
         v, base, start, end = req.get("version"), req.get("base"), req.get("start"), req.get("end")
@@ -109,12 +112,10 @@ class RelayServer:
         send_frame(conn, {"manifest": snap.manifest})
         pos, mv = start, memoryview(snap.buf)
         while pos < end:
-            visible = snap.wait_visible(pos, self.stall_timeout_s)
-            if snap.failed or visible <= pos:
-                raise ConnectionError(f"v{v}: this node's own download stopped at {visible}")
-            hi = min(visible, end, pos + PIECE_BYTES)
-            if self.link.up:
-                self.link.up.take(hi - pos)
+            received = snap.wait_received(pos, self.stall_timeout_s)
+            if snap.failed or received <= pos:
+                raise ConnectionError(f"v{v}: this node's own download stopped at {received}")
+            hi = min(received, end, pos + PIECE_BYTES)
             self.served_bytes += hi - pos  # counted as handed to the socket (before, so a reader never lags)
             conn.sendall(mv[pos:hi])
             pos = hi
@@ -148,10 +149,11 @@ class RelayServer:
 class Fetcher:
     """Pulls snapshots into a node's store from an ordered list of sources, keeping one connection per source."""
 
-    def __init__(self, store: Store, token: str, link: Link | None = None, stall_timeout_s: float = 10.0,
+    def __init__(self, store: Store, token: str, link: Any = None, stall_timeout_s: float = 10.0,
                  connect_timeout_s: float = 10.0, trust: Any = None):
-        """``trust``: a transport.Trust; sources are then reached over TLS verified against the run's CA."""
-        self.store, self.token, self.link, self.trust = store, token, link or Link(), trust
+        """``trust``: a transport.Trust; sources are then reached over TLS verified against the run's CA.
+        ``link``: the lab's emulated link (echo2/lab/link.py), never set in a run."""
+        self.store, self.token, self.link, self.trust = store, token, link, trust
         self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
         self.conns: dict[tuple[str, int], socket.socket] = {}
         self.lock = threading.Lock()  # one fetch at a time per node
@@ -194,7 +196,7 @@ class Fetcher:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.trust is not None:
                 conn = self.trust.connect(conn)
-            self.conns[src] = conn
+            self.conns[src] = conn = self.link.fetch(conn) if self.link is not None else conn
         conn.settimeout(self.stall_timeout_s)
         return conn
 
@@ -229,17 +231,14 @@ class Fetcher:
                 raise ConnectionError("source closed the connection")
             if isinstance(conn, ssl.SSLSocket):
                 n += drain(conn, mv[snap.received + n:hi])
-            if self.link.down:
-                self.link.down.take(n)
-            snap.arrived(n, self.link.latency_s)
+            snap.arrived(n)
             if snap.received % snap.chunk_bytes < n or snap.received == snap.size:  # crossed a chunk boundary
                 for bad in snap.check_chunks():
                     log.warning("v%d chunk %d from %s:%d failed its digest; will re-fetch", version, bad, *src)
         return snap
 
     def _repair(self, snap: Snapshot, sources: list[tuple[str, int]]) -> None:
-        """Wait out the latency, digest what is left, and re-fetch every chunk that failed, origin first."""
-        snap.wait_visible(snap.size - 1, self.link.latency_s + 5.0)
+        """Digest what is left and re-fetch every chunk that failed, origin first."""
         snap.check_chunks()
         for i in sorted(snap.bad):
             lo = i * snap.chunk_bytes

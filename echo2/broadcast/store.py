@@ -2,7 +2,7 @@
 
     Fetcher ──arrived(n)──► Snapshot.buf [■■■■■■■■□□□□□□□]  received ─► check_chunks(): sha256 of each whole chunk
                                          │                                 against the signed manifest (bad: re-fetch)
-    RelayServer ◄──wait_visible(pos)─────┘  serves children from the same buffer as bytes land (cut-through)
+    RelayServer ◄──wait_received(pos)────┘  serves children from the same buffer as bytes land (cut-through)
 
     Store: the newest ``keep`` versions (full snapshots and deltas), older ones collected unless pinned
 
@@ -15,15 +15,14 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import deque
 
 from echo2.broadcast.manifest import FULL
 from echo2.broadcast.snapshot import MemoryFile
 
 
 class Snapshot:
-    """A snapshot buffer that fills while it is served. ``received``: bytes in the buffer; ``visible``: bytes
-    past the emulated latency (what this node may forward or check); ``bad``: chunks that failed their digest."""
+    """A snapshot buffer that fills while it is served. ``received``: bytes in the buffer (what this node may
+    forward or check); ``bad``: chunks that failed their digest."""
 
     def __init__(self, manifest: dict, blob: bytes | None = None):
         self.manifest, self.version, self.size = manifest, manifest["version"], manifest["size"]
@@ -34,47 +33,35 @@ class Snapshot:
         # hop for 200 MB, added to every hop's first byte, since children wait for the parent's buffer). A worker's
         # vLLM engine maps the same file to apply it (snapshot.MemoryFile): no copy of the snapshot in between.
         self.buf = blob if blob is not None else (MemoryFile(self.size) if self.size else bytearray())
-        self.received = self.visible = self.size if blob is not None else 0
+        self.received = self.size if blob is not None else 0
         self.checked = len(manifest["chunks"]) if blob is not None else 0  # chunks digested so far, in order
         self.bad: set[int] = set()
         self.complete = blob is not None
         self.failed = False
-        self.due: deque[tuple[float, int]] = deque()  # (time visible, received) under an emulated latency
         self.first_byte_at: float | None = None  # time.monotonic() of the first byte received (diagnostics)
         self.cond = threading.Condition()
 
-    def arrived(self, n: int, latency_s: float) -> None:
+    def arrived(self, n: int) -> None:
         with self.cond:
             if self.first_byte_at is None:
                 self.first_byte_at = time.monotonic()
             self.received += n
-            if latency_s:
-                self.due.append((time.monotonic() + latency_s, self.received))
-            else:
-                self.visible = self.received
             self.cond.notify_all()
 
-    def wait_visible(self, pos: int, timeout_s: float) -> int:
-        """Bytes visible once more than ``pos`` are (or the timeout passes, or the fetch failed)."""
-        deadline = time.monotonic() + timeout_s
+    def wait_received(self, pos: int, timeout_s: float) -> int:
+        """Bytes received once more than ``pos`` are (or the timeout passes, or the fetch failed)."""
         with self.cond:
-            while True:
-                now = time.monotonic()
-                while self.due and self.due[0][0] <= now:
-                    self.visible = max(self.visible, self.due.popleft()[1])
-                if self.visible > pos or self.failed or now >= deadline:
-                    return self.visible
-                wake = self.due[0][0] - now if self.due else deadline - now
-                self.cond.wait(min(wake, deadline - now))
+            self.cond.wait_for(lambda: self.received > pos or self.failed, timeout=timeout_s)
+            return self.received
 
     def check_chunks(self) -> list[int]:
-        """Digest every newly visible whole chunk; returns those that failed (also added to ``bad``)."""
+        """Digest every newly received whole chunk; returns those that failed (also added to ``bad``)."""
         failed = []
         chunks = self.manifest["chunks"]
         while self.checked < len(chunks):
             lo = self.checked * self.chunk_bytes
             hi = min(lo + self.chunk_bytes, self.size)
-            if self.visible < hi:
+            if self.received < hi:
                 break
             if not self.chunk_ok(self.checked):
                 failed.append(self.checked)

@@ -9,7 +9,7 @@ Packets stay in the kernel; only a 20-byte header copy and a verdict cross into
 user space.  GSO packets are taken whole (NFQA_CFG_F_GSO), so a 1 Gbit/s TCP
 flow costs a few thousand packets per second, not ~85 000.
 
-Usage: python -m echo2.broadcast.delayline --queue 0 --delay-ms 10 [--pair 127.100.0.10,127.100.0.11,40 ...]
+Usage: python -m echo2.lab.delayline --queue 0 --delay-ms 10 [--pair 127.100.0.10,127.100.0.11,40 ...]
        [--stats-every 5] [--duration SECONDS]
 """
 import argparse, heapq, select, signal, socket, struct, sys, time, random
