@@ -20,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-PIECE_BYTES = 256 << 10  # the most the delay thread reads at once (the relay's own piece size)
+from echo2.broadcast.framing import PIECE_BYTES  # the most the delay thread reads at once, as the relay does
 
 
 class TokenBucket:
