@@ -20,7 +20,7 @@ if [ "$req" = requirements.txt ]; then
 fi
 # `python -m echo2.report` (echo2.worker, .plan, .sim) from any directory: this checkout on the venv's path.
 "$py" -c 'import site, sys; open(site.getsitepackages()[0] + "/echo2.pth", "w").write(sys.argv[1] + "\n")' "$PWD"
-# The WAN testbed (echo2/broadcast/testbed.py: network namespaces + an NFQUEUE delay line) needs the iptables
+# The WAN testbed (echo2/lab/testbed.py: network namespaces + an NFQUEUE delay line) needs the iptables
 # binary; install it where we are root with apt. Elsewhere its tests skip, by name, saying why.
 if ! command -v iptables >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   apt-get install -y -q --no-install-recommends iptables >/dev/null 2>&1 \

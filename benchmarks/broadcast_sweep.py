@@ -1,4 +1,4 @@
-"""The broadcast figures of BENCHMARKS.md: ``python -m echo2.broadcast.bench`` over a grid, one table.
+"""The broadcast figures of BENCHMARKS.md: ``python -m echo2.lab.bench`` over a grid, one table.
 
 Each cell is one CLI run (its own testbed, calibrated first) broadcasting a warm-up version (it opens the
 connections; its time is the "first version" column) and ``--reps`` versions; the median of these is
@@ -41,7 +41,7 @@ def main() -> None:
                 if n * link > args.max_aggregate_mbit and n > 1:
                     print(f"skip {mode} N={n} at {link:g} Mbit/s: {n * link:g} Mbit/s aggregate", flush=True)
                     continue
-                cmd = [sys.executable, "-m", "echo2.broadcast.bench", "--mode", mode, "--workers", str(n),
+                cmd = [sys.executable, "-m", "echo2.lab.bench", "--mode", mode, "--workers", str(n),
                        "--size-mb", str(size), "--link-mbit", str(link), "--rtt-ms", str(rtt), "--reps",
                        str(args.reps), "--testbed", args.testbed, "--json"]
                 out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -79,7 +79,7 @@ does); T_train, T_bcast, T_load, μ_i constant; generation is continuous (batche
 Dissemination time (``bcast_time_s``) per relay topology (``broadcast.sender.topology``: the relay's own names;
 the broadcast options' names ``one_to_many`` and ``pipelined`` are accepted for star and chain), for snapshot M
 over links with per-worker downlink/uplink B_i and learner uplink B_L, one-way latency ℓ and ``piece`` bytes
-forwarded at a time (relay.py):
+forwarded at a time (broadcast/relay.py):
   star:     max(N·M / B_L, max_i M / B_i) + ℓ                 (one-to-many: the learner's uplink carries N copies)
   chain:    M / min(B_L, B_i, up_i) + N·(ℓ + piece / B)      (pipelined: each byte crosses each link once)
   tree(f):  M / min(B_L / f, B_i, up_i / f) + depth·(ℓ + piece / B)   (f = fanout: inner nodes upload f copies)
@@ -94,7 +94,7 @@ from dataclasses import dataclass
 import numpy as np
 
 GOODPUT = 1448 / 1514  # TCP payload per wire byte at MTU 1500: what an HTB-shaped link (or a real one) carries
-PIECE_BYTES = 256 << 10  # echo2.broadcast.relay.PIECE_BYTES: the cut-through granularity
+PIECE_BYTES = 256 << 10  # echo2.broadcast.framing.PIECE_BYTES: the cut-through granularity
 # The relay's topology names (broadcast.sender.topology), and the broadcast options' names for two of them.
 TOPOLOGIES = {"chain": "chain", "tree": "tree", "star": "star", "pipelined": "chain", "one_to_many": "star"}
 
@@ -102,7 +102,7 @@ TOPOLOGIES = {"chain": "chain", "tree": "tree", "star": "star", "pipelined": "ch
 @dataclass(frozen=True)
 class WorkerLink:
     """One worker's network as the model sees it: Mbit/s down and up, round-trip time to the learner (ms).
-    (The relay's emulated access link for tests is echo2.broadcast.link.Link.)"""
+    (The relay's emulated access link for tests is echo2.lab.link.Link.)"""
 
     down_mbit: float
     up_mbit: float

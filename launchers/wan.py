@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The learner plus N local worker agents, each in its own emulated WAN host (network namespaces, shaped links,
-a delay line: echo2/broadcast/testbed.py). Needs root and iptables (Linux).
+a delay line: echo2/lab/testbed.py). Needs root and iptables (Linux).
 
     sudo .venv/bin/python launchers/wan.py --workers 3 --link-mbit 100 --rtt-ms 40 --engine hf -- run.steps=100
     sudo .venv/bin/python launchers/wan.py --workers 4 --link-mbit 50 --learner-uplink-mbit 200 -- broadcast=one_to_many
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("train_args", nargs="*", help="after --: hydra overrides for train.py")
     args = p.parse_args(argv)
 
-    from echo2.broadcast import testbed
+    from echo2.lab import testbed
 
     def stop_now(signum, _frame):  # a SIGTERM before the learner runs: unwind, so the namespaces are removed
         raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -148,7 +148,7 @@ def test_a_relay_peer_killed_mid_relay_is_routed_around(tmp_path):
     env = dict(os.environ, ECHO2_TOKEN="t0k")
     peers, procs = [], []
     for up in (40, 1000):
-        p = subprocess.Popen([sys.executable, "-m", "echo2.broadcast.bench", "--role", "peer", "--host", "127.0.0.1",
+        p = subprocess.Popen([sys.executable, "-m", "echo2.lab.bench", "--role", "peer", "--host", "127.0.0.1",
                               "--up-mbit", str(up), "--down-mbit", "1000"], cwd=ROOT, env=env,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         procs.append(p)
@@ -184,7 +184,7 @@ def test_a_worker_cut_off_the_network_is_retired_and_rejoins_when_reconnected(tm
     (its switch port down): the coordinator retires it and training goes on with h2;
     when the link comes back the agent, whose requests had stalled, is told to register again and delivers. The
     learner is then stopped with SIGTERM (it finishes its step, writes the summary) and the books balance."""
-    from echo2.broadcast import testbed
+    from echo2.lab import testbed
 
     why = testbed.available()
     if why:

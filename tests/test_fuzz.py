@@ -17,7 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import small_coordinator
-from echo2.broadcast import relay
+from echo2.broadcast.manifest import make_manifest
+from echo2.broadcast.relay import Fetcher, RelayServer
+from echo2.broadcast.store import Snapshot, Store
 
 G = 2
 json_values = st.recursive(
@@ -54,10 +56,10 @@ def test_coordinator_routes_never_crash(coord, route, body, raw):
 
 @pytest.fixture(scope="module")
 def origin():
-    store = relay.Store()
+    store = Store()
     blob = os.urandom(3 * 4096)
-    store.put(relay.Snapshot(relay.make_manifest("secret", 1, blob, 4096), blob))
-    server = relay.RelayServer(store, "secret", manifest_wait_s=0.2).start()
+    store.put(Snapshot(make_manifest("secret", 1, blob, 4096), blob))
+    server = RelayServer(store, "secret", manifest_wait_s=0.2).start()
     yield server
     server.close()
 
@@ -83,7 +85,7 @@ def test_relay_server_refuses_garbage_and_keeps_serving(origin, frame):
     if frame:
         assert origin.refused == refused + 1  # counted (and logged), whatever the frame was
     # and it still serves a proper request
-    f = relay.Fetcher(relay.Store(), "secret", stall_timeout_s=2)
+    f = Fetcher(Store(), "secret", stall_timeout_s=2)
     assert f.fetch(1, [origin.addr]).complete
     f.close()
 

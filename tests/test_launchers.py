@@ -107,7 +107,7 @@ def test_progress_fields_show_lag_utilization_and_dollars():
 
 @pytest.mark.slow
 def test_wan_launcher_puts_each_worker_in_its_own_shaped_host(tmp_path):
-    from echo2.broadcast import testbed
+    from echo2.lab import testbed
 
     why = testbed.available()
     if why:
@@ -199,7 +199,7 @@ def test_join_installs_once_when_an_array_starts_together(tmp_path):
 
 @pytest.mark.slow
 def test_wan_launcher_stopped_by_sigterm_writes_its_summary_and_removes_its_namespaces(tmp_path):
-    from echo2.broadcast import testbed
+    from echo2.lab import testbed
 
     why = testbed.available()
     if why:

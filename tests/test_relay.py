@@ -12,37 +12,42 @@ import time
 
 import pytest
 
-from echo2.broadcast import link, relay, topology
+from echo2.broadcast import topology
 from echo2.broadcast.broadcaster import RelayBroadcaster
+from echo2.broadcast.framing import send_frame, tcp_rtt_s
+from echo2.broadcast.manifest import BadSnapshot, make_manifest, verify_manifest
 from echo2.broadcast.peer import SnapshotReceiver
+from echo2.broadcast.relay import Fetcher, RelayServer
+from echo2.broadcast.store import Snapshot, Store
+from echo2.lab import link
 
 TOKEN = "run-secret"
 CHUNK = 256 << 10
 
 
 def node(link=None):
-    store = relay.Store()
-    server = relay.RelayServer(store, TOKEN, link=link or relay.Link()).start()
-    return store, server, relay.Fetcher(store, TOKEN, link=link or relay.Link(), stall_timeout_s=2)
+    store = Store()
+    server = RelayServer(store, TOKEN, link=link).start()
+    return store, server, Fetcher(store, TOKEN, link=link, stall_timeout_s=2)
 
 
 def origin_with(blob, version=1, link=None, token=TOKEN):
     store, server, _ = node(link)
-    store.put(relay.Snapshot(relay.make_manifest(token, version, blob, CHUNK), blob))
+    store.put(Snapshot(make_manifest(token, version, blob, CHUNK), blob))
     return store, server
 
 
 def test_manifest_is_authenticated():
     blob = os.urandom(3 * CHUNK + 5)
-    m = relay.make_manifest(TOKEN, 7, blob, CHUNK)
-    assert relay.verify_manifest(TOKEN, m) is m and len(m["chunks"]) == 4
-    with pytest.raises(relay.BadSnapshot, match="signature"):
-        relay.verify_manifest("another-run", m)
+    m = make_manifest(TOKEN, 7, blob, CHUNK)
+    assert verify_manifest(TOKEN, m) is m and len(m["chunks"]) == 4
+    with pytest.raises(BadSnapshot, match="signature"):
+        verify_manifest("another-run", m)
     forged = {**m, "chunks": m["chunks"][:3] + ["0" * 64]}
-    with pytest.raises(relay.BadSnapshot, match="signature"):
-        relay.verify_manifest(TOKEN, forged)
-    with pytest.raises(relay.BadSnapshot):
-        relay.verify_manifest(TOKEN, ["not", "a", "dict"])
+    with pytest.raises(BadSnapshot, match="signature"):
+        verify_manifest(TOKEN, forged)
+    with pytest.raises(BadSnapshot):
+        verify_manifest(TOKEN, ["not", "a", "dict"])
 
 
 def test_chain_delivers_identical_bytes_and_the_origin_uploads_once():
@@ -71,9 +76,9 @@ def test_a_corrupted_chunk_is_detected_refetched_and_never_delivered():
     _, origin = origin_with(blob)
     bad = bytearray(blob)
     bad[2 * CHUNK + 17] ^= 0xFF  # a liar serves the right (signed) manifest with one flipped byte
-    liar_store, liar = relay.Store(), None
-    liar_store.put(relay.Snapshot(relay.make_manifest(TOKEN, 1, blob, CHUNK), bytes(bad)))
-    liar = relay.RelayServer(liar_store, TOKEN).start()
+    liar_store, liar = Store(), None
+    liar_store.put(Snapshot(make_manifest(TOKEN, 1, blob, CHUNK), bytes(bad)))
+    liar = RelayServer(liar_store, TOKEN).start()
     _, _, f = node()
     snap = f.fetch(1, [liar.addr, origin.addr])
     assert bytes(snap.buf) == blob and not snap.bad
@@ -86,14 +91,14 @@ def test_a_forged_manifest_or_a_wrong_token_is_refused():
     _, origin = origin_with(blob)
     _, _, f = node()
     assert bytes(f.fetch(1, [forger.addr, origin.addr]).buf) == blob  # forger skipped, origin served
-    outsider = relay.Fetcher(relay.Store(), "not-the-run-token", stall_timeout_s=2)
+    outsider = Fetcher(Store(), "not-the-run-token", stall_timeout_s=2)
     with pytest.raises(ConnectionError, match="no source"):
         outsider.fetch(1, [origin.addr])
 
 
 def test_a_relay_peer_dying_mid_stream_is_routed_around_without_refetching():
     blob = os.urandom(16 * CHUNK)  # 4 MiB at 40 Mbit/s: ~0.8 s, time to kill the middle peer mid-stream
-    _, origin = origin_with(blob, link=relay.Link(up_mbit=40))
+    _, origin = origin_with(blob, link=link.Link(up_mbit=40))
     _, a_server, a = node()
     b_store, _, b = node()
     ta = threading.Thread(target=lambda: a.fetch(1, [origin.addr]), daemon=True)
@@ -185,9 +190,9 @@ def test_tcp_rtt_of_a_live_connection():
     try:
         c.sendall(b"x" * 1000)
         conn.recv(1000)
-        rtt = relay.tcp_rtt_s(c)
+        rtt = tcp_rtt_s(c)
         assert rtt is None if not hasattr(socket, "TCP_INFO") else 0 < rtt < 0.1  # loopback: microseconds
-        assert relay.tcp_rtt_s(None) is None
+        assert tcp_rtt_s(None) is None
     finally:
         for s in (c, conn, srv):
             s.close()
@@ -202,11 +207,29 @@ def test_token_bucket_rate():
     assert time.monotonic() - t0 >= 0.19
 
 
+
+def test_the_lab_link_delays_and_paces_what_a_node_fetches():
+    """The lab's link around a fetcher's connection (echo2/lab/link.py): behind a 0.3 s one-way latency no byte lands
+    before 0.3 s, behind an 80 Mbit/s downlink 2 MiB take at least 0.15 s more (its burst is 0.2 MB), and the bytes
+    are exact; a node with no link gets none of it (the relay's connections are the sockets themselves)."""
+    blob = os.urandom(8 * CHUNK)
+    _, origin = origin_with(blob)
+    f = Fetcher(Store(), TOKEN, link=link.Link(down_mbit=80, latency_s=0.3), stall_timeout_s=2)
+    t0 = time.monotonic()
+    snap = f.fetch(1, [origin.addr])
+    assert bytes(snap.buf) == blob
+    assert snap.first_byte_at - t0 >= 0.3 and time.monotonic() - t0 >= 0.45
+    plain = Fetcher(Store(), TOKEN, stall_timeout_s=2)
+    plain.fetch(1, [origin.addr])
+    assert all(isinstance(c, socket.socket) for c in plain.conns.values())
+    f.close()
+    plain.close()
+
 def test_store_collects_old_versions_but_not_pinned_ones_and_never_waits_for_collected_ones():
-    store = relay.Store(keep=2)
+    store = Store(keep=2)
 
     def snap(v):
-        return relay.Snapshot(relay.make_manifest(TOKEN, v, b"x" * 10, CHUNK), b"x" * 10)
+        return Snapshot(make_manifest(TOKEN, v, b"x" * 10, CHUNK), b"x" * 10)
 
     store.put(snap(1))
     store.pin(1)  # being broadcast
@@ -227,18 +250,18 @@ def test_a_stalled_relay_peer_is_routed_around():
     blob = os.urandom(8 * CHUNK)
     _, origin = origin_with(blob)
 
-    class Staller(relay.RelayServer):
+    class Staller(RelayServer):
         def _answer(self, conn, req):
             snap = self.store.get(req["version"])
-            relay.send_frame(conn, {"manifest": snap.manifest})
+            send_frame(conn, {"manifest": snap.manifest})
             conn.sendall(memoryview(snap.buf)[req["start"]:req["start"] + CHUNK + 100])
             time.sleep(30)  # then nothing
 
-    s_store, _ = relay.Store(), None
-    s_store.put(relay.Snapshot(relay.make_manifest(TOKEN, 1, blob, CHUNK), blob))
+    s_store, _ = Store(), None
+    s_store.put(Snapshot(make_manifest(TOKEN, 1, blob, CHUNK), blob))
     staller = Staller(s_store, TOKEN).start()
-    store = relay.Store()
-    f = relay.Fetcher(store, TOKEN, stall_timeout_s=1)
+    store = Store()
+    f = Fetcher(store, TOKEN, stall_timeout_s=1)
     t0 = time.monotonic()
     snap = f.fetch(1, [staller.addr, origin.addr])
     assert bytes(snap.buf) == blob and time.monotonic() - t0 < 10

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from echo2.broadcast import testbed
+from echo2.lab import testbed
 
 why = testbed.available()
 require_netns = pytest.mark.skipif(why is not None, reason=f"require_netns: {why}")
@@ -30,7 +30,7 @@ def namespaces() -> set[str]:
 @pytest.mark.parametrize("mode, copies", [("pipelined", 1), ("one_to_many", 3)])
 def test_bench_cli_on_shaped_links(mode, copies):
     before = namespaces()
-    out = subprocess.run([sys.executable, "-m", "echo2.broadcast.bench", "--mode", mode, "--workers", "3",
+    out = subprocess.run([sys.executable, "-m", "echo2.lab.bench", "--mode", mode, "--workers", "3",
                           "--size-mb", "4", "--link-mbit", "100", "--rtt-ms", "20", "--reps", "2", "--testbed",
                           "netns", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -77,9 +77,10 @@ def test_clients_verify_against_the_run_ca_and_the_role_name(tls_coord, ca, tmp_
 def test_a_snapshot_travels_the_relay_over_tls(ca, tmp_path):
     """Learner origin -> peer A -> peer B, every link TLS: B gets the verified snapshot; a fetcher that does not
     speak TLS is refused by the origin."""
-    from echo2.broadcast import relay
     from echo2.broadcast.broadcaster import RelayBroadcaster
     from echo2.broadcast.peer import SnapshotReceiver
+    from echo2.broadcast.relay import Fetcher
+    from echo2.broadcast.store import Store
 
     got, done = {}, threading.Event()
     peers = []
@@ -101,7 +102,7 @@ def test_a_snapshot_travels_the_relay_over_tls(ca, tmp_path):
         assert done.wait(60) and round_done.wait(60) and got == {"A": blob, "B": blob}
         wait_until(lambda: len(bc.last_results) == 2, timeout_s=10)
         assert max(r["depth"] for r in bc.last_results.values()) == 1  # B pulled through A
-        plain = relay.Fetcher(relay.Store(), "t0k", connect_timeout_s=5, stall_timeout_s=5)
+        plain = Fetcher(Store(), "t0k", connect_timeout_s=5, stall_timeout_s=5)
         with pytest.raises(ConnectionError):
             plain.fetch(1, [bc.origin])
     finally:
@@ -111,9 +112,11 @@ def test_a_snapshot_travels_the_relay_over_tls(ca, tmp_path):
 
 
 def test_a_plain_socket_to_a_tls_relay_is_dropped_and_the_server_goes_on(ca):
-    from echo2.broadcast import relay
+    from echo2.broadcast.framing import recv_frame, send_frame
+    from echo2.broadcast.relay import RelayServer
+    from echo2.broadcast.store import Store
 
-    server = relay.RelayServer(relay.Store(), "t0k", tls=ca.trust().server).start()
+    server = RelayServer(Store(), "t0k", tls=ca.trust().server).start()
     try:
         with socket.create_connection(server.addr, timeout=5) as s:
             s.sendall(b"\x00\x00\x00\x02{}")  # a plain frame where a TLS ClientHello belongs
@@ -124,8 +127,8 @@ def test_a_plain_socket_to_a_tls_relay_is_dropped_and_the_server_goes_on(ca):
             assert data == b"" or data[0] == 0x15, data  # closed, or a TLS alert record: never a frame
         trust = Trust(ca.ca_pem, ca.ca_file, None)
         conn = trust.connect(socket.create_connection(server.addr, timeout=5))
-        relay.send_frame(conn, {"version": 1})
-        assert "error" in relay.recv_frame(conn)  # still serving, over TLS
+        send_frame(conn, {"version": 1})
+        assert "error" in recv_frame(conn)  # still serving, over TLS
         conn.close()
     finally:
         server.close()

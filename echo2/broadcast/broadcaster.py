@@ -26,9 +26,13 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any
 
-from echo2.broadcast import delta, relay
+from echo2.broadcast import delta
 from echo2.broadcast import topology as topo
+from echo2.broadcast.manifest import FULL, make_manifest
+from echo2.broadcast.relay import RelayServer
+from echo2.broadcast.store import Snapshot, Store
 from echo2.transport import PEER_NAME, Client, reachable_host
 
 log = logging.getLogger(__name__)
@@ -48,17 +52,15 @@ class Peer:
 class RelayBroadcaster:
     def __init__(self, token: str, topology: str = "chain", fanout: int = 2, chunk_mb: float = 4.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, timeout_s: float = 600.0,
-                 retry_s: float = 5.0, sparse_delta: bool = True, uplink_mbit: float | None = None,
-                 latency_ms: float = 0.0):
+                 retry_s: float = 5.0, sparse_delta: bool = True, link: Any = None):
         if topology not in topo.KINDS:
             raise ValueError(f"broadcast.sender.topology={topology!r}: expected one of {topo.KINDS}")
         self.token, self.kind, self.fanout = token, topology, fanout
         self.chunk_bytes = max(1, int(chunk_mb * (1 << 20)))
         self.timeout_s, self.retry_s, self.sparse_delta = timeout_s, retry_s, sparse_delta
         self.on_delivered = None  # set by the coordinator: called (peer, version) after each delivery
-        self.store = relay.Store(keep=2)
-        self.server = relay.RelayServer(self.store, token, host, port,
-                                        link=relay.Link(up_mbit=uplink_mbit, latency_s=latency_ms / 1e3)).start()
+        self.store = Store(keep=2)
+        self.server = RelayServer(self.store, token, host, port, link=link).start()  # link: the lab's, for tests
         # Bound to every interface (0.0.0.0), it is reached at this machine's name unless told otherwise.
         self.origin = (advertise_host or reachable_host(self.server.addr[0]), self.server.addr[1])
         self.peers: dict[str, Peer] = {}
@@ -97,14 +99,14 @@ class RelayBroadcaster:
         """Digest and sign the snapshot; encode a delta against the previous one when that is smaller."""
         t0 = time.perf_counter()
         prev = self.store.newest_complete()
-        manifest = relay.make_manifest(self.token, version, blob, self.chunk_bytes, probe=probe)
-        self.store.put(relay.Snapshot(manifest, blob))
+        manifest = make_manifest(self.token, version, blob, self.chunk_bytes, probe=probe)
+        self.store.put(Snapshot(manifest, blob))
         base, ratio = None, 1.0
         if self.sparse_delta and prev is not None and prev.version < version:
             kind, payload = delta.choose(blob, prev.buf, prev.version, delta.word_bytes_of(blob))
             if kind == "delta":
-                dm = relay.make_manifest(self.token, version, payload, self.chunk_bytes, base=prev.version)
-                self.store.put(relay.Snapshot(dm, payload))
+                dm = make_manifest(self.token, version, payload, self.chunk_bytes, base=prev.version)
+                self.store.put(Snapshot(dm, payload))
                 base, ratio = prev.version, len(payload) / max(len(blob), 1)
         with self.cond:
             self.latest, self.full_manifest, self.delta_base = version, manifest, base
@@ -171,7 +173,7 @@ class RelayBroadcaster:
                 groups: dict[int, list[topo.PeerLink]] = {}
                 for pid in self._due():
                     p = self.peers[pid]
-                    kind = base if base is not None and p.delivered == base and not p.needs_full else relay.FULL
+                    kind = base if base is not None and p.delivered == base and not p.needs_full else FULL
                     groups.setdefault(kind, []).append(topo.PeerLink(pid, p.rate_bytes_per_s, p.rtt_s))
                 self.store.pin(version)  # a newer publish must not collect what this round is sending
             try:
@@ -195,9 +197,9 @@ class RelayBroadcaster:
             if peer is None:
                 return pid, base, RuntimeError("left")
             # a full snapshot can also come from peers that already hold it; a delta only along its own plan
-            sources = ups + (holders[:2] if base == relay.FULL else []) + [self.origin]
+            sources = ups + (holders[:2] if base == FULL else []) + [self.origin]
             body = {"version": version, "base": base, "sources": [list(a) for a in sources]}
-            if base != relay.FULL:
+            if base != FULL:
                 body["full_manifest"] = full.manifest
             try:
                 return pid, base, peer.client.post("/fetch", body, timeout_s=self.timeout_s)
@@ -227,9 +229,9 @@ class RelayBroadcaster:
                     if isinstance(result, Exception):
                         self.failures += 1
                         peer.retry_at = time.monotonic() + self.retry_s
-                        peer.needs_full = base != relay.FULL
+                        peer.needs_full = base != FULL
                         log.warning("snapshot v%d (%s) to %s failed: %s", version,
-                                    "full" if base == relay.FULL else f"delta vs v{base}", pid, result)
+                                    "full" if base == FULL else f"delta vs v{base}", pid, result)
                         continue
                     peer.delivered = max(peer.delivered, version)
                     peer.needs_full = False

@@ -6,7 +6,7 @@
                                                         └─ on_snapshot(v, buffer, manifest) once every chunk of
                                                            the full snapshot checks; answers {seconds, bytes_per_s}
 
-The worker agent owns one (and so does ``python -m echo2.broadcast.bench``, which measures exactly this code).
+The worker agent owns one (and so does ``python -m echo2.lab.bench``, which measures exactly this code).
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from echo2.broadcast import delta, relay
+from echo2.broadcast import delta
+from echo2.broadcast.manifest import FULL, BadSnapshot, verify_manifest
+from echo2.broadcast.relay import Fetcher, RelayServer
+from echo2.broadcast.store import Snapshot, Store
 from echo2.transport import BadRequest, JsonServer
 
 log = logging.getLogger(__name__)
@@ -24,16 +27,16 @@ log = logging.getLogger(__name__)
 
 class SnapshotReceiver:
     def __init__(self, token: str, on_snapshot: Callable[[int, Any, dict], None], host: str = "127.0.0.1",
-                 advertise_host: str | None = None, link: relay.Link | None = None, stall_timeout_s: float = 10.0,
+                 advertise_host: str | None = None, link: Any = None, stall_timeout_s: float = 10.0,
                  control_port: int = 0, relay_port: int = 0, trust: Any = None):
-        """``trust`` (a transport.Trust): serve and fetch over TLS pinned to the run's CA."""
+        """``trust`` (a transport.Trust): serve and fetch over TLS pinned to the run's CA. ``link``: the lab's
+        emulated access link (echo2/lab/link.py) for its server and fetcher; a worker has none."""
         self.token, self.on_snapshot = token, on_snapshot
-        self.store = relay.Store(keep=2)
-        self.link = link or relay.Link()
+        self.store = Store(keep=2)
         server_tls = trust.server if trust is not None else None
-        self.relay_server = relay.RelayServer(self.store, token, host, relay_port, link=self.link,
+        self.relay_server = RelayServer(self.store, token, host, relay_port, link=link,
                                               stall_timeout_s=max(30.0, stall_timeout_s), tls=server_tls)
-        self.fetcher = relay.Fetcher(self.store, token, link=self.link, stall_timeout_s=stall_timeout_s, trust=trust)
+        self.fetcher = Fetcher(self.store, token, link=link, stall_timeout_s=stall_timeout_s, trust=trust)
         self.control = JsonServer(host, control_port, token, routes={"POST /fetch": self._fetch},
                                   name="snapshots", tls=server_tls)
         self.url = self.control.url(advertise_host)
@@ -49,7 +52,7 @@ class SnapshotReceiver:
         return self
 
     def _fetch(self, body: dict, _headers) -> dict:
-        version, base, sources = body.get("version"), body.get("base", relay.FULL), body.get("sources")
+        version, base, sources = body.get("version"), body.get("base", FULL), body.get("sources")
         if type(version) is not int or version < 0 or type(base) is not int or base >= version:
             raise BadRequest("'version' must be a non-negative integer and 'base' an older one (or -1)")
         if not isinstance(sources, list) or not sources or not all(
@@ -58,12 +61,12 @@ class SnapshotReceiver:
         sources = [tuple(s) for s in sources]
         t0 = time.perf_counter()
         try:
-            if base == relay.FULL:
+            if base == FULL:
                 snap = self.fetcher.fetch(version, sources)
                 wire_bytes = snap.size
             else:
                 snap, wire_bytes = self._fetch_delta(version, base, sources, body.get("full_manifest"))
-        except (ConnectionError, OSError, relay.BadSnapshot, ValueError) as e:
+        except (ConnectionError, OSError, BadSnapshot, ValueError) as e:
             raise BadRequest(f"v{version}: {e}") from None
         seconds = time.perf_counter() - t0
         # A bytes-like buffer (a MemoryFile as received here) that the relay keeps serving: never written again,
@@ -73,21 +76,21 @@ class SnapshotReceiver:
                 "first_byte_at": snap.first_byte_at, "done_at": time.monotonic(),  # monotonic: same host only
                 "rtt_s": self.fetcher.last_rtt_s}
 
-    def _fetch_delta(self, version: int, base: int, sources, full_manifest) -> tuple[relay.Snapshot, int]:
+    def _fetch_delta(self, version: int, base: int, sources, full_manifest) -> tuple[Snapshot, int]:
         """Pull the delta of ``version`` against ``base`` (held here), apply it, and check the result against the
         full snapshot's signed chunk digests before anyone may use or relay it as ``version``."""
         held = self.store.get(base)
         if held is None or not held.complete:
-            raise relay.BadSnapshot(f"base v{base} is not held here")
-        manifest = relay.verify_manifest(self.token, full_manifest)
-        if (manifest["version"], manifest["base"]) != (version, relay.FULL):
-            raise relay.BadSnapshot("full_manifest is not the full snapshot of this version")
+            raise BadSnapshot(f"base v{base} is not held here")
+        manifest = verify_manifest(self.token, full_manifest)
+        if (manifest["version"], manifest["base"]) != (version, FULL):
+            raise BadSnapshot("full_manifest is not the full snapshot of this version")
         d = self.fetcher.fetch(version, sources, base=base)
-        full = relay.Snapshot(manifest)
+        full = Snapshot(manifest)
         full.buf[:] = delta.apply(held.buf, d.buf)
-        full.received = full.visible = full.size
+        full.received = full.size
         if full.check_chunks() or full.checked != len(manifest["chunks"]):
-            raise relay.BadSnapshot(f"v{version} rebuilt from the delta against v{base} fails its digests")
+            raise BadSnapshot(f"v{version} rebuilt from the delta against v{base} fails its digests")
         full.complete = True
         self.store.put(full)
         return full, d.size

@@ -2,7 +2,7 @@
 they live in on a worker (``MemoryFile``: the relay receives into it, the engine maps it; ``views`` reads tensors
 out of it without a copy).
 
-Their authentication (a manifest of chunk digests signed by the learner) is the relay's: relay.py.
+Their authentication (a manifest of chunk digests signed by the learner) is the relay's: manifest.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Code that runs inside vLLM's worker process (``--worker-extension-cls``): apply a snapshot in place, from memory.
 
-The agent holds each verified snapshot in a memory file (``memfd``, see echo2/broadcast/relay.py); it passes
+The agent holds each verified snapshot in a memory file (``memfd``, see echo2/broadcast/store.py); it passes
 the engine that file's ``/proc/<agent pid>/fd/<n>`` path through ``POST /collective_rpc``. Here the file is
 mapped copy-on-write (nothing is read until a tensor is used), the safetensors header is parsed, and every tensor
 is a view into the mapping, so the bytes cross from the agent to the engine once: into the engine's own

@@ -1,14 +1,14 @@
 """How long until every worker holds a verified snapshot: pipelined relay against one-to-many, on emulated WAN links.
 
-    python -m echo2.broadcast.bench --mode pipelined --workers 8 --size-mb 50 --link-mbit 100 --rtt-ms 40
-    python -m echo2.broadcast.bench --mode one_to_many --workers 4 --size-mb 50 --link-mbit 100 --rtt-ms 40 --json
-    python -m echo2.broadcast.bench ... --testbed inproc      # no root: token buckets + latency in the transport
-    python -m echo2.broadcast.bench ... --tls both            # the same broadcast over plain TCP, then over TLS
+    python -m echo2.lab.bench --mode pipelined --workers 8 --size-mb 50 --link-mbit 100 --rtt-ms 40
+    python -m echo2.lab.bench --mode one_to_many --workers 4 --size-mb 50 --link-mbit 100 --rtt-ms 40 --json
+    python -m echo2.lab.bench ... --testbed inproc      # no root: token buckets + latency around each connection
+    python -m echo2.lab.bench ... --tls both            # the same broadcast over plain TCP, then over TLS
 
-Every worker is a separate process running the worker agent's own snapshot receiver (peer.py); the learner is a
-process running the coordinator's broadcaster (broadcaster.py). ``--testbed netns`` (default where root and
-iptables are available) puts each in its own network namespace behind HTB-shaped links and a delay line, and
-checks the shaped RTT and rate before measuring; ``inproc`` shapes in the application instead (it knows no slow
+Every worker is a separate process running the worker agent's own snapshot receiver (broadcast/peer.py); the
+learner is a process running the coordinator's broadcaster (broadcast/broadcaster.py). ``--testbed netns``
+(default where root and iptables are available) puts each in its own network namespace behind HTB-shaped links and
+a delay line, and checks the shaped RTT and rate before measuring; ``inproc`` shapes in the application instead (it knows no slow
 start, no header overhead: an optimistic model for tests, not the benchmark).
 
 time_s: from ``publish`` until the last worker holds the snapshot, every chunk verified (its own clock reading
@@ -44,10 +44,10 @@ MODES = {"pipelined": "chain", "one_to_many": "star", "tree": "tree"}
 
 
 def role_peer(args) -> None:
-    from echo2.broadcast import relay
     from echo2.broadcast.peer import SnapshotReceiver
+    from echo2.lab.link import Link
 
-    link = relay.Link(up_mbit=args.up_mbit, down_mbit=args.down_mbit, latency_s=args.latency_ms / 1e3)
+    link = Link(up_mbit=args.up_mbit, down_mbit=args.down_mbit, latency_s=args.latency_ms / 1e3)
     trust = None
     if args.tls_dir:
         from echo2.transport import PEER_NAME, RunCA, Trust, server_context
@@ -63,6 +63,7 @@ def role_peer(args) -> None:
 
 def role_learner(args) -> None:
     from echo2.broadcast.broadcaster import RelayBroadcaster
+    from echo2.lab.link import Link
 
     peers = json.loads(args.peers)
     done = threading.Condition()
@@ -74,7 +75,7 @@ def role_learner(args) -> None:
             done.notify_all()
 
     bc = RelayBroadcaster(os.environ["ECHO2_TOKEN"], topology=MODES[args.mode], host=args.host,
-                          uplink_mbit=args.uplink_mbit, latency_ms=args.latency_ms, chunk_mb=args.chunk_mb,
+                          link=Link(up_mbit=args.uplink_mbit), chunk_mb=args.chunk_mb,
                           sparse_delta=args.changed < 1)
     bc.on_delivered = on_delivered
     if args.tls_dir:
@@ -162,7 +163,7 @@ def role_probe(args) -> None:
 
 
 def _py(*argv) -> list[str]:
-    return [sys.executable, "-m", "echo2.broadcast.bench", *map(str, argv)]
+    return [sys.executable, "-m", "echo2.lab.bench", *map(str, argv)]
 
 
 def measure(args) -> dict:
@@ -175,7 +176,7 @@ def measure(args) -> dict:
     testbed = None
     try:
         if args.testbed == "netns":
-            from echo2.broadcast.testbed import HostLink, NetnsTestbed
+            from echo2.lab.testbed import HostLink, NetnsTestbed
 
             links = [HostLink(uplink, uplink)] + [HostLink(args.link_mbit, args.link_mbit)] * args.workers
             testbed = NetnsTestbed(links, args.rtt_ms).__enter__()
@@ -258,7 +259,7 @@ def calibrate(testbed, rate_mbit: float, rtt_ms: float, env: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m echo2.broadcast.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m echo2.lab.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=sorted(MODES), default="pipelined",
                    help="pipelined (chain relay), one_to_many (star), tree (binary relay tree)")
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
             args.role](args)
         return
     if args.testbed is None:
-        from echo2.broadcast.testbed import available
+        from echo2.lab.testbed import available
 
         args.testbed = "inproc" if available() else "netns"
     if args.workers < 1 or args.reps < 1 or args.warmup < 0:

@@ -104,7 +104,7 @@ class NetnsTestbed:
         if self.rtt_ms > 0:
             _sh("ip", "netns", "exec", self.sw, "iptables", "-A", "FORWARD", "-j", "NFQUEUE", "--queue-num", "0",
                 "--queue-bypass")
-            cmd = ["ip", "netns", "exec", self.sw, sys.executable, "-m", "echo2.broadcast.delayline", "--queue", "0",
+            cmd = ["ip", "netns", "exec", self.sw, sys.executable, "-m", "echo2.lab.delayline", "--queue", "0",
                    "--delay-ms", str(self.rtt_ms / 2)]
             if shutil.which("chrt"):
                 cmd[4:4] = ["chrt", "-f", "10"]
