@@ -64,7 +64,6 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     from echo2.rollout.protocols import RolloutContext
     from echo2.rollout.scoring import Scorer
     from echo2.rollout.types import SamplingParams
-    from echo2.transport import relay_key
 
     model_path = instantiate(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -87,8 +86,8 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     ctx = RolloutContext(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling,
                          engine=engine, model_path=model_path, run_dir=run_dir, seed=cfg.seed,
                          staleness=cfg.rollout.staleness, prompts_per_step=cfg.rollout.prompts_per_step,
-                         # the broadcast plane's own key: workers receive it, never the run secret
-                         make_broadcaster=instantiate(cfg.broadcast.sender, token=relay_key(token), _partial_=True),
+                         # the broadcaster derives the broadcast plane's key and its manifest-signing key from it
+                         make_broadcaster=instantiate(cfg.broadcast.sender, secret=token, _partial_=True),
                          pool=instantiate(cfg.pool),
                          publish_interval=cfg.broadcast.interval, token=token,
                          resume=resumed["source"] if resumed and resumed["source"] else None,

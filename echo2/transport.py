@@ -84,8 +84,9 @@ def credential_name(run_secret: str, credential: str) -> str | None:
 
 
 def relay_key(run_secret: str) -> str:
-    """The key of the broadcast plane (signed manifests, relay requests, the snapshot routes), derived from the
-    run secret so that workers, who receive it when they join, never hold the run secret itself."""
+    """The shared key of the broadcast plane (relay requests, the snapshot routes), derived from the run secret so
+    that workers, who receive it when they join, never hold the run secret itself. Manifests are not signed with
+    it (every worker holds it) but with the learner's own key (broadcast/manifest.py)."""
     return hmac.new(run_secret.encode(), b"echo2-relay", hashlib.sha256).hexdigest()
 
 

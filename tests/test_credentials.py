@@ -11,6 +11,7 @@ import time
 import pytest
 
 from conftest import ROOT, balanced, small_coordinator, train, wait_until
+from echo2.broadcast.manifest import verify_key
 from echo2.transport import Client, RemoteError, credential_name, relay_key, worker_credential
 
 SECRET = "secret"  # small_coordinator's run secret
@@ -46,7 +47,8 @@ def test_a_worker_acts_only_for_itself_and_only_the_secret_revokes(coord):
         b.post("/pull", {"worker_id": wa, "version": 0, "max_groups": 1})
     with pytest.raises(RemoteError, match="401.*run secret"):
         a.post("/revoke", {"name": "b"})
-    assert a.post("/relay-key", {})["key"] == relay_key(SECRET)  # what its snapshot receiver serves with
+    keys = a.post("/relay-key", {})  # what its snapshot receiver serves with, and checks manifests against
+    assert keys == {"key": relay_key(SECRET), "manifest_key": verify_key(SECRET)}
 
 
 def test_revoking_a_worker_refuses_it_requeues_its_work_and_spares_the_others(coord, tiny_model_dir, tmp_path):

@@ -68,7 +68,7 @@ def test_relay_sends_a_delta_to_peers_holding_the_base_and_full_to_others():
     v2 = bytes(v2)
     got: dict[str, list[tuple[int, bytes]]] = {}
     delivered = []
-    peers = {n: SnapshotReceiver(TOKEN, lambda v, b, _m, n=n: got.setdefault(n, []).append((v, bytes(b)))).start()
+    peers = {n: SnapshotReceiver.of_run(TOKEN, lambda v, b, _m, n=n: got.setdefault(n, []).append((v, bytes(b)))).start()
              for n in ("p0", "p1", "p2")}
     bc = RelayBroadcaster(TOKEN, topology="chain", chunk_mb=chunk / (1 << 20))
     bc.on_delivered = lambda peer, v: delivered.append((peer, v))
@@ -88,7 +88,7 @@ def test_relay_sends_a_delta_to_peers_holding_the_base_and_full_to_others():
         sent_v2 = bc.server.served_bytes - origin_v1
         assert sent_v2 < 2 * len(v2)  # the delta once, and p2's full copy (retried after its delta failed)
         assert bc.failures == 1  # p2's delta attempt, then full
-        late = peers["late"] = SnapshotReceiver(TOKEN, lambda v, b, _m: got.setdefault("late", []).append((v, bytes(b))))
+        late = peers["late"] = SnapshotReceiver.of_run(TOKEN, lambda v, b, _m: got.setdefault("late", []).append((v, bytes(b))))
         late.start()
         bc.add_peer("late", late.url, late.relay_addr)
         assert wait(lambda: got.get("late") == [(2, v2)])  # no base: full, from a peer that holds v2

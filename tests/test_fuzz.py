@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import small_coordinator
-from echo2.broadcast.manifest import make_manifest
+from echo2.broadcast.manifest import make_manifest, signing_key, verify_key
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
 
@@ -58,7 +58,7 @@ def test_coordinator_routes_never_crash(coord, route, body, raw):
 def origin():
     store = Store()
     blob = os.urandom(3 * 4096)
-    store.put(Snapshot(make_manifest("secret", 1, blob, 4096), blob))
+    store.put(Snapshot(make_manifest(signing_key("secret"), 1, blob, 4096), blob))
     server = RelayServer(store, "secret", manifest_wait_s=0.2).start()
     yield server
     server.close()
@@ -85,7 +85,7 @@ def test_relay_server_refuses_garbage_and_keeps_serving(origin, frame):
     if frame:
         assert origin.refused == refused + 1  # counted (and logged), whatever the frame was
     # and it still serves a proper request
-    f = Fetcher(Store(), "secret", stall_timeout_s=2)
+    f = Fetcher(Store(), "secret", stall_timeout_s=2, manifest_key=verify_key("secret"))
     assert f.fetch(1, [origin.addr]).complete
     f.close()
 

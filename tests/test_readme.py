@@ -282,7 +282,7 @@ def test_a_learner_on_every_interface_advertises_a_reachable_address(tmp_path):
     from echo2.models.tiny import build_tiny
     from echo2.rollout import rendezvous
 
-    sender = RelayBroadcaster(token="t", host="0.0.0.0")
+    sender = RelayBroadcaster(secret="t", host="0.0.0.0")
     try:
         assert sender.origin[0] == socket.getfqdn() != "0.0.0.0"
     finally:

@@ -15,39 +15,48 @@ import pytest
 from echo2.broadcast import topology
 from echo2.broadcast.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame, tcp_rtt_s
-from echo2.broadcast.manifest import BadSnapshot, make_manifest, verify_manifest
+from echo2.broadcast.manifest import BadSnapshot, make_manifest, signing_key, verify_key, verify_manifest
 from echo2.broadcast.peer import SnapshotReceiver
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
 from echo2.lab import link
+from echo2.transport import relay_key
 
-TOKEN = "run-secret"
+SECRET = "run-secret"
+TOKEN = relay_key(SECRET)  # the broadcast plane's key, which every worker holds
+SIGNER, KEY = signing_key(SECRET), verify_key(SECRET)  # the learner's alone, and its public half
 CHUNK = 256 << 10
 
 
 def node(link=None):
     store = Store()
     server = RelayServer(store, TOKEN, link=link).start()
-    return store, server, Fetcher(store, TOKEN, link=link, stall_timeout_s=2)
+    return store, server, Fetcher(store, TOKEN, link=link, stall_timeout_s=2, manifest_key=KEY)
 
 
-def origin_with(blob, version=1, link=None, token=TOKEN):
+def origin_with(blob, version=1, link=None, signer=SIGNER):
     store, server, _ = node(link)
-    store.put(Snapshot(make_manifest(token, version, blob, CHUNK), blob))
+    store.put(Snapshot(make_manifest(signer, version, blob, CHUNK), blob))
     return store, server
 
 
 def test_manifest_is_authenticated():
     blob = os.urandom(3 * CHUNK + 5)
-    m = make_manifest(TOKEN, 7, blob, CHUNK)
-    assert verify_manifest(TOKEN, m) is m and len(m["chunks"]) == 4
-    with pytest.raises(BadSnapshot, match="signature"):
-        verify_manifest("another-run", m)
+    m = make_manifest(SIGNER, 7, blob, CHUNK)
+    assert verify_manifest(KEY, m) is m and len(m["chunks"]) == 4
+    with pytest.raises(BadSnapshot, match="not signed by this run's learner"):
+        verify_manifest(verify_key("another-run"), m)
     forged = {**m, "chunks": m["chunks"][:3] + ["0" * 64]}
-    with pytest.raises(BadSnapshot, match="signature"):
-        verify_manifest(TOKEN, forged)
+    with pytest.raises(BadSnapshot, match="not signed by this run's learner"):
+        verify_manifest(KEY, forged)
+    # a worker holds the broadcast plane's key, not the learner's: what it signs (as the shared key once let it)
+    by_a_worker = make_manifest(signing_key(TOKEN), 7, blob, CHUNK)
+    with pytest.raises(BadSnapshot, match="not signed by this run's learner"):
+        verify_manifest(KEY, by_a_worker)
+    with pytest.raises(BadSnapshot, match="no key"):
+        verify_manifest(None, m)
     with pytest.raises(BadSnapshot):
-        verify_manifest(TOKEN, ["not", "a", "dict"])
+        verify_manifest(KEY, ["not", "a", "dict"])
 
 
 def test_chain_delivers_identical_bytes_and_the_origin_uploads_once():
@@ -77,7 +86,7 @@ def test_a_corrupted_chunk_is_detected_refetched_and_never_delivered():
     bad = bytearray(blob)
     bad[2 * CHUNK + 17] ^= 0xFF  # a liar serves the right (signed) manifest with one flipped byte
     liar_store, liar = Store(), None
-    liar_store.put(Snapshot(make_manifest(TOKEN, 1, blob, CHUNK), bytes(bad)))
+    liar_store.put(Snapshot(make_manifest(SIGNER, 1, blob, CHUNK), bytes(bad)))
     liar = RelayServer(liar_store, TOKEN).start()
     _, _, f = node()
     snap = f.fetch(1, [liar.addr, origin.addr])
@@ -86,12 +95,14 @@ def test_a_corrupted_chunk_is_detected_refetched_and_never_delivered():
 
 
 def test_a_forged_manifest_or_a_wrong_token_is_refused():
+    """A forger that holds the broadcast plane's key (a hostile worker relaying) serves weights of its own under
+    a manifest it signed: skipped for the next source. A fetcher without the key is refused everywhere."""
     blob = os.urandom(2 * CHUNK)
-    _, forger = origin_with(os.urandom(2 * CHUNK), token="not-the-run-token")
+    _, forger = origin_with(os.urandom(2 * CHUNK), signer=signing_key(TOKEN))
     _, origin = origin_with(blob)
     _, _, f = node()
     assert bytes(f.fetch(1, [forger.addr, origin.addr]).buf) == blob  # forger skipped, origin served
-    outsider = Fetcher(Store(), "not-the-run-token", stall_timeout_s=2)
+    outsider = Fetcher(Store(), "not-the-run-token", stall_timeout_s=2, manifest_key=KEY)
     with pytest.raises(ConnectionError, match="no source"):
         outsider.fetch(1, [origin.addr])
 
@@ -124,7 +135,7 @@ def test_broadcaster_rounds_late_joiner_and_one_to_many_cost():
     got: dict[str, list[int]] = {}
 
     def receiver(name):
-        return SnapshotReceiver(TOKEN, lambda v, blob, _m, n=name: got.setdefault(n, []).append(v)).start()
+        return SnapshotReceiver.of_run(SECRET, lambda v, blob, _m, n=name: got.setdefault(n, []).append(v)).start()
 
     def wait(cond, timeout=20):
         deadline = time.monotonic() + timeout
@@ -136,7 +147,7 @@ def test_broadcaster_rounds_late_joiner_and_one_to_many_cost():
     for kind, copies in [("chain", 1), ("star", 3)]:
         got.clear()
         delivered = []
-        bc = RelayBroadcaster(TOKEN, topology=kind, chunk_mb=CHUNK / (1 << 20))
+        bc = RelayBroadcaster(SECRET, topology=kind, chunk_mb=CHUNK / (1 << 20))
         bc.on_delivered = lambda peer, v: delivered.append((peer, v))
         peers = {n: receiver(n) for n in ("p0", "p1", "p2")}
         try:
@@ -214,22 +225,23 @@ def test_the_lab_link_delays_and_paces_what_a_node_fetches():
     are exact; a node with no link gets none of it (the relay's connections are the sockets themselves)."""
     blob = os.urandom(8 * CHUNK)
     _, origin = origin_with(blob)
-    f = Fetcher(Store(), TOKEN, link=link.Link(down_mbit=80, latency_s=0.3), stall_timeout_s=2)
+    f = Fetcher(Store(), TOKEN, link=link.Link(down_mbit=80, latency_s=0.3), stall_timeout_s=2, manifest_key=KEY)
     t0 = time.monotonic()
     snap = f.fetch(1, [origin.addr])
     assert bytes(snap.buf) == blob
     assert snap.first_byte_at - t0 >= 0.3 and time.monotonic() - t0 >= 0.45
-    plain = Fetcher(Store(), TOKEN, stall_timeout_s=2)
+    plain = Fetcher(Store(), TOKEN, stall_timeout_s=2, manifest_key=KEY)
     plain.fetch(1, [origin.addr])
     assert all(isinstance(c, socket.socket) for c in plain.conns.values())
     f.close()
     plain.close()
 
+
 def test_store_collects_old_versions_but_not_pinned_ones_and_never_waits_for_collected_ones():
     store = Store(keep=2)
 
     def snap(v):
-        return Snapshot(make_manifest(TOKEN, v, b"x" * 10, CHUNK), b"x" * 10)
+        return Snapshot(make_manifest(SIGNER, v, b"x" * 10, CHUNK), b"x" * 10)
 
     store.put(snap(1))
     store.pin(1)  # being broadcast
@@ -258,10 +270,10 @@ def test_a_stalled_relay_peer_is_routed_around():
             time.sleep(30)  # then nothing
 
     s_store, _ = Store(), None
-    s_store.put(Snapshot(make_manifest(TOKEN, 1, blob, CHUNK), blob))
+    s_store.put(Snapshot(make_manifest(SIGNER, 1, blob, CHUNK), blob))
     staller = Staller(s_store, TOKEN).start()
     store = Store()
-    f = Fetcher(store, TOKEN, stall_timeout_s=1)
+    f = Fetcher(store, TOKEN, stall_timeout_s=1, manifest_key=KEY)
     t0 = time.monotonic()
     snap = f.fetch(1, [staller.addr, origin.addr])
     assert bytes(snap.buf) == blob and time.monotonic() - t0 < 10

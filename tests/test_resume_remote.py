@@ -18,7 +18,6 @@ from echo2.rollout.coordinator import Coordinator
 from echo2.rollout.scoring import Scorer
 from echo2.rollout.types import Completion
 from echo2.tasks.arith import ArithTask
-from echo2.transport import relay_key
 
 G = 2
 
@@ -49,7 +48,7 @@ def learner(tiny_model_dir, epoch, version, port=0):
     """A coordinator + broadcaster as one learner process holds them (in this process; S = 2, P = 2)."""
     task = ArithTask(level="copy", train_size=20)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    bc = RelayBroadcaster(relay_key("secret"), topology="chain", chunk_mb=1, retry_s=0.5)
+    bc = RelayBroadcaster("secret", topology="chain", chunk_mb=1, retry_s=0.5)
     coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, token="secret", staleness=2, prompts_per_step=2,
                         group_size=G, vocab_size=len(tok), port=port, broadcaster=bc, epoch=epoch, version=version,
                         heartbeat_timeout_s=4.0, long_poll_s=0.2,

@@ -28,7 +28,7 @@ def start(tiny_model_dir, tmp_path, token="secret"):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     return CoordinatorProcess(
         task=ArithTask(level="copy", train_size=20), tokenizer=tok, log_path=str(tmp_path / "coordinator.log"),
-        make_broadcaster=functools.partial(RelayBroadcaster, token=token, timeout_s=5),
+        make_broadcaster=functools.partial(RelayBroadcaster, secret=token, timeout_s=5),
         coordinator_kwargs=dict(token=token, staleness=1, prompts_per_step=2, group_size=G, vocab_size=len(tok),
                                 long_poll_s=0.0, sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0,
                                                            "top_k": 0}))
@@ -51,7 +51,7 @@ def fill(url, token, groups, receiver=None):
 
 def test_take_publish_metrics_and_close_over_the_pipe(tiny_model_dir, tmp_path):
     received = []
-    receiver = SnapshotReceiver("secret", lambda v, blob, manifest: received.append((v, bytes(blob), manifest["probe"])))
+    receiver = SnapshotReceiver.of_run("secret", lambda v, blob, manifest: received.append((v, bytes(blob), manifest["probe"])))
     receiver.start()
     coord = start(tiny_model_dir, tmp_path)
     try:

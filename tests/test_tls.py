@@ -86,7 +86,7 @@ def test_a_snapshot_travels_the_relay_over_tls(ca, tmp_path):
     peers = []
     for name in ("A", "B"):
         trust = Trust(ca.ca_pem, ca.ca_file, server_context(*ca.issue([PEER_NAME])))
-        peers.append(SnapshotReceiver("t0k", lambda v, blob, _m, n=name: (got.setdefault(n, bytes(blob)),
+        peers.append(SnapshotReceiver.of_run("t0k", lambda v, blob, _m, n=name: (got.setdefault(n, bytes(blob)),
                                                                            len(got) == 2 and done.set()),
                                       trust=trust).start())
     bc = RelayBroadcaster("t0k", topology="chain", chunk_mb=1)

@@ -17,6 +17,9 @@ and delta-encoding happen in the thread, never in the caller); a version publish
 sent when that round ends, and intermediate versions nobody received are skipped (latest wins). A peer that
 failed a round is retried after ``retry_s`` (with the full snapshot if a delta was what failed); a late joiner
 is sent the latest version, from a peer that already holds it where there is one.
+
+It is built from the run secret (``secret``), from which it derives the broadcast plane's shared key (what peers
+check requests with) and the manifest-signing key, which never leaves the learner's processes.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ from typing import Any
 
 from echo2.broadcast import delta
 from echo2.broadcast import topology as topo
-from echo2.broadcast.manifest import FULL, make_manifest
+from echo2.broadcast.manifest import FULL, make_manifest, signing_key
 from echo2.broadcast.relay import RelayServer
 from echo2.broadcast.store import Snapshot, Store
-from echo2.transport import PEER_NAME, Client, reachable_host
+from echo2.transport import PEER_NAME, Client, reachable_host, relay_key
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +53,20 @@ class Peer:
 
 
 class RelayBroadcaster:
-    def __init__(self, token: str, topology: str = "chain", fanout: int = 2, chunk_mb: float = 4.0,
+    def __init__(self, secret: str, topology: str = "chain", fanout: int = 2, chunk_mb: float = 4.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, timeout_s: float = 600.0,
                  retry_s: float = 5.0, sparse_delta: bool = True, link: Any = None):
         if topology not in topo.KINDS:
             raise ValueError(f"broadcast.sender.topology={topology!r}: expected one of {topo.KINDS}")
-        self.token, self.kind, self.fanout = token, topology, fanout
+        # the broadcast plane's shared key (peers' routes, byte requests), and the manifest-signing key that only
+        # the learner holds: both derived from the run secret, which never leaves the learner's processes
+        self.token, self.signer = relay_key(secret), signing_key(secret)
+        self.kind, self.fanout = topology, fanout
         self.chunk_bytes = max(1, int(chunk_mb * (1 << 20)))
         self.timeout_s, self.retry_s, self.sparse_delta = timeout_s, retry_s, sparse_delta
         self.on_delivered = None  # set by the coordinator: called (peer, version) after each delivery
         self.store = Store(keep=2)
-        self.server = RelayServer(self.store, token, host, port, link=link).start()  # link: the lab's, for tests
+        self.server = RelayServer(self.store, self.token, host, port, link=link).start()  # link: the lab's, for tests
         # Bound to every interface (0.0.0.0), it is reached at this machine's name unless told otherwise.
         self.origin = (advertise_host or reachable_host(self.server.addr[0]), self.server.addr[1])
         self.peers: dict[str, Peer] = {}
@@ -99,13 +105,13 @@ class RelayBroadcaster:
         """Digest and sign the snapshot; encode a delta against the previous one when that is smaller."""
         t0 = time.perf_counter()
         prev = self.store.newest_complete()
-        manifest = make_manifest(self.token, version, blob, self.chunk_bytes, probe=probe)
+        manifest = make_manifest(self.signer, version, blob, self.chunk_bytes, probe=probe)
         self.store.put(Snapshot(manifest, blob))
         base, ratio = None, 1.0
         if self.sparse_delta and prev is not None and prev.version < version:
             kind, payload = delta.choose(blob, prev.buf, prev.version, delta.word_bytes_of(blob))
             if kind == "delta":
-                dm = make_manifest(self.token, version, payload, self.chunk_bytes, base=prev.version)
+                dm = make_manifest(self.signer, version, payload, self.chunk_bytes, base=prev.version)
                 self.store.put(Snapshot(dm, payload))
                 base, ratio = prev.version, len(payload) / max(len(blob), 1)
         with self.cond:

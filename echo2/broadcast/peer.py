@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from echo2.broadcast import delta
-from echo2.broadcast.manifest import FULL, BadSnapshot, verify_manifest
+from echo2.broadcast.manifest import FULL, BadSnapshot, verify_key, verify_manifest
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
-from echo2.transport import BadRequest, JsonServer
+from echo2.transport import BadRequest, JsonServer, relay_key
 
 log = logging.getLogger(__name__)
 
@@ -28,23 +28,33 @@ log = logging.getLogger(__name__)
 class SnapshotReceiver:
     def __init__(self, token: str, on_snapshot: Callable[[int, Any, dict], None], host: str = "127.0.0.1",
                  advertise_host: str | None = None, link: Any = None, stall_timeout_s: float = 10.0,
-                 control_port: int = 0, relay_port: int = 0, trust: Any = None):
-        """``trust`` (a transport.Trust): serve and fetch over TLS pinned to the run's CA. ``link``: the lab's
-        emulated access link (echo2/lab/link.py) for its server and fetcher; a worker has none."""
+                 control_port: int = 0, relay_port: int = 0, trust: Any = None, manifest_key: str | None = None):
+        """``token``: the broadcast plane's shared key (transport.relay_key) and ``manifest_key`` the learner's
+        public key (manifest.verify_key); a worker's agent learns both when it joins (``use_key``). ``trust`` (a
+        transport.Trust): serve and fetch over TLS pinned to the run's CA. ``link``: the lab's emulated access link
+        (echo2/lab/link.py) for its server and fetcher; a worker has none."""
         self.token, self.on_snapshot = token, on_snapshot
         self.store = Store(keep=2)
         server_tls = trust.server if trust is not None else None
         self.relay_server = RelayServer(self.store, token, host, relay_port, link=link,
                                               stall_timeout_s=max(30.0, stall_timeout_s), tls=server_tls)
-        self.fetcher = Fetcher(self.store, token, link=link, stall_timeout_s=stall_timeout_s, trust=trust)
+        self.fetcher = Fetcher(self.store, token, link=link, stall_timeout_s=stall_timeout_s, trust=trust,
+                               manifest_key=manifest_key)
         self.control = JsonServer(host, control_port, token, routes={"POST /fetch": self._fetch},
                                   name="snapshots", tls=server_tls)
         self.url = self.control.url(advertise_host)
         self.relay_addr = f"{advertise_host or self.relay_server.addr[0]}:{self.relay_server.addr[1]}"
 
-    def use_key(self, key: str) -> None:
-        """Take the broadcast plane's key (given by the coordinator when the worker joins) before serving."""
+    @classmethod
+    def of_run(cls, run_secret: str, on_snapshot: Callable[[int, Any, dict], None], **kwargs) -> "SnapshotReceiver":
+        """A receiver holding what a worker of the run with this secret gets when it joins (the lab, tests)."""
+        return cls(relay_key(run_secret), on_snapshot, manifest_key=verify_key(run_secret), **kwargs)
+
+    def use_key(self, key: str, manifest_key: str) -> None:
+        """Take the broadcast plane's key and the learner's public key (given by the coordinator when the worker
+        joins) before serving."""
         self.token = self.relay_server.token = self.fetcher.token = self.control.token = key
+        self.fetcher.manifest_key = manifest_key
 
     def start(self) -> "SnapshotReceiver":
         self.relay_server.start()
@@ -82,7 +92,7 @@ class SnapshotReceiver:
         held = self.store.get(base)
         if held is None or not held.complete:
             raise BadSnapshot(f"base v{base} is not held here")
-        manifest = verify_manifest(self.token, full_manifest)
+        manifest = verify_manifest(self.fetcher.manifest_key, full_manifest)
         if (manifest["version"], manifest["base"]) != (version, FULL):
             raise BadSnapshot("full_manifest is not the full snapshot of this version")
         d = self.fetcher.fetch(version, sources, base=base)

@@ -150,10 +150,12 @@ class Fetcher:
     """Pulls snapshots into a node's store from an ordered list of sources, keeping one connection per source."""
 
     def __init__(self, store: Store, token: str, link: Any = None, stall_timeout_s: float = 10.0,
-                 connect_timeout_s: float = 10.0, trust: Any = None):
-        """``trust``: a transport.Trust; sources are then reached over TLS verified against the run's CA.
+                 connect_timeout_s: float = 10.0, trust: Any = None, manifest_key: str | None = None):
+        """``manifest_key``: the learner's public key (manifest.verify_key), which every manifest must be signed
+        for. ``trust``: a transport.Trust; sources are then reached over TLS verified against the run's CA.
         ``link``: the lab's emulated link (echo2/lab/link.py), never set in a run."""
         self.store, self.token, self.link, self.trust = store, token, link, trust
+        self.manifest_key = manifest_key
         self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
         self.conns: dict[tuple[str, int], socket.socket] = {}
         self.lock = threading.Lock()  # one fetch at a time per node
@@ -212,7 +214,7 @@ class Fetcher:
         reply = recv_frame(conn)
         if "error" in reply:
             raise ConnectionError(reply["error"])
-        return conn, verify_manifest(self.token, reply.get("manifest"))
+        return conn, verify_manifest(self.manifest_key, reply.get("manifest"))
 
     def _stream(self, src, version: int, base: int, snap: Snapshot | None) -> Snapshot:
         conn, manifest = self._request(src, version, base, snap.received if snap else 0, -1)

@@ -54,8 +54,8 @@ def role_peer(args) -> None:
 
         ca = RunCA(args.tls_dir)
         trust = Trust(ca.ca_pem, ca.ca_file, server_context(*ca.issue([PEER_NAME])))
-    r = SnapshotReceiver(os.environ["ECHO2_TOKEN"], lambda v, blob, manifest: None, host=args.host, link=link,
-                         trust=trust).start()
+    r = SnapshotReceiver.of_run(os.environ["ECHO2_TOKEN"], lambda v, blob, manifest: None, host=args.host, link=link,
+                                trust=trust).start()
     print(json.dumps({"url": r.url, "relay": r.relay_addr}), flush=True)
     sys.stdin.read()  # until the driver closes our stdin
     r.close()

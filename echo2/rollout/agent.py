@@ -215,7 +215,8 @@ class Agent:
 
     def run(self) -> None:
         # The broadcast plane has its own key (derived from the run secret, which a worker never holds).
-        self.receiver.use_key(self._retrying(lambda: self.client.post("/relay-key", {}))["key"])
+        keys = self._retrying(lambda: self.client.post("/relay-key", {}))
+        self.receiver.use_key(keys["key"], keys["manifest_key"])
         self.receiver.start()
         info = self._register()
         self.worker_id = info["worker_id"]

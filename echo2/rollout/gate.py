@@ -10,8 +10,8 @@ A worker credential is ``name:HMAC(run secret, name)`` (transport.worker_credent
 workers; the coordinator binds each worker id to the name it registered with (``caller``). Revocations are kept in
 ``<run dir>/revoked.txt``: a restarted coordinator or a resumed learner refuses the same names; a fresh run in a
 used directory starts with none. The gate also answers the routes that hand out what joining needs: the run CA
-(public: the worker checks its fingerprint), a certificate for the worker's own servers, and the broadcast plane's
-key.
+(public: the worker checks its fingerprint), a certificate for the worker's own servers, the broadcast plane's
+key, and the public key the learner's snapshot manifests are signed for.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import hmac
 import os
 from typing import Any
 
+from echo2.broadcast.manifest import verify_key
 from echo2.transport import (PEER_NAME, BadRequest, Revoked, RunCA, Trust, Unauthorized, credential_name,
                              relay_key)
 
@@ -85,5 +86,6 @@ class Gate:
         return {"cert": cert.decode(), "key": key.decode()}
 
     def _relay_key(self, _body, _headers) -> dict:
-        """The broadcast plane's key (transport.relay_key), which a worker's snapshot receiver needs."""
-        return {"key": relay_key(self.secret)}
+        """What a worker's snapshot receiver needs: the broadcast plane's key (transport.relay_key) and the public
+        key the learner's manifests are signed for (broadcast.manifest.verify_key)."""
+        return {"key": relay_key(self.secret), "manifest_key": verify_key(self.secret)}
