@@ -11,6 +11,7 @@ Reads like the algorithm: compose config -> build model, task, rollout source, l
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -50,18 +52,18 @@ def find_checkpoint(cfg: DictConfig, run_dir: str) -> str | None:
 
 
 def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str | None = None):
-    """Build every component from the config, one log line each. Returns (trainer, source, callback).
-    ``resume``: a checkpoint to resume from (find_checkpoint); the trainer loads it in ``train()``."""
+    """Build every component from the config, one log line each. Returns (trainer, source, step_log): step_log
+    writes the summary, and its ``stop`` ends the run after a step. ``resume``: a checkpoint to resume from
+    (find_checkpoint); the trainer loads it in ``train()``."""
     from transformers import AutoTokenizer
 
     from echo2.activation.settings import BroadcastShape
     from echo2.learner.args import grpo_config
-    from echo2.learner.callbacks import CHECKPOINT_STATE, Echo2Callback
+    from echo2.learner import callbacks
     from echo2.learner.distributed import ShardedSource
     from echo2.learner.trainer import Echo2GRPOTrainer
     from echo2.metrics import MetricsSink
     from echo2.rollout.evaluate import Evaluator
-    from echo2.rollout.protocols import RolloutContext
     from echo2.rollout.scoring import Scorer
     from echo2.rollout.types import SamplingParams
 
@@ -80,23 +82,22 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k)
     token, token_origin = run_token()
-    resumed = json.loads((Path(resume) / CHECKPOINT_STATE).read_text()) if resume else None
+    resumed = json.loads((Path(resume) / callbacks.CHECKPOINT_STATE).read_text()) if resume else None
     if resumed:
         log.info("resuming from %s (step %d)", resume, resumed["step"])
-    ctx = RolloutContext(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling,
-                         engine=engine, model_path=model_path, run_dir=run_dir, seed=cfg.seed,
-                         staleness=cfg.rollout.staleness, prompts_per_step=cfg.rollout.prompts_per_step,
-                         # the broadcaster derives the broadcast plane's key and its manifest-signing key from it
-                         make_broadcaster=instantiate(cfg.broadcast.sender, secret=token, _partial_=True),
-                         pool=instantiate(cfg.pool),
-                         publish_interval=cfg.broadcast.interval, token=token,
-                         resume=resumed["source"] if resumed and resumed["source"] else None,
-                         activation=OmegaConf.to_object(cfg.activation),
-                         broadcast_shape=BroadcastShape.of(cfg.broadcast))
+    # What a rollout source may ask for, by name: each source's constructor names the parts it uses.
+    parts = dict(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling, engine=engine,
+                 model_path=model_path, run_dir=run_dir, seed=cfg.seed, staleness=cfg.rollout.staleness,
+                 prompts_per_step=cfg.rollout.prompts_per_step, publish_interval=cfg.broadcast.interval, token=token,
+                 # the broadcaster derives the broadcast plane's key and its manifest-signing key from the token
+                 make_broadcaster=instantiate(cfg.broadcast.sender, secret=token, _partial_=True),
+                 pool=instantiate(cfg.pool), activation=OmegaConf.to_object(cfg.activation),
+                 broadcast_shape=BroadcastShape.of(cfg.broadcast),
+                 resume=resumed["source"] if resumed and resumed["source"] else None)
     if get_class(cfg.rollout.source._target_).needs_policy:  # generates in this process: every rank its own slice
-        source = instantiate(cfg.rollout.source, ctx=ctx)
+        source = make_source(cfg.rollout.source, parts)
     else:  # remote workers: rank 0 alone owns the coordinator, pool and broadcaster, and hands out the slices
-        source = ShardedSource(instantiate(cfg.rollout.source, ctx=ctx) if rank == 0 else None, rank, world_size)
+        source = ShardedSource(make_source(cfg.rollout.source, parts) if rank == 0 else None, rank, world_size)
     log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(getattr(source, "source", source)).__name__,
              cfg.rollout.staleness, cfg.rollout.prompts_per_step, cfg.rollout.group_size, token_origin)
 
@@ -119,9 +120,21 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
         sink = MetricsSink(run_dir, cfg.run.wandb, cfg.run.project, group, name,
                            OmegaConf.to_container(cfg, resolve=True), resume_step=resumed["step"] if resumed else None)
     evaluator = Evaluator(task, tokenizer, engine) if cfg.run.eval_every_steps else None
-    callback = Echo2Callback(trainer, sink, evaluator, cfg.run.eval_every_steps, cfg.run.progress)
-    trainer.add_callback(callback)
-    return trainer, source, callback
+    stop = callbacks.StopOnSignal(trainer)
+    evaluation = callbacks.Evaluation(trainer, evaluator, cfg.run.eval_every_steps, sink.previous if sink else [])
+    step_log = callbacks.StepLog(trainer, sink, evaluation, stop)
+    for callback in (callbacks.SourceVersions(trainer), stop, evaluation, step_log):
+        trainer.add_callback(callback)
+    if cfg.run.progress:
+        trainer.add_callback(callbacks.ProgressBar(step_log))
+    return trainer, source, step_log
+
+
+def make_source(node: DictConfig, parts: dict) -> Any:
+    """The rollout source ``node`` names, with its options from the config and, of the run's ``parts``, those its
+    constructor names."""
+    wanted = inspect.signature(get_class(node._target_)).parameters
+    return instantiate(node, _partial_=True)(**{k: v for k, v in parts.items() if k in wanted})
 
 
 def wandb_names(cfg: DictConfig) -> tuple[str | None, str | None]:
@@ -170,17 +183,18 @@ def main(cfg: DictConfig) -> dict:
     if rank == 0:
         OmegaConf.save(cfg, os.path.join(run_dir, "resolved_config.yaml"), resolve=True)
     checkpoint = find_checkpoint(cfg, run_dir)
-    trainer, source, callback = build(cfg, run_dir, rank, world_size, resume=checkpoint)
+    trainer, source, step_log = build(cfg, run_dir, rank, world_size, resume=checkpoint)
+    stop = step_log.stop
 
     # The first SIGTERM (a scheduler's stop or preemption, `kill`) or Ctrl-C ends the run after the current step,
     # with a checkpoint (if run.save_every_steps) and the summary; a second one unwinds at once. Either way the
     # finally below stops the workers.
     def on_stop(signum, frame):
-        if callback.stop_requested:
+        if stop.requested:
             signal.default_int_handler(signum, frame)
-        callback.stop_requested = signal.Signals(signum).name
+        stop.requested = signal.Signals(signum).name
         source.request_stop()  # a step still waiting for workers or rollouts ends now, without training
-        log.warning("%s: stopping after this step (again to stop now)", callback.stop_requested)
+        log.warning("%s: stopping after this step (again to stop now)", stop.requested)
 
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
@@ -191,7 +205,7 @@ def main(cfg: DictConfig) -> dict:
         log.warning("%s; the run ends after %d steps", e, trainer.state.global_step)
     finally:
         accounting = source.close()
-    summary = callback.summary(wall_s=time.perf_counter() - t0, learner_backend=trainer.backend(),
+    summary = step_log.summary(wall_s=time.perf_counter() - t0, learner_backend=trainer.backend(),
                                learner_processes=world_size, rollouts_consumed=trainer.rollouts_consumed,
                                rollout_accounting=accounting)
     if rank == 0:

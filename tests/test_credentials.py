@@ -102,7 +102,7 @@ def test_a_real_agent_with_its_own_credential_is_revoked_mid_run(tmp_path, tiny_
 
     def hook(step, source):
         if step == 2:
-            cred = worker_credential(source.ctx.token, "box17")
+            cred = worker_credential(source.token, "box17")
             log = open(tmp_path / "box17.log", "wb")
             ev["agent"] = subprocess.Popen(
                 [sys.executable, "-m", "echo2.worker", "--coordinator", source.coordinator.url, "--ca-hash",
@@ -114,7 +114,7 @@ def test_a_real_agent_with_its_own_credential_is_revoked_mid_run(tmp_path, tiny_
         delivered = source.coordinator.status()["by_worker"].get("w2", 0) if step > 2 else 0
         if delivered and "revoke" not in ev:
             ev["delivered"] = delivered
-            env = dict(os.environ, ECHO2_TOKEN=source.ctx.token)
+            env = dict(os.environ, ECHO2_TOKEN=source.token)
             ev["revoke"] = subprocess.run(
                 [sys.executable, "-m", "echo2.credential", "box17", "--revoke", "--coordinator", source.coordinator.url,
                  "--ca-file", str(tmp_path / "tls" / "ca.pem")], cwd=ROOT, env=env, capture_output=True, text=True)

@@ -179,7 +179,7 @@ def test_a_client_that_holds_work_and_heartbeats_cannot_stop_the_run(tmp_path):
 
     def hook(step, source):
         if step == 2:
-            ev["hoarder"] = _Hoarder(source.coordinator.url, source.ctx.token, source.requires)
+            ev["hoarder"] = _Hoarder(source.coordinator.url, source.token, source.requires)
             ev["hoarder"].start()
         if "hoarder" in ev:
             wid = ev["hoarder"].wid

@@ -81,7 +81,7 @@ def test_a_forging_client_is_retired_and_honest_workers_are_not(tmp_path):
 
     def hook(step, source):
         if step == 1:
-            ev["forger"] = _Forger(source.coordinator.url, source.ctx.token, len(source.ctx.tokenizer),
+            ev["forger"] = _Forger(source.coordinator.url, source.token, len(source.tokenizer),
                                    source.requires)
             ev["forger"].start()
 

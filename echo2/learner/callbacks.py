@@ -1,7 +1,15 @@
-"""Trainer callbacks: per-step metrics record, publishing versions to the source, evaluation, progress bar.
+"""Trainer callbacks, one job each; train.py adds them in this order, which is the order they run in:
 
-Order within one learner step (HF Trainer): optimizer step → ``on_step_end`` (publish version, maybe
-evaluate) → TRL's ``log`` (averages its metrics) → ``on_log`` (write one record for the step).
+    SourceVersions  the rollout source's side of the learner: resume, a new version after every optimizer step
+                    (where snapshots are published), its checkpoint state next to TRL's
+    StopOnSignal    the first SIGTERM / Ctrl-C (train.py's handler) ends the run after the current step, on every rank
+    Evaluation      eval accuracy at step 0 and every run.eval_every_steps, carried into the next step's record
+    StepLog         one record per step (metrics.jsonl, wandb), the consumed groups (consumed.jsonl), the summary
+    ProgressBar     the tqdm bar and its fields
+
+Order within one learner step (HF Trainer): optimizer step → ``on_step_end`` (publish version, stop?, maybe
+evaluate, log consumed groups) → TRL's ``log`` (averages its metrics) → ``on_log`` (write the step's record, then
+the bar shows it).
 """
 
 from __future__ import annotations
@@ -19,76 +27,23 @@ from echo2.metrics import MetricsSink, namespaced
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_STATE = "echo2_state.json"  # what on_save adds to TRL's checkpoint; train.py resumes only where it is
+CHECKPOINT_STATE = "echo2_state.json"  # what SourceVersions adds to TRL's checkpoint; train.py resumes only where it is
 
 
-class Echo2Callback(TrainerCallback):
-    def __init__(self, trainer: Any, sink: MetricsSink | None, evaluator: Any = None, eval_every_steps: int = 0,
-                 progress: bool = True):
-        self.trainer, self.sink, self.evaluator = trainer, sink, evaluator
-        self.eval_every_steps, self.progress = eval_every_steps, progress
-        self.bar: tqdm | None = None
-        self.t0 = 0.0
-        self.pending: dict[str, float] = {}
-        self.evals: list[tuple[int, float]] = []
-        self.rewards: list[float] = []
-        self.stop_requested: str | None = None  # set by train.py's signal handler: end after this step
-        for record in sink.previous if sink is not None else []:  # a resumed run's summary covers the whole run
-            self.rewards.append(record.get("reward/mean", float("nan")))
-            if record.get("eval/accuracy") is not None:
-                self.evals.append((record["step"], record["eval/accuracy"]))
+class SourceVersions(TrainerCallback):
+    """Keeps the rollout source in step with the learner's versions."""
 
-    def _evaluate(self, step: int) -> None:
-        if self.evaluator is None:
-            return
-        with self.trainer.live_policy() as policy:
-            result = self.evaluator(policy)
-        self.pending.update(result)
-        self.evals.append((step, result["eval/accuracy"]))
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step:  # resumed from a checkpoint: weights, optimizer, RNG and step are restored
             self.trainer.rollouts_consumed = state.global_step * (args.per_device_train_batch_size
-                                                                      * args.gradient_accumulation_steps * args.world_size)
+                                                                  * args.gradient_accumulation_steps * args.world_size)
             self.trainer.rollout_source.on_resume(state.global_step, self.trainer.weights())
-        else:
-            self._evaluate(0)
-            self.pending.clear()  # the step-0 accuracy lives in summary.json; records start at step 1
-        if state.is_world_process_zero and self.progress:
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
-                            dynamic_ncols=True)
-        self.t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.rollout_source.on_version(state.global_step, self.trainer.weights())
-        batch = getattr(self.trainer.rollout_source, "last_batch", None) or self.trainer.last_groups  # all ranks'
-        if self.sink is not None and state.is_world_process_zero and batch:
-            self.sink.consumed(state.global_step, batch)
-        if args.world_size > 1:  # a signal to any rank stops every rank after the same step (no rank left waiting)
-            import torch
-
-            flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.trainer.accelerator.device)
-            if self.trainer.accelerator.reduce(flag, reduction="sum").item() and not self.stop_requested:
-                self.stop_requested = "stopped by another learner rank"
-        if self.stop_requested:
-            control.should_training_stop = True
-            control.should_save = bool(args.save_strategy != "no")
-        if self.eval_every_steps and (state.global_step % self.eval_every_steps == 0
-                                      or state.global_step == state.max_steps):
-            self._evaluate(state.global_step)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "loss" not in logs:  # train_runtime summary at the end, not a step
-            return
-        record = {"step": state.global_step, "version": self.trainer.version,
-                  "time_s": time.perf_counter() - self.t0, **namespaced(logs), **self.pending}
-        self.pending.clear()
-        self.rewards.append(record.get("reward/mean", float("nan")))
-        if self.sink is not None and state.is_world_process_zero:
-            self.sink.log(record)
-        if self.bar is not None:
-            self.bar.set_postfix(progress_fields(record, self.evals), refresh=False)
-            self.bar.update(state.global_step - self.bar.n)
 
     def on_save(self, args, state, control, **kwargs):
         """After TRL saved weights, optimizer, scheduler, RNG and step: add what the rollout plane needs. A
@@ -101,25 +56,122 @@ class Echo2Callback(TrainerCallback):
             tmp.replace(path)
             log.info("checkpoint %s", path.parent)
 
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.close()
+
+class StopOnSignal(TrainerCallback):
+    """``requested`` (set by train.py's signal handler) ends the run after the current step, with a checkpoint
+    where checkpoints are on; a signal to any rank stops every rank after the same step (none left waiting)."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.requested: str | None = None  # why: the signal's name, or another rank's stop
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.world_size > 1:
+            import torch
+
+            flag = torch.tensor([1.0 if self.requested else 0.0], device=self.trainer.accelerator.device)
+            if self.trainer.accelerator.reduce(flag, reduction="sum").item() and not self.requested:
+                self.requested = "stopped by another learner rank"
+        if self.requested:
+            control.should_training_stop = True
+            control.should_save = bool(args.save_strategy != "no")
+
+
+class Evaluation(TrainerCallback):
+    """Runs ``evaluator(policy)`` at step 0 (not on a resume) and every ``every_steps`` steps and at the last one;
+    its results wait in ``pending`` for the step's record, and ``results`` keeps (step, accuracy) for the run."""
+
+    def __init__(self, trainer: Any, evaluator: Any, every_steps: int, previous: list[dict] = ()):
+        self.trainer, self.evaluator, self.every_steps = trainer, evaluator, every_steps
+        self.pending: dict[str, float] = {}
+        self.results = [(r["step"], r["eval/accuracy"]) for r in previous if r.get("eval/accuracy") is not None]
+
+    def _evaluate(self, step: int) -> None:
+        if self.evaluator is None:
+            return
+        with self.trainer.live_policy() as policy:
+            result = self.evaluator(policy)
+        self.pending.update(result)
+        self.results.append((step, result["eval/accuracy"]))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.global_step:
+            self._evaluate(0)
+            self.pending.clear()  # the step-0 accuracy lives in summary.json; records start at step 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.every_steps and (state.global_step % self.every_steps == 0 or state.global_step == state.max_steps):
+            self._evaluate(state.global_step)
+
+
+class StepLog(TrainerCallback):
+    """Writes one record per step to ``sink`` (rank 0; None on the others) with the step's evaluation, logs the
+    step's consumed groups, and writes the run's summary. ``last`` is the newest record."""
+
+    def __init__(self, trainer: Any, sink: MetricsSink | None, evaluation: Evaluation, stop: StopOnSignal):
+        self.trainer, self.sink, self.evaluation, self.stop = trainer, sink, evaluation, stop
+        self.t0 = 0.0
+        self.last: dict[str, Any] | None = None
+        # a resumed run's summary covers the whole run
+        self.rewards = [r.get("reward/mean", float("nan")) for r in (sink.previous if sink is not None else [])]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.t0 = time.perf_counter()  # after the step-0 evaluation
+
+    def on_step_end(self, args, state, control, **kwargs):
+        batch = getattr(self.trainer.rollout_source, "last_batch", None) or self.trainer.last_groups  # all ranks'
+        if self.sink is not None and state.is_world_process_zero and batch:
+            self.sink.consumed(state.global_step, batch)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs:  # train_runtime summary at the end, not a step
+            self.last = None
+            return
+        record = {"step": state.global_step, "version": self.trainer.version,
+                  "time_s": time.perf_counter() - self.t0, **namespaced(logs), **self.evaluation.pending}
+        self.evaluation.pending.clear()
+        self.rewards.append(record.get("reward/mean", float("nan")))
+        if self.sink is not None and state.is_world_process_zero:
+            self.sink.log(record)
+        self.last = record
 
     def summary(self, **extra) -> dict:
         """End-of-run summary: written to ``summary.json`` (rank 0) and returned."""
         tail = [r for r in self.rewards[-20:] if r == r]
         out = {
             "steps": self.trainer.state.global_step,
-            "stopped_by": self.stop_requested,
+            "stopped_by": self.stop.requested,
             **extra,
             "reward_first": self.rewards[0] if self.rewards else None,
             "reward_last20_mean": sum(tail) / len(tail) if tail else None,
-            "eval_accuracy_by_step": {str(s): a for s, a in self.evals},
+            "eval_accuracy_by_step": {str(s): a for s, a in self.evaluation.results},
         }
         if self.sink is not None:
             self.sink.summary(out)
             self.sink.close()
         return out
+
+
+class ProgressBar(TrainerCallback):
+    """The tqdm bar on rank 0: step, and the fields of the newest record (``progress_fields``)."""
+
+    def __init__(self, step_log: StepLog):
+        self.step_log = step_log
+        self.bar: tqdm | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
+                            dynamic_ncols=True)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and self.step_log.last is not None:
+            self.bar.set_postfix(progress_fields(self.step_log.last, self.step_log.evaluation.results), refresh=False)
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
 
 
 def progress_fields(record: dict[str, Any], evals: list[tuple[int, float]]) -> dict[str, str]:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from echo2.activation.settings import ActivationSettings, BroadcastShape, detached
@@ -40,25 +41,28 @@ from echo2.models.identity import model_identity
 from echo2.rollout import rendezvous
 from echo2.rollout.ledger import journal_path
 from echo2.rollout.liveness import Liveness
-from echo2.rollout.protocols import RolloutContext, RunStopped, Weights
+from echo2.rollout.pool import LocalPool, StaticPool
+from echo2.rollout.protocols import RunStopped, Weights
 from echo2.rollout.scoring import longest_prompt
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
-from echo2.rollout.types import RolloutGroup
+from echo2.rollout.types import RolloutGroup, SamplingParams
 from echo2.transport import RunCA, is_loopback
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 WAIT_SLICE_S = 2.0
 """Longest single wait on the coordinator: how late a stop request (SIGTERM) or a progress line can be."""
 
 
-def run_needs(ctx: RolloutContext) -> dict[str, Any]:
+def run_needs(task: Any, tokenizer: Any, model_path: str, max_tokens: int) -> dict[str, Any]:
     """What every worker must serve (checked at registration): the learner's model (name and digest) and a
-    context of the longest training prompt plus the task's completion length, in tokens."""
+    context of the longest training prompt plus the task's completion length (``max_tokens``), in tokens."""
     t0 = time.perf_counter()
-    prompts = ctx.task.train_dataset()["prompt"]
-    need = {"model": model_identity(ctx.model_path, ctx.tokenizer),
-            "max_model_len": longest_prompt(ctx.tokenizer, list(prompts)) + ctx.sampling.max_tokens}
+    prompts = task.train_dataset()["prompt"]
+    need = {"model": model_identity(model_path, tokenizer),
+            "max_model_len": longest_prompt(tokenizer, list(prompts)) + max_tokens}
     log.info("workers must serve %s (digest %s) with a context of >= %d tokens (measured in %.1f s)",
              need["model"]["name"], need["model"]["digest"], need["max_model_len"], time.perf_counter() - t0)
     return need
@@ -77,32 +81,42 @@ class AsyncRolloutSource:
     needs_policy = False  # remote: the learner never lends it the policy
     max_staleness = None  # any S
 
-    def __init__(self, ctx: RolloutContext, host: str = "127.0.0.1", port: int = 0,
-                 heartbeat_timeout_s: float = 30.0, take_timeout_s: float = 900.0, groups_per_pull: int = 4,
+    def __init__(self, *, task: Any, tokenizer: Any, sampling: SamplingParams, model_path: str, run_dir: str,
+                 seed: int, staleness: int, prompts_per_step: int, publish_interval: int, token: str,
+                 make_broadcaster: Callable[[], Any], pool: LocalPool | StaticPool,
+                 activation: ActivationSettings | None = None, broadcast_shape: BroadcastShape | None = None,
+                 resume: dict | None = None, host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0, take_timeout_s: float = 900.0, groups_per_pull: int = 4,
                  coordinator_cores: list[int] | None = None, coordinator_restarts: int = 3,
                  restart_window_s: float = 600.0, min_workers: int = 0, wait_log_s: float = 30.0,
                  deadline_floor_s: float = 10.0, deadline_cap_s: float = 600.0, deadline_slack: float = 4.0,
                  worker_share: float = 0.5, deadline_strikes: int = 3, tls: str = "auto", check_every_steps: int = 0,
                  check_max_abs_log_ratio: float = 1.0, check_min_tokens: int = 256):
-        if ctx.publish_interval < 1:
-            raise ValueError(f"broadcast.interval={ctx.publish_interval}: must be >= 1")
-        s = ctx.sampling
-        self.ctx, self.take_timeout_s, self.cores = ctx, take_timeout_s, coordinator_cores
+        """The run's parts, by name (train.py passes those this constructor names): the ``task`` and ``tokenizer``
+        the coordinator scores with, the ``sampling`` workers use, the ``model_path`` and ``token`` they join with,
+        ``make_broadcaster()`` (called in the coordinator's process), the worker ``pool``, the planner's
+        ``activation`` settings and ``broadcast_shape``, and ``resume``: what ``checkpoint()`` returned, when the
+        learner resumes from one. The rest are conf/rollout/async.yaml's options."""
+        if publish_interval < 1:
+            raise ValueError(f"broadcast.interval={publish_interval}: must be >= 1")
+        s = sampling
+        self.task, self.tokenizer, self.run_dir, self.token = task, tokenizer, run_dir, token
+        self.make_broadcaster, self.publish_interval = make_broadcaster, publish_interval
+        self.take_timeout_s, self.cores = take_timeout_s, coordinator_cores
         self.max_restarts, self.restart_window_s = coordinator_restarts, restart_window_s
         self.restart_times: list[float] = []
         self.restarts = 0
-        self.pool = ctx.pool
-        self.version = ctx.resume["version"] if ctx.resume else 0
+        self.pool = pool
+        self.version = resume["version"] if resume else 0
         self.weights: Weights | None = None  # the live weights, kept to republish after a coordinator restart
         self.republish = False  # a restarted coordinator's workers wait for the next snapshot
-        self.probe_ids = probe_tokens(len(ctx.tokenizer))
+        self.probe_ids = probe_tokens(len(tokenizer))
         self.kwargs = dict(
-            token=ctx.token, staleness=ctx.staleness, prompts_per_step=ctx.prompts_per_step, group_size=s.n,
-            vocab_size=len(ctx.tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
-            groups_per_pull=groups_per_pull, seed=ctx.seed, journal=journal_path(ctx.run_dir), sampling={
+            token=token, staleness=staleness, prompts_per_step=prompts_per_step, group_size=s.n,
+            vocab_size=len(tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
+            groups_per_pull=groups_per_pull, seed=seed, journal=journal_path(run_dir), sampling={
                 "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
-            activation=detached(ActivationSettings, ctx.activation),
-            broadcast_shape=detached(BroadcastShape, ctx.broadcast_shape),
+            activation=detached(ActivationSettings, activation),
+            broadcast_shape=detached(BroadcastShape, broadcast_shape),
             liveness=dict(floor_s=deadline_floor_s, cap_s=deadline_cap_s, slack=deadline_slack, share=worker_share,
                           strikes=deadline_strikes))
         self.check_every_steps = check_every_steps  # read by the learner (trainer._check)
@@ -111,14 +125,14 @@ class AsyncRolloutSource:
         self.kwargs["epoch"] = os.urandom(8).hex()
         Liveness(**self.kwargs["liveness"])  # a bad value fails here, not in the coordinator's process
         self.ca_hash = self._tls(tls, host)
-        self.kwargs["requires"] = self.requires = run_needs(ctx)
+        self.kwargs["requires"] = self.requires = run_needs(task, tokenizer, model_path, s.max_tokens)
         if getattr(self.pool, "max_model_len", 0) is None:  # local agents get the context the run needs
             self.pool.max_model_len = self.requires["max_model_len"]
-        recover = {"resume_offset": ctx.resume["journal_offset"]} if ctx.resume else None
+        recover = {"resume_offset": resume["journal_offset"]} if resume else None
         self.coordinator = self._spawn(recover)
         self.kwargs["port"] = urlsplit(self.coordinator.url).port  # a restarted coordinator listens where this one did
-        rendezvous.write(ctx.run_dir, self.coordinator.url, self.requires, ca_hash=self.ca_hash)
-        self.pool.start(self.coordinator.url, ctx.token, ctx.model_path, ctx.run_dir, ca_hash=self.ca_hash)
+        rendezvous.write(run_dir, self.coordinator.url, self.requires, ca_hash=self.ca_hash)
+        self.pool.start(self.coordinator.url, token, model_path, run_dir, ca_hash=self.ca_hash)
         self.min_workers, self.wait_log_s = min_workers, wait_log_s
         self.stop_requested = False
 
@@ -143,7 +157,7 @@ class AsyncRolloutSource:
 
     def _waiting_on(self) -> str:
         """What the rollout plane holds now, and where workers should come from."""
-        st = self._call("status")
+        st = self._retry(CoordinatorProcess.status)
         url = rendezvous.advertised_url(self.coordinator.url)
         where = self.pool.describe(url) if hasattr(self.pool, "describe") else ""
         return (f"{len(st['workers'])} workers connected ({st['registered']} registered since the start, "
@@ -154,14 +168,14 @@ class AsyncRolloutSource:
         """Decide TLS for the rollout plane; returns the run CA's fingerprint, or None for plain HTTP."""
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"rollout.source.tls={mode!r}: expected auto, on or off")
-        hosts = [host, getattr(self.ctx.make_broadcaster, "keywords", {}).get("host") or "127.0.0.1"]
+        hosts = [host, getattr(self.make_broadcaster, "keywords", {}).get("host") or "127.0.0.1"]
         exposed = [h for h in hosts if not is_loopback(str(h))]
         if mode == "off" or (mode == "auto" and not exposed):
             if exposed:
                 log.warning("rollout.source.tls=off: plain HTTP on %s; tokens and weights cross the network in the "
                             "clear", ", ".join(map(str, exposed)))
             return None
-        ca = RunCA(os.path.join(self.ctx.run_dir, "tls"))
+        ca = RunCA(os.path.join(self.run_dir, "tls"))
         self.kwargs["tls_dir"] = ca.dir
         log.info("TLS on: run CA %s (fingerprint %s)", ca.ca_file, ca.fingerprint)
         return ca.fingerprint
@@ -171,7 +185,7 @@ class AsyncRolloutSource:
         all generated by whichever agent loaded its model first; give up after take_timeout_s."""
         log.info("waiting for %d workers to register (rollout.source.min_workers)", n)
         start = last_log = time.monotonic()
-        while (have := self._call("status")["registered"]) < n:
+        while (have := self._retry(CoordinatorProcess.status)["registered"]) < n:
             last_log = self._waited(f"{n} workers to register (rollout.source.min_workers={n}; {have} so far)",
                                     start, last_log)
             time.sleep(0.2)
@@ -179,17 +193,17 @@ class AsyncRolloutSource:
 
     def _spawn(self, recover: dict | None) -> CoordinatorProcess:
         return CoordinatorProcess(
-            task=self.ctx.task, tokenizer=self.ctx.tokenizer, make_broadcaster=self.ctx.make_broadcaster,
-            log_path=os.path.join(self.ctx.run_dir, "coordinator.log"), cores=self.cores,
+            task=self.task, tokenizer=self.tokenizer, make_broadcaster=self.make_broadcaster,
+            log_path=os.path.join(self.run_dir, "coordinator.log"), cores=self.cores,
             coordinator_kwargs=dict(self.kwargs, recover=recover, version=self.version))
 
-    def _call(self, name: str, *args: Any) -> Any:
-        """``coordinator.name(*args)``; if the coordinator process is gone, restart it (within budget) and retry."""
+    def _retry(self, call: Callable[[CoordinatorProcess], T]) -> T:
+        """``call(coordinator)``; if the coordinator process is gone, restart it (within budget) and call again."""
         try:
-            return getattr(self.coordinator, name)(*args)
+            return call(self.coordinator)
         except CoordinatorDied as e:
             self._restart(e)
-            return getattr(self.coordinator, name)(*args)
+            return call(self.coordinator)
 
     def _restart(self, e: CoordinatorDied) -> None:
         """A new coordinator from the journal, within the restart budget; workers then need the current weights:
@@ -221,7 +235,7 @@ class AsyncRolloutSource:
         start = last_log = time.monotonic()
         while True:
             try:
-                return self._call("take", len(rows), WAIT_SLICE_S)
+                return self._retry(lambda c: c.take(len(rows), WAIT_SLICE_S))
             except TimeoutError:
                 last_log = self._waited(f"{len(rows)} rollout groups for step {version + 1}", start, last_log)
 
@@ -233,8 +247,8 @@ class AsyncRolloutSource:
         """Tell the coordinator the new version; returns whether a snapshot is due now (every κ versions, or to
         catch a restarted coordinator's workers up)."""
         self.version = version
-        self._call("set_version", version)
-        return version % self.ctx.publish_interval == 0 or self.republish
+        self._retry(lambda c: c.set_version(version))
+        return version % self.publish_interval == 0 or self.republish
 
     def on_resume(self, version: int, weights: Weights) -> None:
         """A resumed learner's first act: publish its restored weights, so that workers catch up to them."""
@@ -258,14 +272,14 @@ class AsyncRolloutSource:
 
     def on_check(self, stats: dict[str, tuple[int, float]]) -> None:
         """Per-worker sums of the log-ratio of the learner's logprobs to the workers' (rollout checks)."""
-        self._call("check", stats)
+        self._retry(lambda c: c.check(stats))
 
     def checkpoint(self) -> dict[str, Any]:
         """What a learner checkpoint must hold to resume this source: the version and the journal's length."""
-        return {"version": self.version, "journal_offset": self._call("mark")}
+        return {"version": self.version, "journal_offset": self._retry(CoordinatorProcess.mark)}
 
     def metrics(self) -> dict[str, float]:
-        out = self._call("metrics")  # the coordinator's and the broadcaster's
+        out = self._retry(CoordinatorProcess.metrics)  # the coordinator's and the broadcaster's
         out["rollout/coordinator_restarts"] = float(self.restarts)
         return out
 

@@ -1,36 +1,16 @@
-"""The seams between the learner and the rollout plane. The learner imports these, never implementations."""
+"""The seams between the learner and the rollout plane. The learner imports these, never implementations.
+
+A source is built by train.py from its config options plus, by name, the run's parts its constructor asks for
+(``task``, ``tokenizer``, ``scorer``, ``sampling``, ``engine``, ``model_path``, ``run_dir``, ``seed``, ``staleness``,
+``prompts_per_step``, ``publish_interval``, ``token``, ``make_broadcaster``, ``pool``, ``activation``,
+``broadcast_shape``, ``resume``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-from echo2.activation.settings import ActivationSettings, BroadcastShape
 from echo2.rollout.types import Completion, RolloutGroup, SamplingParams
-
-
-@dataclass
-class RolloutContext:
-    """What train.py hands every rollout source; each takes what it needs."""
-
-    task: Any
-    tokenizer: Any
-    scorer: Any  # echo2.rollout.scoring.Scorer
-    sampling: SamplingParams
-    engine: Any  # the learner-side engine (sync generation, evaluation)
-    model_path: str
-    run_dir: str
-    seed: int
-    staleness: int
-    prompts_per_step: int
-    make_broadcaster: Any  # () -> Broadcaster; called in the process that sends snapshots
-    pool: Any
-    publish_interval: int
-    token: str
-    activation: ActivationSettings | None = None  # conf/activation (the coordinator's planner)
-    broadcast_shape: BroadcastShape | None = None  # conf/broadcast's topology, fanout and interval (its planner)
-    resume: dict | None = None  # what the source's checkpoint() returned, when the learner resumes from one
 
 
 class Engine(Protocol):
@@ -90,7 +70,7 @@ class RolloutSource(Protocol):
 
     def checkpoint(self) -> dict[str, Any]:
         """Called when the learner saves a checkpoint (between steps); JSON-able state to resume the source from,
-        handed back as ``RolloutContext.resume``."""
+        handed back to the source's constructor as ``resume``."""
         ...
 
     def on_resume(self, version: int, weights: Weights) -> None:

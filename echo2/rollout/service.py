@@ -1,13 +1,16 @@
 """The coordinator in a process of its own, so that its work never takes the learner's GIL or core.
 
     learner process                                        coordinator process (spawned, one per run)
-    AsyncRolloutSource ─ CoordinatorProcess ══ pipe ══►  serve(): Coordinator (HTTP server, reaper threads)
-       collect   take(n)            request → reply (P scored groups)        + Broadcaster (its send thread)
-       on_version set_version(v)    one-way
-                 publish(v, blob)   one-way; the bytes go through a memory file (memfd) the child maps, not the pipe
-       metrics   metrics()          request → reply  (also status(), for tests and tools)
-       on_save   mark()             request → reply (the journal's length: where a resume starts from)
-       close     close()            request → reply (the rollout accounting); then the process exits
+    AsyncRolloutSource ─ CoordinatorProcess ══ pipe ══►  serve() → InChild: Coordinator (HTTP server, reapers)
+       collect   take(n)             request → reply (P scored groups)       + Broadcaster (its send thread)
+       on_version set_version(v)     one-way
+                 publish_written(v)  one-way; the bytes go through a memory file (memfd) the child maps, not the pipe
+       metrics   metrics()           request → reply  (also status(), for tests and tools)
+       on_save   mark()              request → reply (the journal's length: where a resume starts from)
+       close     close()             request → reply (the rollout accounting); then the process exits
+
+Each call sends the InChild method that serves it (pickled by name) with its arguments: follow a call from
+CoordinatorProcess.take to InChild.take to Coordinator.take.
 
     waits for (learner): a reply to take, i.e. P admissible groups;   unblocked by: worker pushes in the child
 
@@ -66,20 +69,14 @@ class CoordinatorProcess:
     # ------------------------------------------------------------------ calls
 
     def take(self, n: int, timeout_s: float | None = None) -> list:
-        return self._call("take", n, timeout_s)
+        return self._call(InChild.take, n, timeout_s)
 
     def set_version(self, version: int) -> None:
-        self._send("version", version)
+        self._send(InChild.set_version, version)
 
     def publish(self, version: int, blob: bytes, probe: dict | None = None) -> None:
         """Hand snapshot bytes to the broadcaster in the child; returns once they are written to memory."""
         self._handoff(version, lambda path: Path(path).write_bytes(blob), probe)
-
-    def publish_state_dict(self, version: int, state_dict: dict[str, Any], probe: dict | None = None) -> None:
-        """``publish(version, snapshot.encode(state_dict))`` without holding the encoded copy in memory."""
-        from echo2.broadcast import snapshot
-
-        self._handoff(version, lambda path: snapshot.save(state_dict, path), probe)
 
     def publish_written(self, version: int, write: Callable[[str], None], probe: dict | None = None) -> None:
         """Publish what ``write(path)`` streams into a memory file (a sharded learner's gathered weights)."""
@@ -100,21 +97,21 @@ class CoordinatorProcess:
         self.staged.append(fd)
         while len(self.staged) > 2:
             os.close(self.staged.popleft())
-        self._send("publish", version, f"/proc/{os.getpid()}/fd/{fd}", probe)
+        self._send(InChild.publish, version, f"/proc/{os.getpid()}/fd/{fd}", probe)
 
     def metrics(self) -> dict[str, float]:
-        return self._call("metrics")
+        return self._call(InChild.metrics)
 
     def mark(self) -> int:
         """The journal's length now: a learner checkpoint taken between steps resumes from here."""
-        return self._call("mark")
+        return self._call(InChild.mark)
 
     def status(self) -> dict[str, Any]:
-        return self._call("status")
+        return self._call(InChild.status)
 
     def check(self, stats: dict[str, tuple[int, float]]) -> None:
         """The learner's per-worker scores of behaviour logprobs (rollout checks); one-way."""
-        self._send("check", stats)
+        self._send(InChild.check, stats)
 
     def close(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """Stop serving and return the accounting (what was buffered or in flight counted as at the end)."""
@@ -122,7 +119,7 @@ class CoordinatorProcess:
             return {}
         self.closed = True
         try:
-            self._send("close")
+            self._send(InChild.close, reply=True)  # the child answers, then exits
             if not self.conn.poll(timeout_s):
                 raise CoordinatorDied(f"coordinator did not answer close within {timeout_s} s ({self._where()})")
             return self._reply()
@@ -140,9 +137,10 @@ class CoordinatorProcess:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _send(self, *msg: Any) -> None:
+    def _send(self, method: Callable, *args: Any, reply: bool = False) -> None:
+        """Ask the child to run ``method`` (an InChild method) with ``args``; one-way unless ``reply``."""
         try:
-            self.conn.send(msg)
+            self.conn.send((method, args, reply))
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
             raise CoordinatorDied(f"coordinator process is gone ({self._where()})") from e
 
@@ -157,8 +155,8 @@ class CoordinatorProcess:
             raise (TimeoutError if kind == "TimeoutError" else RuntimeError)(f"coordinator: {message}")
         return value
 
-    def _call(self, *msg: Any) -> Any:
-        self._send(*msg)
+    def _call(self, method: Callable, *args: Any) -> Any:
+        self._send(method, *args, reply=True)
         return self._reply()
 
     def _where(self) -> str:
@@ -189,41 +187,69 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
                               **spec["coordinator_kwargs"]).start()
     _exit_with_parent()
     conn.send(("ok", coordinator.url))
-    handlers = {
-        "take": coordinator.take,
-        "version": coordinator.set_version,
-        "publish": lambda version, path, probe: broadcaster.publish(version, _map(path), probe),
-        "metrics": lambda: {**coordinator.metrics(), **broadcaster.metrics()},
-        "status": coordinator.status,
-        "mark": coordinator.mark,
-        "check": coordinator.check,
-    }
-    one_way = {"version", "publish", "check"}
+    served = InChild(coordinator, broadcaster)
     while True:
         try:
-            name, *args = conn.recv()
+            method, args, reply = conn.recv()
         except (EOFError, OSError):  # the learner is gone without saying close (killed): leave the journal as
             log.warning("learner process gone; coordinator exiting")  # it is, for a resume to book what was open
-            broadcaster.close()
-            coordinator.abort()
+            served.abort()
             return
-        if name == "close":
-            broadcaster.close()
-            accounting = coordinator.close()
+        if method is InChild.close:
+            accounting = served.close()
             try:
                 conn.send(("ok", accounting))
             except OSError:
                 pass
             return
         try:
-            value = handlers[name](*args)
-            if name not in one_way:
+            value = method(served, *args)
+            if reply:
                 conn.send(("ok", value))
         except Exception as e:  # report to the learner; the coordinator's state is untouched by a failed call
             if not isinstance(e, TimeoutError):  # a take that found no batch yet: the learner asks again
-                log.exception("coordinator call %s failed", name)
-            if name not in one_way:
+                log.exception("coordinator call %s failed", method.__name__)
+            if reply:
                 conn.send(("error", (type(e).__name__, str(e))))
+
+
+class InChild:
+    """What the coordinator process does for each of CoordinatorProcess's calls, one method per call (the learner
+    sends the method itself down the pipe)."""
+
+    def __init__(self, coordinator: Any, broadcaster: Any):
+        self.coordinator, self.broadcaster = coordinator, broadcaster
+
+    def take(self, n: int, timeout_s: float | None) -> list:
+        return self.coordinator.take(n, timeout_s)
+
+    def set_version(self, version: int) -> None:
+        self.coordinator.set_version(version)
+
+    def publish(self, version: int, path: str, probe: dict | None) -> None:
+        self.broadcaster.publish(version, _map(path), probe)
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.coordinator.metrics(), **self.broadcaster.metrics()}
+
+    def status(self) -> dict[str, Any]:
+        return self.coordinator.status()
+
+    def mark(self) -> int:
+        return self.coordinator.mark()
+
+    def check(self, stats: dict[str, tuple[int, float]]) -> None:
+        self.coordinator.check(stats)
+
+    def close(self) -> dict[str, Any]:
+        """Stop serving; the rollout accounting, with what was buffered or in flight counted as at the end."""
+        self.broadcaster.close()
+        return self.coordinator.close()
+
+    def abort(self) -> None:
+        """The learner died: stop without settling the journal."""
+        self.broadcaster.close()
+        self.coordinator.abort()
 
 
 def _map(path: str) -> mmap.mmap:

@@ -12,9 +12,9 @@ import logging
 import time
 from typing import Any
 
-from echo2.rollout.protocols import RolloutContext
-from echo2.rollout.scoring import encode_prompt
-from echo2.rollout.types import Rollout, RolloutGroup
+from echo2.rollout.protocols import Engine
+from echo2.rollout.scoring import Scorer, encode_prompt
+from echo2.rollout.types import Rollout, RolloutGroup, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +23,8 @@ class SyncRolloutSource:
     needs_policy = True
     max_staleness = 0  # on-policy by construction
 
-    def __init__(self, ctx: RolloutContext):
-        self.engine, self.scorer, self.tokenizer, self.sampling = ctx.engine, ctx.scorer, ctx.tokenizer, ctx.sampling
+    def __init__(self, *, engine: Engine, scorer: Scorer, tokenizer: Any, sampling: SamplingParams):
+        self.engine, self.scorer, self.tokenizer, self.sampling = engine, scorer, tokenizer, sampling
         self._generated = 0
         self._generate_s = 0.0
 
