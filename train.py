@@ -57,15 +57,11 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     (find_checkpoint); the trainer loads it in ``train()``."""
     from transformers import AutoTokenizer
 
-    from echo2.activation.settings import BroadcastShape
     from echo2.learner.args import grpo_config
     from echo2.learner import callbacks
-    from echo2.learner.distributed import ShardedSource
     from echo2.learner.trainer import Echo2GRPOTrainer
     from echo2.metrics import MetricsSink
     from echo2.rollout.evaluate import Evaluator
-    from echo2.rollout.scoring import Scorer
-    from echo2.rollout.types import SamplingParams
 
     model_path = instantiate(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -78,28 +74,10 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
 
     engine = instantiate(cfg.rollout.engine, pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=[tokenizer.eos_token_id])
-    sampling = SamplingParams(n=cfg.rollout.group_size, max_tokens=task.max_completion_length,
-                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              top_k=cfg.rollout.top_k)
-    token, token_origin = run_token()
     resumed = json.loads((Path(resume) / callbacks.CHECKPOINT_STATE).read_text()) if resume else None
     if resumed:
         log.info("resuming from %s (step %d)", resume, resumed["step"])
-    # What a rollout source may ask for, by name: each source's constructor names the parts it uses.
-    parts = dict(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling, engine=engine,
-                 model_path=model_path, run_dir=run_dir, seed=cfg.seed, staleness=cfg.rollout.staleness,
-                 prompts_per_step=cfg.rollout.prompts_per_step, publish_interval=cfg.broadcast.interval, token=token,
-                 # the broadcaster derives the broadcast plane's key and its manifest-signing key from the token
-                 make_broadcaster=instantiate(cfg.broadcast.sender, secret=token, _partial_=True),
-                 pool=instantiate(cfg.pool), activation=OmegaConf.to_object(cfg.activation),
-                 broadcast_shape=BroadcastShape.of(cfg.broadcast),
-                 resume=resumed["source"] if resumed and resumed["source"] else None)
-    if get_class(cfg.rollout.source._target_).needs_policy:  # generates in this process: every rank its own slice
-        source = make_source(cfg.rollout.source, parts)
-    else:  # remote workers: rank 0 alone owns the coordinator, pool and broadcaster, and hands out the slices
-        source = ShardedSource(make_source(cfg.rollout.source, parts) if rank == 0 else None, rank, world_size)
-    log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(getattr(source, "source", source)).__name__,
-             cfg.rollout.staleness, cfg.rollout.prompts_per_step, cfg.rollout.group_size, token_origin)
+    source = build_source(cfg, task, tokenizer, engine, model_path, run_dir, rank, world_size, resumed)
 
     trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
                                args=grpo_config(cfg, run_dir, world_size), train_dataset=train_set,
@@ -128,6 +106,37 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     if cfg.run.progress:
         trainer.add_callback(callbacks.ProgressBar(step_log))
     return trainer, source, step_log
+
+
+def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_path: str, run_dir: str, rank: int,
+                 world_size: int, resumed: dict | None) -> Any:
+    """The rollout source the config names. With several learner processes and remote workers, rank 0 alone owns
+    it (its coordinator, pool and broadcaster) and hands every rank its slice (ShardedSource)."""
+    from echo2.activation.settings import BroadcastShape
+    from echo2.learner.distributed import ShardedSource
+    from echo2.rollout.scoring import Scorer
+    from echo2.rollout.types import SamplingParams
+
+    sampling = SamplingParams(n=cfg.rollout.group_size, max_tokens=task.max_completion_length,
+                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              top_k=cfg.rollout.top_k)
+    token, token_origin = run_token()
+    # What a rollout source may ask for, by name: each source's constructor names the parts it uses.
+    parts = dict(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling, engine=engine,
+                 model_path=model_path, run_dir=run_dir, seed=cfg.seed, staleness=cfg.rollout.staleness,
+                 prompts_per_step=cfg.rollout.prompts_per_step, publish_interval=cfg.broadcast.interval, token=token,
+                 # the broadcaster derives the broadcast plane's key and its manifest-signing key from the token
+                 make_broadcaster=instantiate(cfg.broadcast.sender, secret=token, _partial_=True),
+                 pool=instantiate(cfg.pool), activation=OmegaConf.to_object(cfg.activation),
+                 broadcast_shape=BroadcastShape.of(cfg.broadcast),
+                 resume=resumed["source"] if resumed and resumed["source"] else None)
+    if get_class(cfg.rollout.source._target_).needs_policy:  # generates in this process: every rank its own slice
+        source = make_source(cfg.rollout.source, parts)
+    else:  # remote workers
+        source = ShardedSource(make_source(cfg.rollout.source, parts) if rank == 0 else None, rank, world_size)
+    log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(getattr(source, "source", source)).__name__,
+             cfg.rollout.staleness, cfg.rollout.prompts_per_step, cfg.rollout.group_size, token_origin)
+    return source
 
 
 def make_source(node: DictConfig, parts: dict) -> Any:
