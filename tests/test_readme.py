@@ -46,6 +46,26 @@ def readme_commands() -> list[tuple[str, str]]:
     return out
 
 
+def env_prefix(line: str) -> tuple[str, str]:
+    """``VAR=$(...) command ...`` split into the assignment and the command; ("", line) without one."""
+    m = re.match(r"([A-Z_][A-Z0-9_]*=\$\([^)]*\))\s+(.*)", line)
+    return (m.group(1), m.group(2)) if m else ("", line)
+
+
+def run_assignment(assignment: str, name: str, tmp_path: Path) -> None:
+    """Run ``[export] NAME=$(...)`` as a shell would (``python`` is this interpreter; the run secret is set, as
+    on the learner's machine): the command must succeed and print a value of a token's length."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    if not (bindir / "python").exists():
+        (bindir / "python").symlink_to(sys.executable)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+    env.setdefault("ECHO2_TOKEN", "a-run-secret-of-24-chars-or-more")
+    out = subprocess.run(["bash", "-c", f"{assignment} && echo \"${name}\""], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and len(out.stdout.strip()) >= 24, out.stderr
+
+
 class Parsed(Exception):
     pass
 
@@ -125,16 +145,12 @@ def check(where: str, line: str, tmp_path: Path) -> str:
         name, _, value = line[len("export "):].partition("=")
         assert re.fullmatch(r"[A-Z_][A-Z0-9_]*", name), line
         if value.startswith("$("):  # run it: it must print a value
-            bindir = tmp_path / "bin"
-            bindir.mkdir(exist_ok=True)
-            if not (bindir / "python").exists():
-                (bindir / "python").symlink_to(sys.executable)
-            env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}")
-            out = subprocess.run(["bash", "-c", f"{line} && echo \"${name}\""], env=env, capture_output=True,
-                                 text=True, timeout=60)
-            assert out.returncode == 0 and len(out.stdout.strip()) >= 24, out.stderr
+            run_assignment(line, name, tmp_path)
             return "runs"
         return "setup"
+    prefix, line = env_prefix(line)
+    if prefix:  # VAR=$(...) command: the value must come out of its command, and the command must check
+        run_assignment(prefix, prefix.partition("=")[0], tmp_path)
     argv = shlex.split(line, comments=True)
     if argv[0] == "sudo":
         argv = argv[1:]
@@ -229,7 +245,7 @@ COMMANDS = readme_commands()
 
 
 def test_the_readme_has_the_recipes_we_check():
-    kinds = {argv.split()[0] for _, argv in COMMANDS}
+    kinds = {env_prefix(argv)[1].split()[0] for _, argv in COMMANDS}
     assert {"python", "launchers/learner.sh", "launchers/local.sh", "launchers/join.sh", "sbatch", "sudo",
             "export", "./install.sh"} <= kinds, kinds
     assert len(COMMANDS) >= 30
@@ -251,7 +267,10 @@ def test_slurm_recipe_gives_each_learner_a_model_a_reachable_address_and_its_own
     ports of its own (free ports, found by the workers in its coordinator.json), and each job has one array."""
     lines = _block("hydra/launcher=slurm")
     learner = shlex.split(next(ln for ln in lines if "train.py" in ln))[2:]
-    arrays = [shlex.split(ln) for ln in lines if ln.startswith("sbatch")]
+    arrays = [shlex.split(env_prefix(ln)[1]) for ln in lines if env_prefix(ln)[1].startswith("sbatch")]
+    # each array joins with a credential of its own, never the run secret (which can sign snapshots)
+    assert all(env_prefix(ln)[0].startswith("ECHO2_TOKEN=$(python -m echo2.credential ") for ln in lines
+               if env_prefix(ln)[1].startswith("sbatch")), lines
     cfgs = check_train(learner)
     assert len(cfgs) == len(arrays) == 3  # one worker array per learner job
     sweep_dir = next(a.split("=", 1)[1] for a in learner if a.startswith("hydra.sweep.dir="))
