@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +32,9 @@ def torchrun(script: str, *args: str, timeout: float = 300) -> subprocess.Comple
 
 @pytest.mark.slow
 def test_rank_zero_hands_out_whole_groups_and_its_errors_reach_every_rank(tmp_path):
-    """2 ranks: each gets its own half of rank 0's batch; when rank 0's source fails, both raise, naming the error
-    (the subprocess timeout is the hang detector)."""
+    """2 ranks: each gets its own half of rank 0's batch; when rank 0's source fails (a take timeout while
+    collecting; the coordinator process dead past its restarts as the version advances), both raise, naming the
+    error (the subprocess timeout is the hang detector)."""
     out = torchrun("sharded_source.py", str(tmp_path), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -40,6 +42,10 @@ def test_rank_zero_hands_out_whole_groups_and_its_errors_reach_every_rank(tmp_pa
     assert r0["slice"] == ["g0", "g1"] and r1["slice"] == ["g2", "g3"]
     assert r0["error"].startswith("TimeoutError: only 3 of 4")
     assert r1["error"].startswith("RankZeroError: learner rank 0's rollout source failed: TimeoutError: only 3 of 4")
+    assert r0["version_error"].startswith("CoordinatorDied: the coordinator process exited"), r0
+    assert r1["version_error"].startswith("RankZeroError: learner rank 0's rollout source failed: CoordinatorDied: "
+                                          "the coordinator process exited"), r1
+    assert r0["stop"] == r1["stop"] == "RunStopped: stop requested while waiting for 4 rollout groups for step 3", (r0, r1)
 
 
 @pytest.mark.slow
@@ -139,3 +145,42 @@ def test_zero3_learner_trains_from_remote_workers_and_resumes_after_kill_9(tmp_p
     check_run(tmp_path, 3)
     kl = [r["train/kl"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
     assert kl[0] == 0.0 and min(kl[1:]) > 0, kl
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """A scheduler's SIGTERM may reach one learner process only: here rank 1 of a ZeRO-2 learner. Every rank stops
+    after the same step (none left waiting in a collective), rank 0 writes the one summary.json, naming why, and
+    the books balance."""
+    env = dict(os.environ, ECHO2_RUN_DIR=str(tmp_path), ECHO2_PYTHON=sys.executable)
+    cmd = [*launch(2)[:-5], "run.steps=1000", "run.save_every_steps=0", "run.eval_every_steps=0", "run.progress=false",
+           "run.wandb=disabled"]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, timeout_s=600,
+                   what="3 learner steps")
+
+        def rank(p: int) -> str | None:
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+                environ = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+                if any(a.endswith(b"train.py") for a in cmdline):
+                    return next((e[len(b"LOCAL_RANK="):].decode() for e in environ if e.startswith(b"LOCAL_RANK=")), None)
+            return None
+
+        rank1 = next(p for p in descendants(job.pid) if rank(p) == "1")
+        os.kill(rank1, signal.SIGTERM)
+        _, err = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            for pid in [job.pid, *descendants(job.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, err[-5000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    steps = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert 3 <= summary["steps"] < 1000 and steps == list(range(1, summary["steps"] + 1)), (summary["steps"], steps)
+    assert summary["stopped_by"] == "stopped by another learner rank", summary["stopped_by"]
+    assert balanced(summary["rollout_accounting"]), summary["rollout_accounting"]

@@ -10,7 +10,8 @@ broadcaster); every rank trains on its own slice of the same batch, and every ra
 
 Every exchange goes through ``accelerate.utils.broadcast_object_list`` (as TRL's vLLM generation hands out its
 completions) and carries ``{"ok": False, "error": ...}`` when rank 0 failed, so that an error on rank 0 (coordinator
-dead past its restarts, take timeout) is raised on every rank instead of leaving them waiting in a collective.
+dead past its restarts, take timeout) is raised on every rank instead of leaving them waiting in a collective;
+a stop requested while rank 0 waited for rollouts (RunStopped) ends the run on every rank.
 With one process the broadcasts are no-ops and this is the source itself.
 """
 
@@ -20,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+from echo2.rollout.protocols import RunStopped
 from echo2.rollout.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -54,12 +56,14 @@ class ShardedSource:
             try:
                 payload = {"ok": True, "value": fn()}
             except BaseException as e:  # noqa: BLE001 - every rank must hear of it, then rank 0 re-raises it too
-                payload = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                payload = {"ok": False, "error": f"{type(e).__name__}: {e}", "stopped": str(e) if isinstance(e, RunStopped) else None}
                 if self.world_size == 1:
                     raise
                 self._broadcast(payload)
                 raise
         payload = self._broadcast(payload)
+        if not payload["ok"] and payload.get("stopped") is not None:  # a stop requested on rank 0: every rank ends
+            raise RunStopped(payload["stopped"])
         if not payload["ok"]:
             raise RankZeroError(f"learner rank 0's rollout source failed: {payload['error']}")
         return payload["value"]
@@ -93,6 +97,12 @@ class ShardedSource:
         if self._share(lambda: self.source.advance(version)):
             self._publish(version, weights)
         self.publish_s = time.perf_counter() - t0
+
+    def request_stop(self) -> None:
+        """From the signal handler: rank 0's wait for rollouts ends (RunStopped on every rank). A signal to another
+        rank alone stops every rank after the current step (the learner's StopOnSignal callback)."""
+        if self.rank == 0:
+            self.source.request_stop()
 
     def on_resume(self, version: int, weights: Any) -> None:
         self.resumed = (version, weights)

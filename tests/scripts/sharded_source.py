@@ -1,7 +1,7 @@
 """Run by tests/test_sharded_learner.py under torchrun with 2 processes (gloo): rank 0 holds a stub rollout source,
-rank 1 none. A step's batch is handed out as whole groups per rank; then rank 0's source fails (a take timeout) and
-every rank must raise, naming the error, instead of waiting in a collective. Each rank writes what it saw to
-OUT_DIR/rank<r>.json."""
+rank 1 none. A step's batch is handed out as whole groups per rank; then rank 0's source fails (a take timeout, then
+a coordinator process dead past its restarts when the version advances) and every rank must raise, naming the
+error, instead of waiting in a collective; a stop requested while rank 0 waits ends the run on every rank. Each rank writes what it saw to OUT_DIR/rank<r>.json."""
 
 import json
 import os
@@ -18,7 +18,17 @@ class Stub:
         self.calls += 1
         if self.calls == 2:
             raise TimeoutError("only 3 of 4 admissible groups within 900 s (rollout.source.take_timeout_s)")
+        if self.calls == 3:
+            from echo2.rollout.protocols import RunStopped
+
+            raise RunStopped("stop requested while waiting for 4 rollout groups for step 3")
         return [f"g{i}" for i in range(len(rows))]
+
+    def advance(self, version):
+        from echo2.rollout.service import CoordinatorDied
+
+        raise CoordinatorDied("the coordinator process exited with code -9; it was restarted 3 times in the last "
+                              "600 s: giving up")
 
 
 def main(out_dir: str) -> None:
@@ -36,6 +46,20 @@ def main(out_dir: str) -> None:
         seen["error"] = f"RankZeroError: {e}"
     except TimeoutError as e:
         seen["error"] = f"TimeoutError: {e}"
+    try:
+        source.on_version(2, weights=None)
+    except RankZeroError as e:
+        seen["version_error"] = f"RankZeroError: {e}"
+    except RuntimeError as e:
+        seen["version_error"] = f"{type(e).__name__}: {e}"
+    from echo2.rollout.protocols import RunStopped
+
+    try:
+        source.collect([{"row": 0}, {"row": 1}], 2)
+    except RunStopped as e:
+        seen["stop"] = f"RunStopped: {e}"
+    except RuntimeError as e:
+        seen["stop"] = f"{type(e).__name__}: {e}"
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
     import torch.distributed as dist
