@@ -74,6 +74,7 @@ def test_wrong_type_fails_at_compose_time():
         (["rollout.correction=magic"], "rollout.correction"),
         (["run.wandb=maybe"], "run.wandb"),
         (["rollout=sync", "rollout.prompts_per_step=3"], "multiple of the 2 learner processes"),
+        (["rollout.source.check_every_steps=5"], "check_every_steps > 0 with a multi-process learner"),
     ],
 )
 def test_validation_names_the_key(overrides, message):
