@@ -132,6 +132,44 @@ def test_the_agent_hands_back_its_groups_when_generate_fails(tiny_model_dir):
         coord.close()
 
 
+class _Engine:
+    """Generates a valid two-token completion for every sample."""
+    name = "stub"
+
+    def generate(self, prompts, params):
+        from echo2.rollout.types import Completion
+
+        return [[Completion(token_ids=[5, 1], logprobs=[-1.0, -0.2], finish_reason="stop")] * params.n
+                for _ in prompts]
+
+
+def test_the_agent_hands_back_its_groups_when_its_push_fails(tiny_model_dir):
+    """The push of a generated batch fails on the way (the connection drops): the agent hands the groups back at
+    once, counted lost: push_failed and re-queued, instead of leaving them to their deadline."""
+    from echo2.rollout.agent import Agent
+    from echo2.rollout.types import SamplingParams
+
+    coord = _coord(tiny_model_dir)
+    agent = Agent(coord.url, "secret", _Engine())
+    post = agent.client.post
+
+    def dropped_push(path, body, **kw):
+        if path == "/push":
+            raise ConnectionError("connection reset by peer")
+        return post(path, body, **kw)
+
+    try:
+        agent.worker_id = agent.client.post("/register", {})["worker_id"]
+        agent.client.post = dropped_push
+        with pytest.raises(ConnectionError, match="reset by peer"):
+            agent._step(SamplingParams(n=G, max_tokens=3))
+        acc = coord.accounting()
+        assert acc["lost"] == {"push_failed": 2 * G} and acc["in_flight"] == 0 and acc["received"] == 0, acc
+    finally:
+        agent.receiver.close()
+        coord.close()
+
+
 class _Hoarder(threading.Thread):
     """A real client that registers, pulls as much as it is given and heartbeats, but never pushes.
 

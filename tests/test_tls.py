@@ -40,6 +40,37 @@ def test_loopback_is_recognised():
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.2") and not is_loopback("learner.example")
 
 
+@pytest.mark.parametrize("mode, host, sender_host, tls, warns", [
+    ("auto", "127.0.0.1", "127.0.0.1", False, False),   # all on loopback: plain HTTP, nothing to say
+    ("auto", "0.0.0.0", "127.0.0.1", True, False),      # the coordinator is exposed: TLS
+    ("auto", "127.0.0.1", "0.0.0.0", True, False),      # the snapshot sender is exposed: TLS
+    ("on", "127.0.0.1", "127.0.0.1", True, False),
+    ("off", "127.0.0.1", "127.0.0.1", False, False),    # off, but nothing exposed: nothing crosses a network
+    ("off", "0.0.0.0", "0.0.0.0", False, True),         # the explicit opt-out off loopback is logged
+])
+def test_the_learner_decides_tls_from_its_addresses_and_logs_the_opt_out(tmp_path, caplog, mode, host, sender_host,
+                                                                        tls, warns):
+    import functools
+    import logging
+    from types import SimpleNamespace
+
+    from echo2.rollout.async_source import AsyncRolloutSource
+
+    source = SimpleNamespace(make_broadcaster=functools.partial(dict, host=sender_host), run_dir=str(tmp_path),
+                             kwargs={})
+    with caplog.at_level(logging.WARNING, logger="echo2.rollout.async_source"):
+        pin = AsyncRolloutSource._tls(source, mode, host)
+    assert (pin is not None) == tls and ("tls_dir" in source.kwargs) == tls
+    if tls:
+        assert pin == RunCA(source.kwargs["tls_dir"]).fingerprint
+    opted_out = [r.getMessage() for r in caplog.records if "tls=off" in r.getMessage()]
+    assert bool(opted_out) == warns, opted_out
+    if warns:
+        assert "0.0.0.0" in opted_out[0] and "in the clear" in opted_out[0]
+    with pytest.raises(ValueError, match="expected auto, on or off"):
+        AsyncRolloutSource._tls(source, "maybe", host)
+
+
 def test_a_worker_joins_with_the_pin_and_is_refused_without_it(tls_coord, ca, tmp_path):
     assert tls_coord.url.startswith("https://")
     trust = join(tls_coord.url, "secret", ca.fingerprint, str(tmp_path / "w"))
