@@ -45,7 +45,8 @@ def test_rank_zero_hands_out_whole_groups_and_its_errors_reach_every_rank(tmp_pa
     assert r0["version_error"].startswith("CoordinatorDied: the coordinator process exited"), r0
     assert r1["version_error"].startswith("RankZeroError: learner rank 0's rollout source failed: CoordinatorDied: "
                                           "the coordinator process exited"), r1
-    assert r0["stop"] == r1["stop"] == "RunStopped: stop requested while waiting for 4 rollout groups for step 3", (r0, r1)
+    stopped = "RunStopped: stop requested while waiting for 4 rollout groups for step 3"
+    assert r0["stop"] == r1["stop"] == stopped, (r0, r1)
 
 
 @pytest.mark.slow
@@ -166,7 +167,8 @@ def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
                 cmdline = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
                 environ = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
                 if any(a.endswith(b"train.py") for a in cmdline):
-                    return next((e[len(b"LOCAL_RANK="):].decode() for e in environ if e.startswith(b"LOCAL_RANK=")), None)
+                    return next((e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"LOCAL_RANK=")),
+                                None)
             return None
 
         rank1 = next(p for p in descendants(job.pid) if rank(p) == "1")

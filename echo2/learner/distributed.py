@@ -56,7 +56,8 @@ class ShardedSource:
             try:
                 payload = {"ok": True, "value": fn()}
             except BaseException as e:  # noqa: BLE001 - every rank must hear of it, then rank 0 re-raises it too
-                payload = {"ok": False, "error": f"{type(e).__name__}: {e}", "stopped": str(e) if isinstance(e, RunStopped) else None}
+                payload = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                           "stopped": str(e) if isinstance(e, RunStopped) else None}
                 if self.world_size == 1:
                     raise
                 self._broadcast(payload)
