@@ -2,7 +2,8 @@
 
 Each configuration is a real ``train.py`` run (a subprocess): the learner is pinned to one core
 (``taskset -c LEARNER_CORE``); in the asynchronous runs one worker agent with its vLLM server, and the
-coordinator's process, are pinned to another (``pool.cores``, ``rollout.source.coordinator_cores``). The sync baseline generates inside the learner, on the learner's core.
+coordinator's process, are pinned to another (``pool.cores``, ``rollout.source.coordinator_cores``). The sync
+baseline generates inside the learner, on the learner's core.
 
 Reported per run, all from the run's own ``metrics.jsonl`` / ``summary.json``:
   * steps/s and seconds to a reward threshold (10-step moving mean), counted from the end of step 1 so that
@@ -16,6 +17,7 @@ Reported per run, all from the run's own ``metrics.jsonl`` / ``summary.json``:
     python benchmarks/async_vs_sync.py                       # sync, S=0,1,2,4; copy task, 150 steps
     python benchmarks/async_vs_sync.py --staleness 0 2 --steps 100 --json out.json
     python benchmarks/async_vs_sync.py --staleness 1 2 --steps 60 -- experiment=gen_heavy   # generation-heavy
+    python benchmarks/async_vs_sync.py --staleness 1 2 --steps 30 --repeats 3 -- experiment=gen_heavy
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,14 +34,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(name: str, overrides: list[str], out_dir: Path, learner_core: int, threshold: float) -> dict:
-    run_dir = out_dir / name
+def run(name: str, overrides: list[str], out_dir: Path, learner_core: int, threshold: float, tag: str = "") -> dict:
+    run_dir = out_dir / f"{tag}{name}"
     cmd = ["taskset", "-c", str(learner_core), sys.executable, "train.py", f"hydra.run.dir={run_dir}",
            "run.wandb=disabled", "run.progress=false", "run.eval_every_steps=0", *overrides]
     print(f"[{name}] {' '.join(cmd[3:])}", flush=True)
-    with open(out_dir / f"{name}.log", "w") as log:
+    log_path = out_dir / f"{tag}{name}.log"
+    with open(log_path, "w") as log:
         if subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode:
-            sys.exit(f"[{name}] failed; its output:\n{(out_dir / f'{name}.log').read_text()[-3000:]}")
+            sys.exit(f"[{name}] failed; its output:\n{log_path.read_text()[-3000:]}")
     return summarise(name, run_dir, threshold)
 
 
@@ -70,10 +74,40 @@ def summarise(name: str, run_dir: Path, threshold: float = 0.8, window: int = 10
     }
 
 
+def async_overrides(s: int, worker_core: int, engine: str) -> list[str]:
+    interval = max(1, s)  # κ = S for S >= 1 (the paper's κ = S - 1 would be 0 at S = 1)
+    return ["rollout=async", f"rollout.staleness={s}", f"broadcast.interval={interval}", "pool.workers=1",
+            f"pool.cores=[{worker_core}]", f"rollout.source.coordinator_cores=[{worker_core}]", f"pool.engine={engine}"]
+
+
+def print_round(rows: list[dict], label: str) -> dict:
+    """One round's table; each async run against this round's own sync run and overlap bound."""
+    base = next(r for r in rows if r["run"] == "sync")
+    t_gen = base["t_gen_s"]
+    t_train = base["t_step_s"] - t_gen
+    bound = base["t_step_s"] / t_train
+    print(f"\n{label}sync run: T_gen {t_gen:.3f} s + T_train {t_train:.3f} s per step; overlap bound "
+          f"(T_gen + T_train) / T_train = {bound:.2f}x sync")
+    print(f"{'run':<12} {'steps/s':>8} {'x sync':>7} {'of bound':>8} {'s to thr':>9} {'step':>5} {'util':>6} "
+          f"{'stale drop':>10} {'lag mean':>8} {'reward last20':>13}")
+    for r in rows:
+        thr = "-" if r["s_to_threshold"] is None else f"{r['s_to_threshold']:.1f}"
+        step = "-" if r["step_at_threshold"] is None else str(r["step_at_threshold"])
+        r["x_sync"] = r["steps_per_s"] / base["steps_per_s"]
+        r["of_bound"] = r["x_sync"] / bound
+        print(f"{r['run']:<12} {r['steps_per_s']:>8.2f} {r['x_sync']:>7.2f} {r['of_bound']:>8.2f} {thr:>9} "
+              f"{step:>5} {r['utilization']:>6.2f} {r['dropped_stale_frac']:>10.3f} {r['staleness_mean']:>8.2f} "
+              f"{r['reward_last20']:>13.3f}")
+    return {"t_gen_s": t_gen, "t_train_s": t_train, "bound": bound}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of (sync, then each S); the order reverses every other round, and each async run is "
+                        "compared with its own round's sync run (the machine's speed drifts between rounds)")
     p.add_argument("--learner-core", type=int, default=0)
     p.add_argument("--worker-core", type=int, default=1)
     p.add_argument("--engine", default="vllm", help="worker engine (vllm, hf)")
@@ -83,36 +117,34 @@ def main() -> None:
     args = p.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("needs 2 cores: one for the learner, one for the worker")
+    if args.repeats < 1:
+        sys.exit("--repeats must be at least 1")
     common = [f"run.steps={args.steps}", *args.overrides]
-    rows = []
+    plan = [("sync", ["rollout=sync"])] + [(f"async_S{s}", async_overrides(s, args.worker_core, args.engine))
+                                           for s in args.staleness]
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows.append(run("sync", ["rollout=sync", *common], Path(tmp), args.learner_core, args.threshold))
-        for s in args.staleness:
-            interval = max(1, s)  # κ = S for S >= 1 (the paper's κ = S - 1 would be 0 at S = 1)
-            rows.append(run(f"async_S{s}", [
-                "rollout=async", f"rollout.staleness={s}", f"broadcast.interval={interval}", "pool.workers=1",
-                f"pool.cores=[{args.worker_core}]", f"rollout.source.coordinator_cores=[{args.worker_core}]",
-                f"pool.engine={args.engine}", *common], Path(tmp),
-                args.learner_core, args.threshold))
-    base = rows[0]
-    t_gen = base["t_gen_s"]
-    t_train = base["t_step_s"] - t_gen
-    bound = base["t_step_s"] / t_train
+        for k in range(args.repeats):
+            order = plan if k % 2 == 0 else plan[::-1]
+            rows = [run(name, [*extra, *common], Path(tmp), args.learner_core, args.threshold, tag=f"r{k}_")
+                    for name, extra in order]
+            rounds.append(sorted(rows, key=lambda r: [n for n, _ in plan].index(r["run"])))
     print(f"\nsync vs async, {args.steps} steps, learner on core {args.learner_core}, "
           f"1 {args.engine} worker on core {args.worker_core}; threshold: 10-step mean reward >= {args.threshold}")
-    print(f"sync run: T_gen {t_gen:.3f} s + T_train {t_train:.3f} s per step; overlap bound "
-          f"(T_gen + T_train) / T_train = {bound:.2f}x sync")
-    print(f"{'run':<12} {'steps/s':>8} {'x sync':>7} {'of bound':>8} {'s to thr':>9} {'step':>5} {'util':>6} "
-          f"{'stale drop':>10} {'lag mean':>8} {'reward last20':>13}")
-    for r in rows:
-        thr = "-" if r["s_to_threshold"] is None else f"{r['s_to_threshold']:.1f}"
-        step = "-" if r["step_at_threshold"] is None else str(r["step_at_threshold"])
-        speedup = r["steps_per_s"] / base["steps_per_s"]
-        print(f"{r['run']:<12} {r['steps_per_s']:>8.2f} {speedup:>7.2f} {speedup / bound:>8.2f} {thr:>9} "
-              f"{step:>5} {r['utilization']:>6.2f} {r['dropped_stale_frac']:>10.3f} {r['staleness_mean']:>8.2f} "
-              f"{r['reward_last20']:>13.3f}")
+    out = []
+    for k, rows in enumerate(rounds):
+        label = f"round {k + 1} of {args.repeats}: " if args.repeats > 1 else ""
+        out.append({"round": k + 1, **print_round(rows, label), "rows": rows})
+    if args.repeats > 1:
+        print(f"\nmedian over {args.repeats} rounds (each against its own round's sync run):")
+        print(f"{'run':<12} {'x sync':>7} {'of bound':>8}   per round (of bound)")
+        for name, _ in plan[1:]:
+            fracs = [next(r for r in rows if r["run"] == name)["of_bound"] for rows in rounds]
+            xs = [next(r for r in rows if r["run"] == name)["x_sync"] for rows in rounds]
+            print(f"{name:<12} {statistics.median(xs):>7.2f} {statistics.median(fracs):>8.2f}   "
+                  f"{', '.join(f'{f:.2f}' for f in fracs)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
