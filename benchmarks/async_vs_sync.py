@@ -156,19 +156,17 @@ def main() -> None:
         plan.append(("sync_load", ["rollout=sync"], args.worker_core))
     plan += [(f"async_S{s}", async_overrides(s, args.worker_core, args.engine), None) for s in args.staleness]
     names = [name for name, _, _ in plan]
-    rounds = []
+    print(f"sync vs async, {args.steps} steps, learner on core {args.learner_core}, "
+          f"1 {args.engine} worker on core {args.worker_core}; threshold: 10-step mean reward >= {args.threshold}")
+    rounds, out = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for k in range(args.repeats):
+        for k in range(args.repeats):  # each round's table as soon as it is done
             order = plan if k % 2 == 0 else plan[::-1]
             rows = [run(name, [*extra, *common], Path(tmp), args.learner_core, args.threshold, tag=f"r{k}_",
                         load_core=load) for name, extra, load in order]
             rounds.append(sorted(rows, key=lambda r: names.index(r["run"])))
-    print(f"\nsync vs async, {args.steps} steps, learner on core {args.learner_core}, "
-          f"1 {args.engine} worker on core {args.worker_core}; threshold: 10-step mean reward >= {args.threshold}")
-    out = []
-    for k, rows in enumerate(rounds):
-        label = f"round {k + 1} of {args.repeats}: " if args.repeats > 1 else ""
-        out.append({"round": k + 1, **print_round(rows, label), "rows": rows})
+            label = f"round {k + 1} of {args.repeats}: " if args.repeats > 1 else ""
+            out.append({"round": k + 1, **print_round(rounds[-1], label), "rows": rounds[-1]})
     if args.repeats > 1:
         print(f"\nmedian over {args.repeats} rounds (each against its own round's sync run):")
         print(f"{'run':<12} {'x sync':>7} {'of bound':>8} {'of loaded bound':>15}   per round (of bound)")
