@@ -66,13 +66,18 @@ class StopOnSignal(TrainerCallback):
         self.requested: str | None = None  # why: the signal's name, or another rank's stop
 
     def on_step_end(self, args, state, control, **kwargs):
+        stop = bool(self.requested)
         if args.world_size > 1:
             import torch
 
-            flag = torch.tensor([1.0 if self.requested else 0.0], device=self.trainer.accelerator.device)
-            if self.trainer.accelerator.reduce(flag, reduction="sum").item() and not self.requested:
-                self.requested = "stopped by another learner rank"
-        if self.requested:
+            # Every rank acts on the vote alone: a signal handled while this rank waits in the reduce (or after it)
+            # sets ``requested`` too late for the other ranks to hear of it this step, so it counts at the next one.
+            flag = torch.tensor([1.0 if stop else 0.0], device=self.trainer.accelerator.device)
+            voted = bool(self.trainer.accelerator.reduce(flag, reduction="sum").item())
+            if voted and not stop:
+                self.requested = self.requested or "stopped by another learner rank"
+            stop = voted
+        if stop:
             control.should_training_stop = True
             control.should_save = bool(args.save_strategy != "no")
 
