@@ -221,7 +221,8 @@ def test_a_worker_cut_off_the_network_is_retired_and_rejoins_when_reconnected(tm
                 """Workers that have pushed rollouts (each has a measured throughput in the last metrics line)."""
                 lines = metrics.read_text().splitlines() if metrics.exists() else []
                 last = json.loads(lines[-1]) if lines else {}
-                return sum(k.startswith("rollout/throughput/") for k in last)
+                # a registered worker's key is there from the start, at 0.0: only a push gives it a rate
+                return sum(k.startswith("rollout/throughput/") and v > 0 for k, v in last.items())
 
             # both must have delivered before the cut (a worker that registers late can be cut before its first push)
             wait_until(lambda: steps() >= 20 and all(registered(log) for log in logs) and delivering() >= 2,
@@ -240,6 +241,9 @@ def test_a_worker_cut_off_the_network_is_retired_and_rejoins_when_reconnected(tm
             wait_until(lambda: registered(logs[0]) >= 2, timeout_s=180,
                        what="the reconnected agent to register again")
             assert registered(logs[0]) >= 2, logs[0].read_text()[-2000:]
+            # the retired worker's key is gone, so two delivering again means the rejoined agent has pushed (the 40
+            # steps below can pass before its first push: in one CI run it had registered again and never delivered)
+            wait_until(lambda: delivering() >= 2, timeout_s=60, what="the rejoined agent to deliver")
             wait_until(lambda: steps() > cut_steps + 40, timeout_s=60, what="40 steps since the cut")
             learner.send_signal(signal.SIGTERM)
             learner.wait(timeout=120)
