@@ -43,6 +43,7 @@ import faulthandler
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from typing import Any
@@ -385,10 +386,13 @@ def main(argv: list[str] | None = None) -> None:
     except InterruptedError:
         log.info("worker stopped during engine start-up")
         return
+    # the pinned run CA sits here (requests' verify reads a file) for as long as the worker runs, then goes
+    tls_dir = tempfile.TemporaryDirectory(prefix="echo2-tls-")
     try:
-        trust = _trust(args, stop)
+        trust = _trust(args, stop, tls_dir.name)
     except BaseException:
         engine.close()
+        tls_dir.cleanup()
         raise
     agent = Agent(args.coordinator, args.token, engine, args.listen_host, args.advertise_host, args.max_groups,
                   stop=stop, snapshot_port=args.snapshot_port, relay_port=args.relay_port,
@@ -413,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(3) from None
     finally:
         agent.shutdown()
+        tls_dir.cleanup()
         log.info("worker stopped")
 
 
@@ -430,8 +435,9 @@ def _find_learner(args) -> int | None:
     return found["max_model_len"]
 
 
-def _trust(args, stop: threading.Event) -> Trust | None:
-    """The pinned run CA and this worker's certificate (https), or None (plain http, loud off loopback)."""
+def _trust(args, stop: threading.Event, directory: str) -> Trust | None:
+    """The pinned run CA (written to ``directory``) and this worker's certificate (https), or None (plain http,
+    loud off loopback)."""
     from urllib.parse import urlsplit
 
     if not args.coordinator.startswith("https://"):
@@ -442,12 +448,10 @@ def _trust(args, stop: threading.Event) -> Trust | None:
         return None
     if not args.ca_hash:
         raise SystemExit("--coordinator is https: pass --ca-hash sha256:... from the learner's join command")
-    import tempfile
-
     deadline, delay = time.monotonic() + args.reconnect_timeout_s, 0.5
     while True:  # the learner may still be starting: retry as the agent does for any unreachable coordinator
         try:
-            return join(args.coordinator, args.token, args.ca_hash, tempfile.mkdtemp(prefix="echo2-tls-"))
+            return join(args.coordinator, args.token, args.ca_hash, directory)
         except OSError as e:
             import ssl
 
