@@ -77,7 +77,10 @@ def test_a_worker_joining_mid_run_gets_work(tmp_path):
     assert balanced(acc), acc
 
 
-def test_a_worker_killed_mid_run_does_not_stop_training(tmp_path):
+def test_a_worker_killed_mid_run_does_not_stop_training(tmp_path, monkeypatch):
+    worker_tmp = tmp_path / "worker-tmp"  # the workers' temporary files (they inherit the environment)
+    worker_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(worker_tmp))
     killed = []
 
     def hook(step, source):
@@ -94,6 +97,8 @@ def test_a_worker_killed_mid_run_does_not_stop_training(tmp_path):
     assert killed and trainer.state.global_step == 60
     assert acc["workers_retired"].get("worker_dead") == 1, acc
     assert balanced(acc), acc
+    # plain http on loopback: no CA to keep, so the kill -9'd worker leaves no folder behind
+    assert not list(worker_tmp.glob("echo2-tls-*")), list(worker_tmp.iterdir())
 
 
 @require_vllm

@@ -386,13 +386,14 @@ def main(argv: list[str] | None = None) -> None:
     except InterruptedError:
         log.info("worker stopped during engine start-up")
         return
-    # the pinned run CA sits here (requests' verify reads a file) for as long as the worker runs, then goes
-    tls_dir = tempfile.TemporaryDirectory(prefix="echo2-tls-")
+    # over https the pinned run CA sits here (requests' verify reads a file) for as long as the worker runs
+    tls_dir = tempfile.TemporaryDirectory(prefix="echo2-tls-") if args.coordinator.startswith("https://") else None
     try:
-        trust = _trust(args, stop, tls_dir.name)
+        trust = _trust(args, stop, tls_dir and tls_dir.name)
     except BaseException:
         engine.close()
-        tls_dir.cleanup()
+        if tls_dir:
+            tls_dir.cleanup()
         raise
     agent = Agent(args.coordinator, args.token, engine, args.listen_host, args.advertise_host, args.max_groups,
                   stop=stop, snapshot_port=args.snapshot_port, relay_port=args.relay_port,
@@ -417,7 +418,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(3) from None
     finally:
         agent.shutdown()
-        tls_dir.cleanup()
+        if tls_dir:
+            tls_dir.cleanup()
         log.info("worker stopped")
 
 
@@ -435,7 +437,7 @@ def _find_learner(args) -> int | None:
     return found["max_model_len"]
 
 
-def _trust(args, stop: threading.Event, directory: str) -> Trust | None:
+def _trust(args, stop: threading.Event, directory: str | None) -> Trust | None:
     """The pinned run CA (written to ``directory``) and this worker's certificate (https), or None (plain http,
     loud off loopback)."""
     from urllib.parse import urlsplit
