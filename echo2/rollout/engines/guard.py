@@ -7,12 +7,16 @@ SIGKILL after a grace period, since a vLLM server still starting up ignores SIGT
 * its parent, the worker agent, dies — even by SIGKILL, when no handler of the agent runs: the guard polls
   its parent pid. (``PR_SET_PDEATHSIG`` alone proved unreliable here: a killed agent left a running server.)
 
+``--remove DIR`` before CMD: once the group is down after its parent died, the guard also removes DIR (the
+engine's work folder, which the dead agent can no longer remove).
+
 It exits with CMD's exit status.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,8 +41,10 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 def main() -> None:
-    parent = os.getppid()
-    proc = subprocess.Popen(sys.argv[1:], start_new_session=True)
+    parent, cmd, remove = os.getppid(), sys.argv[1:], None
+    if cmd[:1] == ["--remove"]:
+        remove, cmd = cmd[1], cmd[2:]
+    proc = subprocess.Popen(cmd, start_new_session=True)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
@@ -47,6 +53,8 @@ def main() -> None:
             stop_group(proc)
             break
         time.sleep(0.5)
+    if remove and os.getppid() != parent:
+        shutil.rmtree(remove, ignore_errors=True)
     sys.exit(proc.returncode if proc.returncode is not None and proc.returncode >= 0 else 1)
 
 

@@ -91,10 +91,14 @@ class VLLMServerEngine:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        # vLLM's ZMQ sockets (7 per server, left in the temp folder even after a clean stop) go in the workdir,
+        # removed with it; unless the socket path would pass the 107-byte limit of a Unix socket name
+        if len(str(self.workdir)) + 38 < 100:
+            env.setdefault("VLLM_RPC_BASE_PATH", str(self.workdir))
         self.log_path = log_path or str(self.workdir / "vllm.log")
         self._log = open(self.log_path, "ab")
         t0 = time.perf_counter()
-        guard = [sys.executable, "-m", "echo2.rollout.engines.guard"]
+        guard = [sys.executable, "-m", "echo2.rollout.engines.guard", "--remove", str(self.workdir)]
         self.proc = subprocess.Popen(guard + cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self._wait_healthy(startup_timeout_s, stop or threading.Event())
