@@ -158,20 +158,20 @@ def main() -> None:
     names = [name for name, _, _ in plan]
     print(f"sync vs async, {args.steps} steps, learner on core {args.learner_core}, "
           f"1 {args.engine} worker on core {args.worker_core}; threshold: 10-step mean reward >= {args.threshold}")
-    rounds, out = [], []
+    out = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.repeats):  # each round's table as soon as it is done
             order = plan if k % 2 == 0 else plan[::-1]
-            rows = [run(name, [*extra, *common], Path(tmp), args.learner_core, args.threshold, tag=f"r{k}_",
-                        load_core=load) for name, extra, load in order]
-            rounds.append(sorted(rows, key=lambda r: names.index(r["run"])))
+            rows = sorted((run(name, [*extra, *common], Path(tmp), args.learner_core, args.threshold, tag=f"r{k}_",
+                               load_core=load) for name, extra, load in order),
+                          key=lambda r: names.index(r["run"]))
             label = f"round {k + 1} of {args.repeats}: " if args.repeats > 1 else ""
-            out.append({"round": k + 1, **print_round(rounds[-1], label), "rows": rounds[-1]})
+            out.append({"round": k + 1, **print_round(rows, label), "rows": rows})
     if args.repeats > 1:
         print(f"\nmedian over {args.repeats} rounds (each against its own round's sync run):")
         print(f"{'run':<12} {'x sync':>7} {'of bound':>8} {'of loaded bound':>15}   per round (of bound)")
         for name in names[1:]:
-            mine = [next(r for r in rows if r["run"] == name) for rows in rounds]
+            mine = [next(r for r in o["rows"] if r["run"] == name) for o in out]
             fracs = [r["of_bound"] for r in mine]
             lb = "-" if not args.neighbour_load else f"{statistics.median(r['of_loaded_bound'] for r in mine):.2f}"
             print(f"{name:<12} {statistics.median(r['x_sync'] for r in mine):>7.2f} {statistics.median(fracs):>8.2f} "

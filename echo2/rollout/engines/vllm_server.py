@@ -92,8 +92,8 @@ class VLLMServerEngine:
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         # vLLM's ZMQ sockets (7 per server, left in the temp folder even after a clean stop) go in the workdir,
-        # removed with it; unless the socket path would pass the 107-byte limit of a Unix socket name
-        if len(str(self.workdir)) + 38 < 100:
+        # removed with it; each is named <base>/<uuid4>, and a Unix socket name ends at 107 bytes: keep a margin
+        if len(str(self.workdir)) + len("/") + 36 < 99:
             env.setdefault("VLLM_RPC_BASE_PATH", str(self.workdir))
         self.log_path = log_path or str(self.workdir / "vllm.log")
         self._log = open(self.log_path, "ab")
