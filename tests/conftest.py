@@ -42,6 +42,15 @@ def tiny_model_dir(echo2_cache) -> str:
     return build_tiny()
 
 
+@pytest.fixture
+def worker_tmp(tmp_path, monkeypatch) -> Path:
+    """The temporary folder of the processes this test starts (they inherit TMPDIR): to check what they leave."""
+    path = tmp_path / "worker-tmp"
+    path.mkdir()
+    monkeypatch.setenv("TMPDIR", str(path))
+    return path
+
+
 def compose(overrides: list[str] | None = None):
     """The config ``python train.py OVERRIDES`` would run with."""
     from hydra import compose as hydra_compose

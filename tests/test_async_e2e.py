@@ -77,10 +77,7 @@ def test_a_worker_joining_mid_run_gets_work(tmp_path):
     assert balanced(acc), acc
 
 
-def test_a_worker_killed_mid_run_does_not_stop_training(tmp_path, monkeypatch):
-    worker_tmp = tmp_path / "worker-tmp"  # the workers' temporary files (they inherit the environment)
-    worker_tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(worker_tmp))
+def test_a_worker_killed_mid_run_does_not_stop_training(tmp_path, worker_tmp):
     killed = []
 
     def hook(step, source):

@@ -166,13 +166,10 @@ def test_a_plain_socket_to_a_tls_relay_is_dropped_and_the_server_goes_on(ca):
 
 
 @pytest.mark.slow
-def test_a_run_with_tls_forced_on_over_loopback(tmp_path, monkeypatch):
+def test_a_run_with_tls_forced_on_over_loopback(tmp_path, worker_tmp):
     """rollout.source.tls=on: the coordinator, the relay origin and the two local workers' servers all speak TLS;
     workers join with the CA fingerprint the learner hands them; snapshots reach them; the books balance; the
     workers' copies of the CA are gone when they stop."""
-    worker_tmp = tmp_path / "worker-tmp"  # the workers' temporary files go here (they inherit the environment)
-    worker_tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(worker_tmp))
     ev = {}
 
     def hook(step, source):
