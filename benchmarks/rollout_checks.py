@@ -1,12 +1,13 @@
 """Rollout checks on real runs: is a forging worker caught, and are honest workers left alone, at S = 0, 1, 2, 4?
 
 Each S is one real ``train.py`` run (a subprocess): two honest local hf worker agents, and, from the moment the
-coordinator answers, a forging client in this process with its own worker credential that pushes random tokens
-claiming logprob -0.05 each (what a worker that skips generation would send). The learner scores every batch
+coordinator answers, a forging worker agent in this process with its own worker credential that pushes random
+tokens claiming logprob -0.05 each (what a worker that skips generation would send); it applies snapshots like
+any agent, so that it claims only versions it was delivered. The learner scores every batch
 (``rollout.source.check_every_steps=1``). Reported per run: whether the forger was retired as untrusted, the
 forged rollouts received before that less those dropped when it was (an upper bound on what was trained on),
 the honest workers flagged or retired (false alarms), and
-every worker's mean per-token log-ratio (learner logprob minus reported logprob) from ``metrics.jsonl``.
+every credential's mean per-token |log-ratio| (learner logprob minus reported logprob) from ``metrics.jsonl``.
 
     python benchmarks/rollout_checks.py                      # S = 0 1 2 4, 40 steps each
     python benchmarks/rollout_checks.py --staleness 2 --steps 30
@@ -32,35 +33,58 @@ sys.path.insert(0, str(ROOT))
 from echo2.transport import Client, RemoteError, worker_credential  # noqa: E402
 
 
-def forge(url: str, secret: str, vocab: int, stop: threading.Event, out: dict, run_dir: Path) -> None:
-    """Register as 'forger' once the coordinator answers (claiming the run's own model and context, read from its
-    coordinator.json, as a hostile client would), then push fabricated groups until refused."""
-    client, rng = Client(url, worker_credential(secret, "forger"), timeout_s=10), random.Random(0)
+class ForgingEngine:
+    """What a worker that skips generation runs: a real transformers model for applying snapshots and scoring the
+    probe (so that it claims only versions it was delivered, as the coordinator requires), and random tokens
+    claiming logprob -0.05 each for every completion."""
+
+    name = "forging"
+
+    def __init__(self, model: str, vocab: int):
+        from echo2.rollout.engines.hf import HFWorkerEngine
+
+        self.real, self.vocab, self.rng = HFWorkerEngine(model), vocab, random.Random(0)
+
+    def generate(self, prompt_ids, params):
+        from echo2.rollout.types import Completion
+
+        return [[Completion([self.rng.randrange(self.vocab)] * 2, [-0.05, -0.05], "length") for _ in range(params.n)]
+                for _ in prompt_ids]
+
+    def load_weights(self, version, blob):
+        return self.real.load_weights(version, blob)
+
+    def probe_logprobs(self, token_ids):
+        return self.real.probe_logprobs(token_ids)
+
+    def close(self):
+        pass
+
+
+def forge(url: str, secret: str, model: str, vocab: int, stop: threading.Event, out: dict, run_dir: Path) -> None:
+    """Join as 'forger' once the coordinator answers (a worker agent claiming the run's own model and context, read
+    from its coordinator.json, as a hostile client would), with a forging engine, until refused or stopped."""
+    from echo2.rollout.agent import Agent
+
     while not stop.is_set():
         try:
             found = json.loads((run_dir / "coordinator.json").read_text())
-            claims = {"model": {k: found["model"][k] for k in ("name", "digest")},
-                      "max_model_len": found["max_model_len"]}
-            out["wid"] = client.post("/register", claims)["worker_id"]
+            Client(url, secret, timeout_s=2).post("/heartbeat", {"worker_id": "-"})
+        except RemoteError:  # up: it answered (an unknown worker, as expected)
             break
-        except (RemoteError, OSError, ValueError):  # not up yet (no file, a half-written one, no server)
+        except (OSError, ValueError):  # not up yet (no file, a half-written one, no server)
             time.sleep(0.5)
-    version = 0
-    while not stop.is_set():
-        try:
-            reply = client.post("/pull", {"worker_id": out["wid"], "version": version, "max_groups": 4})
-            version = reply["version"]
-            results = [{"group_id": w["group_id"], "version": version, "completions": [
-                {"token_ids": [rng.randrange(vocab)] * 2, "logprobs": [-0.05, -0.05], "finish_reason": "length"}
-                for _ in range(8)]} for w in reply["work"]]
-            if results:
-                out["pushed"] = out.get("pushed", 0) + len(
-                    client.post("/push", {"worker_id": out["wid"], "results": results})["accepted"])
-        except RemoteError as e:
-            out["refused"] = str(e)
-            return
-        except OSError:
-            time.sleep(0.2)
+    if stop.is_set():
+        return
+    claims = {"model": {k: found["model"][k] for k in ("name", "digest")}, "max_model_len": found["max_model_len"]}
+    agent = Agent(url, worker_credential(secret, "forger"), ForgingEngine(model, vocab), declared=claims, stop=stop)
+    try:
+        agent.run()
+    except BaseException as e:  # retired and revoked: refused
+        out["refused"] = str(e)
+    finally:
+        out["wid"] = agent.worker_id
+        agent.receiver.close()
 
 
 def run(staleness: int, steps: int, out_dir: Path, port: int) -> dict:
@@ -77,24 +101,25 @@ def run(staleness: int, steps: int, out_dir: Path, port: int) -> dict:
            f"rollout.source.port={port}", "rollout.source.check_every_steps=1", "rollout.source.min_workers=2"]
     stop, forged = threading.Event(), {}
     vocab = len(AutoTokenizer.from_pretrained(model))
-    thread = threading.Thread(target=forge, args=(f"http://127.0.0.1:{port}", secret, vocab, stop, forged, run_dir),
-                              daemon=True)
+    thread = threading.Thread(target=forge, args=(f"http://127.0.0.1:{port}", secret, model, vocab, stop, forged,
+                                                  run_dir), daemon=True)
     thread.start()
     with open(out_dir / f"S{staleness}.log", "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                               env=dict(os.environ, ECHO2_TOKEN=secret)).returncode
     stop.set()
+    thread.join(timeout=30)
     if code:
         sys.exit(f"S={staleness}: train.py failed; see {out_dir / f'S{staleness}.log'}")
     acc = json.loads((run_dir / "summary.json").read_text())["rollout_accounting"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    ratios = {}
+    ratios = {}  # per credential: 'forger', and '#w0', '#w1' for the local workers (the run secret's)
     for r in records:
-        ratios.update({k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith("rollout/check_log_ratio/")})
+        ratios.update({k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith("rollout/check_abs_log_ratio/")})
     wid = forged.get("wid")
     coord_log = (run_dir / "coordinator.log").read_text()
-    honest = [w for w in ratios if w != wid]
-    return {"S": staleness, "forger": wid, "forger_pushed_groups": forged.get("pushed", 0),
+    honest = [w.lstrip("#") for w in ratios if w != "forger"]
+    return {"S": staleness, "forger": "forger", "forger_pushed_groups": acc["by_worker"].get(wid, 0) // 8,
             "forger_retired": f"worker {wid} retired as untrusted" in coord_log,
             # received from it, less what was dropped at retirement: trained on, or dropped as stale (an upper bound)
             "forged_consumed_at_most": acc["by_worker"].get(wid, 0) - acc["dropped"].get("untrusted", 0),
@@ -117,7 +142,7 @@ def main() -> None:
             rows.append(run(s, args.steps, Path(tmp), args.port))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'S':>2} {'forger retired':>14} {'forged trained <=':>17} {'dropped untrusted':>17} "
-          f"{'honest false alarms':>19}  mean log-ratio per worker (* forger)")
+          f"{'honest false alarms':>19}  mean |log-ratio| per credential (* forger)")
     for r in rows:
         lr = ", ".join(f"{w}{'*' if w == r['forger'] else ''} {v:+.3f}" for w, v in sorted(r["log_ratio"].items()))
         print(f"{r['S']:>2} {str(r['forger_retired']):>14} {r['forged_consumed_at_most']:>17} "

@@ -117,6 +117,10 @@ def bcast_time_s(mode: str, snapshot_bytes: float, learner_uplink_mbit: float, w
     topology = topology_of(mode)
     if workers <= 0:
         return 0.0
+    rates = (learner_uplink_mbit, down_mbit, up_mbit)
+    if not all(math.isfinite(r) and r > 0 for r in rates) or not (math.isfinite(rtt_ms) and rtt_ms >= 0):
+        raise ValueError(f"link rates must be finite and > 0 Mbit/s and the RTT finite and >= 0 ms, got learner "
+                         f"uplink {learner_uplink_mbit}, down {down_mbit}, up {up_mbit}, rtt {rtt_ms}")
     rate = lambda mbit: mbit * 1e6 / 8 * goodput  # noqa: E731  bytes/s of payload
     latency_s = rtt_ms / 2e3
     if topology == "star":

@@ -1,8 +1,11 @@
 """The shared transport of the rollout and broadcast planes: HTTP + JSON with token auth, and TLS pinned to the run.
 
-Every request carries a credential (``Authorization: Bearer ...``), compared in constant time. Bodies are
-JSON (never pickle) except snapshot uploads, which are raw bytes whose authenticity is checked by the receiver.
-A bad request gets a 4xx with ``{"error": ...}``, a log line, and a counter; the server goes on.
+Every request carries a credential (``Authorization: Bearer ...``), compared in constant time and checked on the
+headers, before a byte of the body is read. Bodies are JSON (never pickle), optionally validated by a pydantic
+schema per route, except snapshot uploads, which are raw bytes whose authenticity is checked by the receiver. A bad
+request gets a 4xx with ``{"error": ...}``, a log line, and a counter; the server goes on. Servers (JsonServer)
+run on uvicorn's HTTP protocol with timeouts and a connection cap (echo2/httpd.py: a port strangers can reach);
+clients (Client) are requests sessions that keep their connection alive.
 
 TLS: off loopback every server of the run (coordinator, the learner's
 relay origin, each worker's snapshot and relay servers) speaks TLS with a certificate from the run's own CA, and
@@ -12,6 +15,7 @@ every client verifies against that CA alone, pinned by its sha256 fingerprint gi
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import hmac
@@ -24,19 +28,23 @@ import re
 import socket
 import ssl
 import tempfile
-import threading
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+import pydantic
 import requests
+from starlette.datastructures import Headers
+
+from echo2.httpd import BackgroundServer, HandlerPool, Limits
 
 log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 64 << 20
+REJECT_LOG_PERIOD_S = 10.0
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -90,134 +98,223 @@ def relay_key(run_secret: str) -> str:
     return hmac.new(run_secret.encode(), b"echo2-relay", hashlib.sha256).hexdigest()
 
 
-Route = Callable[[dict[str, Any] | bytes, dict[str, str]], Any]
+Route = Callable[[Any, Mapping[str, str]], Any]  # (dict, a schema's model, or bytes for a raw route; headers)
+
+
+class NotFound(BadRequest):
+    status = 404
+
+
+class LengthRequired(BadRequest):
+    status = 411
+
+
+class TooLarge(BadRequest):
+    status = 413
 
 
 class JsonServer:
-    """``routes`` maps ``"POST /path"`` to ``fn(body, headers) -> jsonable``; ``raw`` routes get bytes."""
+    """``routes`` maps ``"POST /path"`` to ``fn(body, headers) -> jsonable``; ``raw`` routes get bytes.
+
+    A request is judged on its headers before a byte of its body is read: the credential (``authorize``, which
+    runs on the server's event loop, so it must be quick and never wait on a lock a route holds), the route, the
+    declared length (over the route's limit: 413; a POST with neither Content-Length nor chunked encoding: 411);
+    a refusal there is answered at once and the connection closed, its body unread. Then the body is read (a
+    chunked one is cut off at the limit; a stalled one dropped, see httpd.Limits) and the route runs in a handler
+    thread, never on the event loop. A BadRequest is its status with ``{"error": ...}``, any other exception a
+    500; the server goes on. ``headers`` is a read-only mapping whose lookups ignore case.
+
+    ``schemas``: optional ``{route: pydantic model}``; such a route's JSON body is parsed and validated by it (a
+    violation is a 400 naming each bad field) and the route gets the model instance, not a dict; a route may
+    return a model too. ``route_max_bytes``: per-route body limits, ``max_bytes`` for the others. ``limits``:
+    timeouts and caps per connection (httpd.Limits). ``rejected`` counts refusals by kind: a BadRequest
+    subclass's name, or what the connection layer refused (TooManyConnections, HeaderTimeout, BodyTimeout,
+    HeadersTooLarge, MalformedRequest)."""
 
     def __init__(self, host: str, port: int, token: str, routes: dict[str, Route], raw: frozenset[str] = frozenset(),
                  max_bytes: int = MAX_JSON_BYTES, name: str = "server", tls: ssl.SSLContext | None = None,
-                 public: frozenset[str] = frozenset(), authorize: Callable[[str, str], None] | None = None):
+                 public: frozenset[str] = frozenset(), authorize: Callable[[str, str], None] | None = None,
+                 schemas: dict[str, type[pydantic.BaseModel]] | None = None,
+                 route_max_bytes: dict[str, int] | None = None, limits: Limits | None = None):
         """``tls``: serve HTTPS with this context. ``public``: routes answered without a credential.
         ``authorize(route, credential)``: raises Unauthorized; default: the credential must be ``token``."""
         self.token, self.routes, self.raw, self.max_bytes, self.name = token, routes, raw, max_bytes, name
         self.tls, self.public, self.authorize = tls, public, authorize or self._token_only
-        self.rejected: Counter = Counter()
-        self.conns: set = set()  # open (keep-alive) connections: closed with the server
-        self.conns_lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def setup(self):
-                if server.tls is not None:  # the handshake runs here, in this connection's thread, not in accept
-                    self.request.settimeout(30)
-                    self.request = server.tls.wrap_socket(self.request, server_side=True)
-                    self.request.settimeout(None)
-                with server.conns_lock:
-                    server.conns.add(self.request)
-                super().setup()
-                # Headers and body go out as separate writes; with Nagle + delayed ACK each small
-                # request would stall ~40 ms (measured: 0.16 s of learner idle per step over loopback).
-                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-            def finish(self):
-                with server.conns_lock:
-                    server.conns.discard(self.request)
-                super().finish()
-
-            def log_message(self, fmt, *args):  # quiet: errors are logged by _handle
-                pass
-
-            def do_POST(self):
-                server._handle(self, "POST")
-
-            def do_GET(self):
-                server._handle(self, "GET")
-
-        self.httpd = _Server((host, port), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name=name, daemon=True)
+        self.schemas, self.route_max_bytes = dict(schemas or {}), dict(route_max_bytes or {})
+        self.limits = limits or Limits()
+        self.rejected: Counter = Counter()  # written on the event loop's thread only
+        self.logged: dict[str, float] = {}  # kind of refusal -> when it was last logged (monotonic s)
+        self.logged_count: dict[str, int] = {}  # kind -> rejected[kind] when it was last logged
+        self.pool = HandlerPool(name, self.limits.max_threads)
+        self.server = BackgroundServer(self._asgi, host, port, name, self.limits, tls, self._reject)
 
     @property
     def address(self) -> tuple[str, int]:
-        return self.httpd.server_address[:2]
+        return self.server.address
 
     def url(self, host: str | None = None) -> str:
         h, p = self.address
         return f"{'https' if self.tls else 'http'}://{host or h}:{p}"
 
     def start(self) -> "JsonServer":
-        self.thread.start()
+        self.server.start()
         return self
 
     def close(self) -> None:
-        if self.thread.is_alive():  # shutdown() waits for serve_forever, which never ran if not started
-            self.httpd.shutdown()
-        self.httpd.server_close()
-        with self.conns_lock:  # a keep-alive connection would otherwise go on being served by a closed server
-            conns, self.conns = list(self.conns), set()
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        """Stop accepting, close kept-alive connections, let responses in progress finish (httpd.Limits
+        .close_grace_s), then drop what is left; handler threads end when their route returns."""
+        self.server.close()
+        self.pool.close()
 
     def _token_only(self, _route: str, credential: str) -> None:
         if not hmac.compare_digest(credential.encode(), self.token.encode()):
             raise Unauthorized("missing or wrong token")
 
-    def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
-        key = f"{method} {h.path.split('?')[0]}"
-        status, payload = 200, None
+    def _reject(self, kind: str, client: str, what: str = "the connection", why: str = "") -> None:
+        """Count a refusal made on the event loop (before any route ran) and log it, at most one line per kind per
+        REJECT_LOG_PERIOD_S: a stranger's flood of bad connections must not become a flood of log lines."""
+        self.rejected[kind] += 1
+        now = time.monotonic()
+        if now - self.logged.get(kind, -REJECT_LOG_PERIOD_S) >= REJECT_LOG_PERIOD_S:
+            since = self.rejected[kind] - self.logged_count.get(kind, 0)
+            more = f" ({since} of this kind since the last line)" if since > 1 else ""
+            log.warning("%s: rejected %s from %s: %s%s", self.name, what, client, why or kind, more)
+            self.logged[kind], self.logged_count[kind] = now, self.rejected[kind]
+
+    async def _asgi(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """One request, on the event loop: judged on its headers, body read, route run in a handler thread."""
+        if scope["type"] != "http":
+            return
+        key = f"{scope['method']} {scope['path']}"
+        client = scope["client"][0] if scope.get("client") else "?"
         try:
-            length = int(h.headers.get("Content-Length") or 0)
-            if length > self.max_bytes:
-                raise BadRequest(f"body of {length} bytes exceeds the {self.max_bytes}-byte limit")
-            data = h.rfile.read(length) if length else b""
-            auth = h.headers.get("Authorization", "")
-            if key not in self.public:
-                self.authorize(key, auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else "")
-            route = self.routes.get(key)
-            if route is None:
-                status, payload = 404, {"error": f"no route {key}"}
-            else:
-                if key in self.raw:
-                    body: dict | bytes = data
-                else:
-                    try:
-                        body = json.loads(data or b"{}")
-                    except ValueError as e:
-                        raise BadRequest(f"malformed JSON: {e}") from None
-                    if not isinstance(body, dict):
-                        raise BadRequest("JSON body must be an object")
-                payload = route(body, dict(h.headers))
+            route, limit = self._admit(key, scope["method"], scope["headers"])
+            data = await _read_body(receive, limit)
+        except BadRequest as e:  # the body is (partly) unread: answer and close rather than read on
+            self._reject(type(e).__name__, client, key, str(e))
+            await _respond(send, e.status, json.dumps({"error": str(e)}).encode(), close=True)
+            return
+        except Exception as e:  # a bug in ``authorize``: tell the sender, keep serving
+            log.exception("%s: error admitting %s", self.name, key)
+            await _respond(send, 500, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(), close=True)
+            return
+        if data is None:  # the client went away (or was dropped by the body timeout)
+            return
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def job() -> None:
+            result = self._handle(key, route, data, scope["headers"], client)
+            try:
+                loop.call_soon_threadsafe(_settle, done, result)
+            except RuntimeError:  # the server closed while the route ran: nobody waits for its answer
+                pass
+
+        self.pool.submit(job)
+        try:
+            status, out, refusal = await done
+        except asyncio.CancelledError:  # close(): the connection is already dropped
+            return
+        if refusal is not None:
+            self.rejected[refusal] += 1
+        await _respond(send, status, out)
+
+    def _admit(self, key: str, method: str, headers: list[tuple[bytes, bytes]]) -> tuple[Route, int]:
+        """What is decided on the headers alone: the credential, the route and the declared length. Returns the
+        route and the most body bytes to read."""
+        auth = length = chunked = None
+        for name, value in headers:
+            if name == b"authorization":
+                auth = value.decode("latin-1")
+            elif name == b"content-length":
+                length = value
+            elif name == b"transfer-encoding":
+                chunked = value
+        if key not in self.public:
+            self.authorize(key, auth.removeprefix("Bearer ") if auth and auth.startswith("Bearer ") else "")
+        route = self.routes.get(key)
+        if route is None:
+            raise NotFound(f"no route {key}")
+        limit = self.route_max_bytes.get(key, self.max_bytes)
+        if length is not None:  # the HTTP parser has refused a negative or non-decimal one (400) already
+            if int(length) > limit:
+                raise TooLarge(f"body of {int(length)} bytes exceeds the {limit}-byte limit")
+        elif chunked is None and method == "POST":
+            raise LengthRequired("a POST needs Content-Length (or chunked encoding)")
+        return route, limit
+
+    def _handle(self, key: str, route: Route, data: bytes, headers: list, client: str) -> tuple[int, bytes, str | None]:
+        """In a handler thread: decode, run the route, encode. Returns (status, JSON bytes, kind of refusal)."""
+        try:
+            body = data if key in self.raw else self._decode(key, data)
+            return 200, json.dumps(route(body, Headers(raw=headers)), default=_jsonable).encode(), None
         except BadRequest as e:
-            status, payload = e.status, {"error": str(e)}
-            self.rejected[type(e).__name__] += 1
-            log.warning("%s: rejected %s from %s: %s", self.name, key, h.client_address[0], e)
+            log.warning("%s: rejected %s from %s: %s", self.name, key, client, e)
+            return e.status, json.dumps({"error": str(e)}).encode(), type(e).__name__
         except Exception as e:  # a bug on our side: tell the sender, keep serving
-            status, payload = 500, {"error": f"{type(e).__name__}: {e}"}
             log.exception("%s: error in %s", self.name, key)
-        out = json.dumps(payload).encode()
+            return 500, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(), None
+
+    def _decode(self, key: str, data: bytes) -> dict[str, Any] | pydantic.BaseModel:
+        schema = self.schemas.get(key)
+        if schema is not None:
+            try:
+                return schema.model_validate_json(data or b"{}")
+            except pydantic.ValidationError as e:
+                raise BadRequest(_readable(e)) from None
         try:
-            h.send_response(status)
-            h.send_header("Content-Type", "application/json")
-            h.send_header("Content-Length", str(len(out)))
-            h.end_headers()
-            h.wfile.write(out)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+            body = json.loads(data or b"{}")
+        except ValueError as e:
+            raise BadRequest(f"malformed JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("JSON body must be an object")
+        return body
 
 
-class _Server(ThreadingHTTPServer):
-    def handle_error(self, request, client_address) -> None:
-        """A peer that vanishes mid-request (a killed worker) is one log line, not a traceback on stderr."""
-        import sys
+async def _read_body(receive: Callable, limit: int) -> bytes | None:
+    """The body, at most ``limit`` bytes (the declared length was checked; this bounds a chunked one too); None if
+    the client went away first."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"body exceeds the {limit}-byte limit")
+        if chunk:
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-        log.warning("connection from %s dropped: %s", client_address[0], sys.exc_info()[1])
+
+async def _respond(send: Callable, status: int, out: bytes, close: bool = False) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(out))]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": out})
+
+
+def _settle(future: asyncio.Future, result: Any) -> None:
+    if not future.done():  # cancelled by close()
+        future.set_result(result)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump(mode="json")
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _readable(e: pydantic.ValidationError) -> str:
+    """A schema violation as one line a worker's operator can act on: ``field.sub: message; ...``."""
+    errors = e.errors(include_url=False, include_input=False)
+    if errors and errors[0]["type"] == "json_invalid":
+        return f"malformed JSON: {errors[0]['msg'].removeprefix('Invalid JSON: ')}"
+    parts = [f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in errors[:5]]
+    return "; ".join(parts) + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else "")
 
 
 class Client:
@@ -334,6 +431,14 @@ def server_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
     return ctx
 
 
+PEER_CERT_LIFETIME_S = 6 * 3600
+"""What a certificate ``RunCA.issue`` makes for a worker's servers lasts: a revoked worker, which gets no new one, is
+refused by every TLS client of the run (its peers, the learner) within this; a worker agent renews its own every
+third of it. The CA and the learner's own certificate last RUN_CERT_LIFETIME_S (nobody revokes the learner)."""
+
+RUN_CERT_LIFETIME_S = 365 * 86400
+
+
 class RunCA:
     """The learner's per-run certificate authority, kept in ``directory`` (made on first use, reused by a restarted
     coordinator or a resumed learner, so that workers' pinned fingerprint stays valid for the whole run)."""
@@ -354,14 +459,17 @@ class RunCA:
             self._key = serialization.load_pem_private_key(f.read(), password=None)
         self.ca_file, self.fingerprint = ca_file, fingerprint(self.ca_pem)
 
-    def issue(self, names: list[str]) -> tuple[bytes, bytes]:
-        """A fresh key and a certificate for ``names`` signed by the run CA: (cert PEM, key PEM)."""
+    def issue(self, names: list[str], lifetime_s: float = PEER_CERT_LIFETIME_S) -> tuple[bytes, bytes]:
+        """A fresh key and a certificate for ``names`` signed by the run CA, valid ``lifetime_s``: (cert PEM, key
+        PEM)."""
         key = _new_key()
-        return _certificate(names[0], key.public_key(), self._key, names, ca=False), _key_pem(key)
+        cert = _certificate(names[0], key.public_key(), self._key, names, ca=False, lifetime_s=lifetime_s)
+        return cert, _key_pem(key)
 
     def trust(self) -> Trust:
         """The learner's own: its servers present a certificate for LEARNER_NAME and PEER_NAME."""
-        return Trust(self.ca_pem, self.ca_file, server_context(*self.issue([LEARNER_NAME, PEER_NAME])))
+        own = self.issue([LEARNER_NAME, PEER_NAME], lifetime_s=RUN_CERT_LIFETIME_S)
+        return Trust(self.ca_pem, self.ca_file, server_context(*own))
 
 
 def fetch_ca(url: str, pinned: str, timeout_s: float = 30.0) -> bytes:
@@ -422,7 +530,8 @@ def _write_private(path: str, data: bytes) -> None:
         f.write(data)
 
 
-def _certificate(common_name: str, public_key, signing_key, names: list[str] | None, ca: bool) -> bytes:
+def _certificate(common_name: str, public_key, signing_key, names: list[str] | None, ca: bool,
+                 lifetime_s: float = RUN_CERT_LIFETIME_S) -> bytes:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.x509.oid import NameOID
@@ -433,7 +542,7 @@ def _certificate(common_name: str, public_key, signing_key, names: list[str] | N
                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
                .issuer_name(issuer).public_key(public_key).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(hours=1))
-               .not_valid_after(now + datetime.timedelta(days=365))
+               .not_valid_after(now + datetime.timedelta(seconds=lifetime_s))
                .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
     if ca:
         builder = builder.add_extension(x509.KeyUsage(

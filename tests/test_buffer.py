@@ -64,7 +64,8 @@ class SimCoordinatorHarness:
         w = self.rng.choice(self.workers)
         action = self.rng.random()
         if action < 0.2:
-            self.versions[w] = self.c.version  # a snapshot arrived
+            self.c._snapshot_delivered(w, self.c.version)  # a snapshot arrived (the broadcaster says so)
+            self.versions[w] = self.c.version
         elif action < 0.6:
             reply = self.c._pull({"worker_id": w, "version": self.versions[w], "max_groups": 2}, {})
             self.held[w] += [(g["group_id"], self.versions[w]) for g in reply["work"]]

@@ -159,6 +159,9 @@ def test_a_relay_peer_killed_mid_relay_is_routed_around(tmp_path):
     try:
         bc.add_peer("A", peers[0]["url"], peers[0]["relay"])
         bc.add_peer("B", peers[1]["url"], peers[1]["relay"])
+        # as if measured in earlier rounds: A downloads faster, so it heads the chain (unmeasured peers would be
+        # ordered by their loopback RTTs, microseconds apart: noise)
+        bc.peers["A"].rate_bytes_per_s, bc.peers["B"].rate_bytes_per_s = 100e6, 50e6
         size = 8 << 20
         blob = os.urandom(size)
         bc.publish(1, blob)

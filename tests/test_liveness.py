@@ -1,5 +1,5 @@
-"""Deadlines, per-worker shares, strikes and hand-backs: the policy table, the coordinator's routes, and a run
-with a real client that pulls and heartbeats but never pushes."""
+"""Deadlines, per-credential shares, strikes and hand-backs: the policy table, the coordinator's routes, and a run
+with a real agent whose engine sits on every batch past its deadline."""
 
 from __future__ import annotations
 
@@ -64,14 +64,16 @@ def test_groups_past_their_deadline_are_lost_requeued_and_the_late_push_refused(
     try:
         client = Client(coord.url, "secret")
         wid = client.post("/register", {})["worker_id"]
+        other = client.post("/register", {})["worker_id"]  # two workers that can get work: a share of 2 each
         work = client.post("/pull", {"worker_id": wid, "version": 0, "max_groups": 2})["work"]
         assert len(work) == 2
         wait_until(lambda: coord.accounting()["lost"].get("deadline") == 2 * G, timeout_s=10)
         acc = coord.accounting()
         assert acc["lost"] == {"deadline": 2 * G} and acc["in_flight"] == 0 and len(coord.ledger.requeue) == 2
-        reply = _push(client, wid, work)  # too late: not in flight any more, refused and counted
-        assert reply["accepted"] == [] and coord.accounting()["results_refused"] == {"not_in_flight_for_this_worker": 2}
+        reply = _push(client, wid, work)  # too late: not in flight any more, refused and counted (its miss is)
+        assert reply["accepted"] == [] and coord.accounting()["results_refused"] == {"past_deadline": 2}
         # one miss halved its share (2 -> 1); the re-queued prompts are handed out first
+        client.post("/heartbeat", {"worker_id": other})
         again = client.post("/pull", {"worker_id": wid, "version": 0, "max_groups": 2})["work"]
         assert len(again) == 1
         wait_until(lambda: coord.status()["benched"] == [wid], timeout_s=10)  # second miss: strikes=2
@@ -125,8 +127,8 @@ def test_the_agent_hands_back_its_groups_when_generate_fails(tiny_model_dir):
         # the engine's failure stops the worker as the engine's (not retried as an unreachable coordinator)
         with pytest.raises(EngineError, match="engine died"):
             agent._step(SamplingParams(n=G, max_tokens=3))
-        acc = coord.accounting()
-        assert acc["lost"] == {"generate_failed": 2 * G} and acc["in_flight"] == 0, acc
+        acc = coord.accounting()  # a lone worker may hold the whole cap, (S+1)·P = 4 groups
+        assert acc["lost"] == {"generate_failed": 4 * G} and acc["in_flight"] == 0, acc
     finally:
         agent.receiver.close()
         coord.close()
@@ -163,74 +165,94 @@ def test_the_agent_hands_back_its_groups_when_its_push_fails(tiny_model_dir):
         agent.client.post = dropped_push
         with pytest.raises(ConnectionError, match="reset by peer"):
             agent._step(SamplingParams(n=G, max_tokens=3))
-        acc = coord.accounting()
-        assert acc["lost"] == {"push_failed": 2 * G} and acc["in_flight"] == 0 and acc["received"] == 0, acc
+        acc = coord.accounting()  # a lone worker may hold the whole cap, (S+1)·P = 4 groups
+        assert acc["lost"] == {"push_failed": 4 * G} and acc["in_flight"] == 0 and acc["received"] == 0, acc
     finally:
         agent.receiver.close()
         coord.close()
 
 
+class _StallingEngine:
+    """A worker's engine that sits on every batch past any deadline, then answers: its agent heartbeats all along
+    and applies snapshots between batches like any agent (a real transformers model scores the probe), so it claims
+    only versions it was delivered and keeps being worth dispatching to, and each batch it was handed expires."""
+
+    name = "stalling"
+
+    def __init__(self, model_path, stall_s):
+        from echo2.rollout.engines.hf import HFWorkerEngine
+
+        self.real, self.stall_s, self.stop = HFWorkerEngine(model_path), stall_s, threading.Event()
+        self.batches = 0
+
+    def generate(self, prompts, params):
+        from echo2.rollout.types import Completion
+
+        self.batches += 1
+        self.stop.wait(self.stall_s)
+        return [[Completion([5, 1], [-1.0, -0.2], "stop")] * params.n for _ in prompts]
+
+    def load_weights(self, version, blob):
+        return self.real.load_weights(version, blob)
+
+    def probe_logprobs(self, token_ids):
+        return self.real.probe_logprobs(token_ids)
+
+    def close(self):
+        pass
+
+
 class _Hoarder(threading.Thread):
-    """A real client that registers, pulls as much as it is given and heartbeats, but never pushes.
+    """A real agent (the run secret's, as a local worker's) whose engine stalls every batch past its deadline."""
 
-    It never applies a snapshot, so it claims the learner's latest version instead: its heartbeats (every 10 ms)
-    learn the version and claim it, which keeps it as worth dispatching to as an honest worker that is up to date
-    (a client stuck at an old version is only given work when the window runs low, and would rarely be struck)."""
+    def __init__(self, source, stall_s):
+        from echo2.rollout.agent import Agent
 
-    def __init__(self, url, token, requires=None):
         super().__init__(daemon=True)
-        self.client, self.stop, self.pulled, self.version = Client(url, token), threading.Event(), 0, 0
-        # it declares the run's own model and context, as a hostile client would (the handshake checks claims only)
+        requires = source.requires
         claims = {"model": {k: requires["model"][k] for k in ("name", "digest")},
-                  "max_model_len": requires["max_model_len"]} if requires else {}
-        self.wid = self.client.post("/register", {"engine": "hoarder", **claims})["worker_id"]
-        self.errors: list[str] = []
-        self.beat = threading.Thread(target=self._heartbeats, args=(Client(url, token),), daemon=True)
+                  "max_model_len": requires["max_model_len"]}
+        self.engine = _StallingEngine(requires["model"]["name"], stall_s)
+        self.agent = Agent(source.coordinator.url, source.token, self.engine, declared=claims, max_groups=64)
+        self.error = None
 
-    def start(self):
-        super().start()
-        self.beat.start()
-
-    def _heartbeats(self, client):
-        while not self.stop.wait(0.01):
-            try:
-                self.version = client.post("/heartbeat", {"worker_id": self.wid, "version": self.version})["version"]
-            except (RemoteError, OSError) as e:
-                self.errors.append(str(e))
+    @property
+    def wid(self):
+        return self.agent.worker_id
 
     def run(self):
-        while not self.stop.is_set():  # the pull is a long poll: no busy loop
-            try:
-                reply = self.client.post("/pull", {"worker_id": self.wid, "version": self.version, "max_groups": 64})
-                self.pulled += len(reply["work"])
-                self.version = reply["version"]
-            except (RemoteError, OSError) as e:
-                self.errors.append(str(e))
+        try:
+            self.agent.run()
+        except BaseException as e:
+            self.error = e
+
+    def close(self):
+        self.engine.stop.set()
+        self.agent.stop.set()
+        self.agent.receiver.close()
+        self.join(timeout=30)
 
 
 @pytest.mark.slow
 def test_a_client_that_holds_work_and_heartbeats_cannot_stop_the_run(tmp_path):
     """With two honest hf workers and a hoarder that joined at step 2, the run finishes: the hoarder's groups
-    expire (lost: deadline) and go to the others, it holds at most its share, it is benched after its strikes,
-    and the books balance."""
+    expire (lost: deadline) and go to the others, it holds at most one pull (it never pushed anything valid), it is
+    benched after its strikes, and the books balance."""
     ev = {}
 
     def hook(step, source):
         if step == 2:
-            ev["hoarder"] = _Hoarder(source.coordinator.url, source.token, source.requires)
+            ev["hoarder"] = _Hoarder(source, stall_s=3.5)  # past the deadline cap (2 s) plus a reaper pass (1 s)
             ev["hoarder"].start()
-        if "hoarder" in ev:
-            wid = ev["hoarder"].wid
-            held = source.coordinator.status()["held"].get(wid, 0)
-            ev["max_held"] = max(ev.get("max_held", 0), held)
-            # Steps take ~0.05 s here, deadlines 1-2 s: hold the learner (not the deadlines) until what the hoarder
-            # holds has expired, so that each batch it was handed costs it a strike before the run moves on. The
-            # expiry frees room while the version stands still, and the hoarder (claiming it) is handed new groups.
-            wait_until(lambda: source.coordinator.status()["held"].get(wid, 0) == 0, timeout_s=30)
-            status = source.coordinator.status()
-            ev["benched"] = wid in status["benched"]
+            wait_until(lambda: ev["hoarder"].wid is not None, timeout_s=60)
+        if "hoarder" in ev and not ev.get("benched"):
+            hoarder, status = ev["hoarder"], source.coordinator.status()
+            ev["max_held"] = max(ev.get("max_held", 0), status["held"].get(hoarder.wid, 0))
+            ev["benched"] = hoarder.wid in status["benched"]
             if ev["benched"]:
-                ev.setdefault("benched_at", step)
+                ev["benched_at"] = step
+            else:  # steps take ~0.05 s here, a stalled batch 3.5 s: slow the learner so that the run sees a few
+                time.sleep(0.5)
 
     start = time.monotonic()
     try:
@@ -239,11 +261,11 @@ def test_a_client_that_holds_work_and_heartbeats_cannot_stop_the_run(tmp_path):
             "rollout.source.worker_share=0.25", "rollout.source.deadline_strikes=2"], hook)
     finally:
         if "hoarder" in ev:
-            ev["hoarder"].stop.set()
+            ev["hoarder"].close()
     assert trainer.state.global_step == 30, f"stopped at {trainer.state.global_step} after {time.monotonic() - start} s"
     hoarder = ev["hoarder"]
-    assert hoarder.pulled > 0 and ev["benched"], (hoarder.pulled, hoarder.errors[:3])
-    print(f"hoarder pulled {hoarder.pulled} groups, benched at step {ev['benched_at']}")
+    assert hoarder.engine.batches > 0 and ev["benched"], (hoarder.engine.batches, hoarder.error)
+    print(f"hoarder stalled {hoarder.engine.batches} batches, benched at step {ev['benched_at']}")
     assert acc["lost"].get("deadline", 0) >= 2 * 8, acc  # two strikes, G = 8
-    assert ev["max_held"] <= 0.25 * 3 * 16, ev["max_held"]  # share · (S+1)·P with S=2, P=16
+    assert ev["max_held"] <= 4, ev["max_held"]  # no valid push yet: one pull's worth (groups_per_pull)
     assert hoarder.wid not in acc["by_worker"] and balanced(acc), acc

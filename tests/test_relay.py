@@ -15,7 +15,8 @@ import pytest
 from echo2.broadcast import topology
 from echo2.broadcast.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame, tcp_rtt_s
-from echo2.broadcast.manifest import BadSnapshot, make_manifest, signing_key, verify_key, verify_manifest
+from echo2.broadcast.manifest import (BadSnapshot, make_manifest, serve_proof, signing_key, verify_key,
+                                      verify_manifest)
 from echo2.broadcast.peer import SnapshotReceiver
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
@@ -265,7 +266,7 @@ def test_a_stalled_relay_peer_is_routed_around():
     class Staller(RelayServer):
         def _answer(self, conn, req):
             snap = self.store.get(req["version"])
-            send_frame(conn, {"manifest": snap.manifest})
+            send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(TOKEN, req["mac"])})
             conn.sendall(memoryview(snap.buf)[req["start"]:req["start"] + CHUNK + 100])
             time.sleep(30)  # then nothing
 

@@ -5,96 +5,194 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
 from conftest import balanced, small_coordinator, train
-from echo2.rollout.trust import Checks
+from echo2.rollout.trust import Checks, Verdict
 from echo2.transport import Client, RemoteError, worker_credential
 
 G = 2
 
 
-@pytest.mark.parametrize("stats, flagged, retired", [
-    ({"w0": (100, -10.0)}, [], []),  # honest: mean -0.1
-    ({"w0": (100, -300.0)}, ["w0"], []),  # implausible, but too few tokens to retire: flagged
-    ({"w0": (300, -900.0)}, [], ["w0"]),  # implausible over enough tokens: retired
-    ({"w0": (300, 600.0)}, [], ["w0"]),  # too confident the other way
-    ({"w0": (30, -90.0)}, [], []),  # too few tokens even to flag
+@pytest.mark.parametrize("stats, flagged, retired, rejected", [
+    ({"w0": (100, -10.0, 15.0)}, [], [], []),  # honest: mean |log-ratio| 0.15
+    ({"w0": (16, 0.0, 64.0)}, [], ["w0"], ["w0"]),  # ±4 nats in turn: mean 0, mean |.| 4: 48 nats of excess
+    ({"w0": (16, -48.0, 48.0)}, [], ["w0"], ["w0"]),  # one forged group, 8 × 2 tokens off by 3 nats: retired at once
+    ({"w0": (20, 0.0, 30.0)}, ["w0"], [], ["w0"]),  # 10 nats of excess: flagged (E/4 = 8), its batch rejected
+    ({"w0": (8, 0.0, 12.0)}, [], [], ["w0"]),  # a batch a little above the bound: not trained on, no flag
+    ({"w0": (300, 600.0, 600.0)}, [], ["w0"], ["w0"]),  # too confident the other way
 ])
-def test_checks_flag_then_retire(stats, flagged, retired):
-    assert Checks(max_abs_log_ratio=1.0, min_tokens=256).update(stats) == (flagged, retired)
+def test_checks_flag_retire_and_reject(stats, flagged, retired, rejected):
+    assert Checks(max_abs_log_ratio=1.0, evidence_nats=32.0).update(stats) == Verdict(flagged, retired, rejected)
 
 
-def test_a_retired_worker_loses_its_buffered_rollouts_and_its_credential(tiny_model_dir):
-    coord = small_coordinator(tiny_model_dir, group_size=G, checks={"max_abs_log_ratio": 1.0, "min_tokens": 8})
+def test_honest_history_banks_no_credit_for_cheating_later():
+    """The evidence is a CUSUM: a long honest past does not hide a forger that starts now (a plain mean would)."""
+    checks = Checks(max_abs_log_ratio=1.0, evidence_nats=32.0)
+    for _ in range(100):
+        assert checks.update({"w0": (1000, -20.0, 100.0)}) == Verdict([], [], [])
+    assert checks.update({"w0": (16, 0.0, 64.0)}).retire == ["w0"]
+    assert checks.mean_abs("w0") < 1.0  # its mean over the whole run is still honest-looking
+
+
+def _forge(client, wid, work, lps=(-0.01, -0.01)):
+    comp = {"token_ids": [5, 1], "logprobs": list(lps), "finish_reason": "stop"}
+    return client.post("/push", {"worker_id": wid, "results": [
+        {"group_id": w["group_id"], "version": 0, "completions": [comp] * G} for w in work]})
+
+
+def test_a_retired_credential_loses_everything_it_holds(tiny_model_dir):
+    """Two ids of one credential: one has groups buffered and in the last batch, the other in flight. Caught on
+    the first's tokens, the credential is revoked, both ids retired, all of it dropped or lost as untrusted, and
+    the learner is told not to train on its groups in the checked batch (booked: dropped, not consumed)."""
+    coord = small_coordinator(tiny_model_dir, group_size=G, checks={"max_abs_log_ratio": 1.0, "evidence_nats": 8})
     try:
         bad = Client(coord.url, worker_credential("secret", "forger"))
-        wid = bad.post("/register", {})["worker_id"]
-        work = bad.post("/pull", {"worker_id": wid, "version": 0, "max_groups": 2})["work"]
-        comp = {"token_ids": [5, 1], "logprobs": [-0.01, -0.01], "finish_reason": "stop"}
-        bad.post("/push", {"worker_id": wid, "results": [
-            {"group_id": w["group_id"], "version": 0, "completions": [comp] * G} for w in work]})
-        assert coord.status()["buffered_groups"] == 2
-        coord.check({wid: (8, -3.0 * 8)})
-        acc = coord.accounting()
-        assert acc["dropped"] == {"untrusted": 2 * G} and acc["workers_retired"] == {"untrusted": 1}, acc
-        assert len(coord.ledger.requeue) == 2 and coord.status()["buffered_groups"] == 0
+        a = bad.post("/register", {})["worker_id"]
+        b = bad.post("/register", {})["worker_id"]
+        work = bad.post("/pull", {"worker_id": a, "version": 0, "max_groups": 3})["work"]
+        assert len(work) == 3  # a credential that alone can get work may hold the whole cap, (S+1)·P = 4
+        assert _forge(bad, a, work)["accepted"] == [w["group_id"] for w in work]
+        taken = coord.take(2, timeout_s=1)  # the learner's batch: two of a's groups; one stays buffered
+        assert len(bad.post("/pull", {"worker_id": b, "version": 0, "max_groups": 2})["work"]) == 1
+        assert coord.check({a: (2 * 2 * G, -24.0, 24.0)}) == [a]  # 16 tokens off by 1.5 nats: 8 nats of excess
+        acc = coord.accounting()  # the batch's 2 and the buffered one dropped, b's one in flight lost
+        assert acc["dropped"] == {"untrusted": 3 * G} and acc["lost"] == {"untrusted": G}, acc
+        assert acc["consumed"] == 0 and acc["workers_retired"] == {"untrusted": 2}, acc
+        assert len(coord.ledger.requeue) == 4 and coord.status()["buffered_groups"] == 0 and len(taken) == 2
         with pytest.raises(RemoteError, match="403"):
             bad.post("/register", {})
+        acc = coord.close()
+        assert acc["dispatched"] == acc["consumed"] + sum(acc["dropped"].values()) + sum(acc["lost"].values())
     finally:
         coord.close()
 
 
-class _Forger(threading.Thread):
-    """A real client with its own credential that pushes random tokens claimed at logprob -0.05."""
+def test_a_batch_found_bad_is_not_trained_on_and_honest_ones_are(tiny_model_dir):
+    coord = small_coordinator(tiny_model_dir, group_size=G)
+    try:
+        client = Client(coord.url, "secret")
+        w = client.post("/register", {})["worker_id"]
+        _forge(client, w, client.post("/pull", {"worker_id": w, "version": 0, "max_groups": 4})["work"])
+        coord.take(2, timeout_s=1)
+        assert coord.check({w: (2 * 2 * G, -1.0, 2.0)}) == []  # honest-looking: trained on
+        coord.take(2, timeout_s=1)
+        assert coord.check({w: (2 * 2 * G, 0.0, 20.0)}) == [w]  # 1.25 nats a token: this batch is not
+        acc = coord.accounting()
+        assert acc["consumed"] == 2 * G and acc["dropped"] == {"untrusted": 2 * G}, acc
+        assert acc["workers_retired"] == {}, acc  # 4 nats of evidence: neither flagged nor retired
+    finally:
+        coord.close()
 
-    def __init__(self, url, secret, vocab, requires=None):
+
+class _ForgingEngine:
+    """A worker's engine that skips generation: each prompt gets ``forge(rng)`` G times, with made-up logprobs. It
+    applies snapshots and scores probes honestly (a real transformers model), so the worker claims only versions it
+    was delivered, as a careful forger would: the rollout checks are what must catch it."""
+
+    name = "forging"
+
+    def __init__(self, model_path, forge, delay_s=0.0):
+        from echo2.rollout.engines.hf import HFWorkerEngine
+
+        self.real, self.forge, self.rng, self.delay_s = HFWorkerEngine(model_path), forge, random.Random(0), delay_s
+
+    def generate(self, prompt_ids, params):
+        time.sleep(self.delay_s)
+        return [[self.forge(self.rng) for _ in range(params.n)] for _ in prompt_ids]
+
+    def load_weights(self, version, blob):
+        return self.real.load_weights(version, blob)
+
+    def probe_logprobs(self, token_ids):
+        return self.real.probe_logprobs(token_ids)
+
+    def close(self):
+        pass
+
+
+class _Forger(threading.Thread):
+    """A real worker agent with its own credential ('forger') and a forging engine."""
+
+    def __init__(self, source, forge, delay_s=0.0, max_groups=4):
+        from echo2.rollout.agent import Agent
+
         super().__init__(daemon=True)
-        self.client, self.vocab = Client(url, worker_credential(secret, "forger")), vocab
-        # it claims the run's own model and context: the handshake checks claims, the rollout checks check tokens
+        requires = source.requires  # it claims the run's own model and context: the handshake checks claims only
         claims = {"model": {k: requires["model"][k] for k in ("name", "digest")},
-                  "max_model_len": requires["max_model_len"]} if requires else {}
-        self.wid = self.client.post("/register", claims)["worker_id"]
-        self.stop, self.pushed, self.version = threading.Event(), 0, 0
+                  "max_model_len": requires["max_model_len"]}
+        self.agent = Agent(source.coordinator.url, worker_credential(source.token, "forger"),
+                           _ForgingEngine(requires["model"]["name"], forge, delay_s), declared=claims,
+                           max_groups=max_groups)
+        self.error = None
 
     def run(self):
-        rng = random.Random(0)
-        while not self.stop.is_set():
-            try:
-                reply = self.client.post("/pull", {"worker_id": self.wid, "version": self.version, "max_groups": 4})
-                self.version = reply["version"]
-                results = [{"group_id": w["group_id"], "version": self.version, "completions": [
-                    {"token_ids": [rng.randrange(self.vocab)] * 2, "logprobs": [-0.05, -0.05], "finish_reason": "length"}
-                    for _ in range(8)]} for w in reply["work"]]
-                if results:
-                    self.pushed += len(self.client.post("/push", {"worker_id": self.wid, "results": results,
-                                                             "rollouts_per_s": 1000.0})["accepted"])
-            except (RemoteError, OSError) as e:
-                self.error = str(e)
-                return  # retired and revoked: refused
+        try:
+            self.agent.run()
+        except BaseException as e:  # retired and revoked: refused (403)
+            self.error = e
+
+    def close(self):
+        self.agent.stop.set()
+        self.agent.receiver.close()
+        self.join(timeout=30)
 
 
-@pytest.mark.slow
-def test_a_forging_client_is_retired_and_honest_workers_are_not(tmp_path):
+def _random_tokens(vocab):
+    from echo2.rollout.types import Completion
+
+    return lambda rng: Completion([rng.randrange(vocab)] * 2, [-0.05, -0.05], "length")
+
+
+def _one_answer(rng):
+    """The same two tokens for every completion of every group, claimed near-certain."""
+    from echo2.rollout.types import Completion
+
+    return Completion([5, 1], [-0.05, -0.05], "stop")
+
+
+def _run_with_forger(tmp_path, forge, overrides, **forger):
     ev = {}
 
     def hook(step, source):
         if step == 1:
-            ev["forger"] = _Forger(source.coordinator.url, source.token, len(source.tokenizer),
-                                   source.requires)
+            ev["forger"] = _Forger(source, forge(source), **forger)
             ev["forger"].start()
 
     try:
-        _, trainer, source, acc, records = train(tmp_path, [
-            "pool.engine=hf", "run.steps=30", "rollout.source.check_every_steps=1", "rollout.source.check_min_tokens=64",
-            # one honest worker, holding at most a third of the in-flight cap: the forger finds work to forge
-            "pool.workers=1", "rollout.source.worker_share=0.33"],
-            hook)
+        _, trainer, source, acc, records = train(tmp_path, ["pool.engine=hf", "pool.workers=1", *overrides], hook)
     finally:
         if "forger" in ev:
-            ev["forger"].stop.set()
-    forger = ev["forger"]
-    assert trainer.state.global_step == 30 and forger.pushed > 0, getattr(forger, "error", None)
+            ev["forger"].close()
+    return trainer, acc, records, ev["forger"]
+
+
+@pytest.mark.slow
+def test_a_forging_worker_is_retired_and_honest_workers_are_not(tmp_path):
+    """Random tokens claimed at logprob -0.05, every batch checked: the forger's credential is retired, the honest
+    worker's is never flagged, and the books balance."""
+    trainer, acc, records, forger = _run_with_forger(
+        tmp_path, lambda source: _random_tokens(len(source.tokenizer)),
+        ["run.steps=30", "rollout.source.check_every_steps=1"])
+    assert trainer.state.global_step == 30 and acc["by_worker"], acc
     assert acc["workers_retired"].get("untrusted") == 1, acc  # the forger, and only it
     assert records[-1]["rollout/flagged_workers"] <= 1 and balanced(acc), acc
+    assert "403" in str(forger.error), forger.error
+
+
+@pytest.mark.slow
+def test_one_fabricated_answer_per_group_is_caught_within_a_short_run(tmp_path):
+    """The README's open-internet setting (every 10th batch checked) on the demo task, whose answers are a couple
+    of tokens: a worker answering every group with the same fabricated completion and invented logprobs, one group
+    at a time (a few of its groups in each batch), is caught within 30 steps (it used to get 132 groups in and
+    never be flagged: 256 tokens of evidence were needed, 16 per group here), and the checked batch's forged groups
+    are not trained on (dropped: untrusted)."""
+    trainer, acc, records, forger = _run_with_forger(
+        tmp_path, lambda source: _one_answer, ["run.steps=30", "rollout.source.check_every_steps=10"],
+        delay_s=0.05, max_groups=1)
+    print(f"forger: {acc['by_worker']}, retired {acc['workers_retired']}, dropped {acc['dropped']}")
+    assert trainer.state.global_step == 30, acc
+    assert acc["workers_retired"].get("untrusted") == 1 and acc["dropped"].get("untrusted", 0) > 0, acc
+    assert balanced(acc), acc

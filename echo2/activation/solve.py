@@ -34,6 +34,11 @@ SOLVERS = ("exact", "greedy", "all_on")
 MAX_EXACT_OPS = 3e9  # numpy element-operations the exact DP may take before it refuses (≈ seconds)
 
 
+class TooLarge(ValueError):
+    """The exact solver refuses an instance that would take too long (MAX_EXACT_OPS); the online planner then
+    plans with ``greedy``."""
+
+
 @dataclass(frozen=True)
 class Worker:
     id: str
@@ -130,7 +135,7 @@ def exact(system: System, workers: list[Worker]) -> Plan:
     n = len(workers)
     ops = len(downs) * len(ups) * len(rtts) * n * n * (total + 1)
     if ops > MAX_EXACT_OPS:
-        raise ValueError(f"activation.solver=exact: {n} workers with {len(downs)}x{len(ups)}x{len(rtts)} distinct "
+        raise TooLarge(f"activation.solver=exact: {n} workers with {len(downs)}x{len(ups)}x{len(rtts)} distinct "
                          f"link values and ${total / 100:.2f}/h in all would take ~{ops:.1e} operations; use "
                          f"greedy, or group workers into link classes")
     # Pass 1: for every structure and set size k, the cells (price, μ) that can win, with the structure's T_bcast.

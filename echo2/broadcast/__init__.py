@@ -3,7 +3,8 @@
 ``snapshot``     serialise a state dict (safetensors, never pickle)
 ``base``         the ``Broadcaster`` protocol the coordinator sees
 ``topology``     who pulls from whom: chain, tree (the pipelined relay) or star (one-to-many); pure
-``manifest``     what the learner signs: chunk digests, root, version, probe; the MAC on every request
+``manifest``     what the learner signs (manifests: chunk digests, root, version, probe, epoch; its orders to
+                 workers) and the relay key's MACs on every request for bytes
 ``store``        the snapshots a node holds: buffers that fill while they are served, checked chunk by chunk
 ``framing``      the byte stream between relay nodes: JSON frames, then raw bytes
 ``relay``        the relay node: a server that streams to children, a fetcher that pulls with failover

@@ -14,6 +14,10 @@ class Broadcaster(Protocol):
     """Set by the coordinator: ``on_delivered(peer_id, version)`` after a worker holds a verified snapshot,
     so a worker long-polling with an old version is told at once to apply it."""
 
+    epoch: str | None
+    """Set by the coordinator before the first publish: the learner process's epoch, signed into every manifest and
+    order (a worker takes nothing of an older epoch)."""
+
     def publish(self, version: int, blob: bytes, probe: dict | None = None) -> None:
         """Called every κ learner steps with the new weights as snapshot bytes (``snapshot.encode``) and the
         learner's probe logprobs of them (for the workers' check); returns at once (the send runs in the
@@ -27,6 +31,11 @@ class Broadcaster(Protocol):
 
     def remove_peer(self, peer_id: str) -> None:
         """Called when a worker leaves or is declared dead."""
+        ...
+
+    def rekey(self) -> None:
+        """Called when a worker credential is revoked, after its workers were removed: from then on they can neither
+        fetch from nor serve the live workers."""
         ...
 
     def metrics(self) -> dict[str, float]:

@@ -1,11 +1,12 @@
 """The learner's broadcaster: publishes snapshots through the relay (relay.py) along a planned topology.
 
     publish(v, bytes) ─► (its thread) signed manifest; sparse delta against v' if smaller (delta.py)
-                      ─► round: plan (topology.py) over the peers lacking v: those holding v' get the delta,
+                      ─► round: plan (topology.py) over the idle peers lacking v: those holding v' get the delta,
                          the rest the full snapshot, each group along its own tree
-                      ─► POST /fetch {v, base, sources} to each, in parallel
-                      ◄─ each answers once it holds v, verified (a delta is applied, then checked against
-                         the full snapshot's signed chunk digests)
+                      ─► POST /fetch {epoch, key, v, base, sources, deadline_s, challenge} to each, in parallel,
+                         each signed for that peer alone (manifest.order_credential)
+                      ◄─ each answers once it holds v, verified (a delta is applied, then checked against the full
+                         snapshot's signed chunk digests), with a proof that it does (manifest.possession_proof)
                       └─ on_delivered(peer, v)  (the coordinator wakes it)
 
 ``topology=chain|tree`` is the peer-assisted pipelined broadcast (``broadcast=pipelined``); ``topology=star`` is
@@ -18,52 +19,108 @@ sent when that round ends, and intermediate versions nobody received are skipped
 failed a round is retried after ``retry_s`` (with the full snapshot if a delta was what failed); a late joiner
 is sent the latest version, from a peer that already holds it where there is one.
 
-It is built from the run secret (``secret``), from which it derives the broadcast plane's shared key (what peers
-check requests with) and the manifest-signing key, which never leaves the learner's processes.
+Deadlines. A round waits for each peer until its deadline, ``deadline_floor_s + deadline_slack · bytes / rate``,
+never past ``timeout_s``; ``rate`` is measured here, from the peer's order to its proven answer, and taken no
+lower than the pool's median (a slow peer, or one slow on purpose, is never waited for past what the typical
+peer needs; an unmeasured one gets the median, or ``timeout_s`` while no peer is measured). The round then closes
+without the late ones: they go on in the background, their answers still count when they come, and they are sent
+the newest version once done (a busy peer gets no second order). Each order also tells the peer its own deadline
+(from its own rate), by which its fetcher leaves a source too slow to meet it for the next (relay.py): a slow
+peer does not hold up its successors.
+
+Who goes where. Peers are ordered by the rates measured here and the RTT of their quickest answer to a key order
+(topology.py), never by what a peer reports of itself; a new or failed peer has no rate and goes last, where it
+has no successor in a chain and none but leaves below it in a tree.
+
+Keys. It is built from the run secret (``secret``), from which it derives the manifest-signing key, which never
+leaves the learner's processes. The relay key is random: made at start, handed to each peer when it joins and in
+every order, and replaced by ``rekey`` (called when a worker credential is revoked), after which a revoked worker
+can neither pull from a peer nor pass for a source.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import statistics
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from echo2.broadcast import delta
 from echo2.broadcast import topology as topo
-from echo2.broadcast.manifest import FULL, make_manifest, signing_key
-from echo2.broadcast.relay import RelayServer
+from echo2.broadcast.manifest import (FULL, make_manifest, manifest_digest, new_relay_key, order_credential,
+                                      possession_proof, signing_key)
+from echo2.broadcast.relay import MAX_CONNS, RelayServer
 from echo2.broadcast.store import Snapshot, Store
-from echo2.transport import PEER_NAME, Client, reachable_host, relay_key
+from echo2.transport import PEER_NAME, Client, reachable_host
 
 log = logging.getLogger(__name__)
+
+DEADLINE_FLOOR_S = 10.0
+"""Least time a round waits for a peer: TLS handshakes, a few round trips along the chain and a parent's wait for
+its own first bytes dominate a small snapshot's transfer."""
+
+DEADLINE_SLACK = 3.0
+"""A peer's deadline is this many times its expected transfer time (bytes / measured rate): a rate drifts with
+cross traffic, and in a chain every peer moves at the slowest link before it."""
+
+MAX_ANCESTORS = 4
+"""Ancestors an order names as sources before the holders and the origin: in a long chain, falling back more
+than a few hops up gains nothing over the origin, and every dead source costs the fetcher a timeout."""
+
+RATE_MIN_BYTES = 1 << 20
+"""A transfer smaller than this measures round trips and handshakes more than bandwidth (a small delta): it leaves
+the peer's measured rate as it was."""
+
+KEY_TIMEOUT_S = 10.0
+"""A key order (a small request answered at once) that takes longer has failed; the peer's next order carries
+the key anyway."""
+
+
+@dataclass
+class Order:
+    """One fetch order in flight: what a peer was asked for, and by when."""
+
+    version: int
+    base: int
+    wire_bytes: int
+    sent_at: float
+    deadline_s: float  # the peer's own: bytes over its measured rate (its fetcher judges sources by it)
+    proof: str  # the answer that proves it holds the snapshot
+    depth: int
 
 
 @dataclass
 class Peer:
     client: Client
+    url: str
     relay: tuple[str, int]
-    rate_bytes_per_s: float = 0.0  # measured by its last fetch
-    rtt_s: float = 0.0  # TCP's smoothed RTT to its source in its last fetch (0: unknown)
+    rate_bytes_per_s: float = 0.0  # measured here: bytes over the time from its order to its proven answer
+    rtt_s: float = 0.0  # measured here: its quickest answer to a key order (0: none yet)
     delivered: int = -1
     retry_at: float = 0.0
     needs_full: bool = False  # its last delta failed (e.g. it no longer holds the base)
+    busy: Order | None = None  # the order it is carrying out
 
 
 class RelayBroadcaster:
     def __init__(self, secret: str, topology: str = "chain", fanout: int = 2, chunk_mb: float = 4.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, timeout_s: float = 600.0,
-                 retry_s: float = 5.0, sparse_delta: bool = True, link: Any = None):
+                 retry_s: float = 5.0, sparse_delta: bool = True, link: Any = None,
+                 deadline_floor_s: float = DEADLINE_FLOOR_S, deadline_slack: float = DEADLINE_SLACK):
         if topology not in topo.KINDS:
             raise ValueError(f"broadcast.sender.topology={topology!r}: expected one of {topo.KINDS}")
-        # the broadcast plane's shared key (peers' routes, byte requests), and the manifest-signing key that only
-        # the learner holds: both derived from the run secret, which never leaves the learner's processes
-        self.token, self.signer = relay_key(secret), signing_key(secret)
+        # the manifest- and order-signing key that only the learner holds (derived from the run secret, which never
+        # leaves the learner's processes), and the relay key, random, replaced on each revocation
+        self.signer, self.token = signing_key(secret), new_relay_key()
+        self.epoch: str | None = None  # set by the coordinator: the learner process's epoch, in every manifest
         self.kind, self.fanout = topology, fanout
         self.chunk_bytes = max(1, int(chunk_mb * (1 << 20)))
         self.timeout_s, self.retry_s, self.sparse_delta = timeout_s, retry_s, sparse_delta
+        self.deadline_floor_s, self.deadline_slack = deadline_floor_s, deadline_slack
         self.on_delivered = None  # set by the coordinator: called (peer, version) after each delivery
         self.store = Store(keep=2)
         self.server = RelayServer(self.store, self.token, host, port, link=link).start()  # link: the lab's, for tests
@@ -77,14 +134,17 @@ class RelayBroadcaster:
         self.published_at: dict[int, float] = {}
         self.cond = threading.Condition()
         self.closed = False
+        self.seq = 0  # of the last order signed
         self.last_time_s = 0.0
         self.last_bytes = 0
         self.last_prepare_s = 0.0
         self.last_delta_ratio = 1.0
         self.failures = 0
+        self.late = 0  # peers a round closed without (past their deadline)
         self.rounds = 0
         self.last_results: dict[str, dict] = {}  # peer -> its answer in the last round (diagnostics, benchmarks)
         self.trust = None  # set by use_tls
+        self.keys = ThreadPoolExecutor(max_workers=16, thread_name_prefix="broadcast-key")  # key orders
         self.thread = threading.Thread(target=self._loop, name="broadcast", daemon=True)
         self.thread.start()
 
@@ -105,13 +165,14 @@ class RelayBroadcaster:
         """Digest and sign the snapshot; encode a delta against the previous one when that is smaller."""
         t0 = time.perf_counter()
         prev = self.store.newest_complete()
-        manifest = make_manifest(self.signer, version, blob, self.chunk_bytes, probe=probe)
+        manifest = make_manifest(self.signer, version, blob, self.chunk_bytes, probe=probe, epoch=self.epoch)
         self.store.put(Snapshot(manifest, blob))
         base, ratio = None, 1.0
         if self.sparse_delta and prev is not None and prev.version < version:
             kind, payload = delta.choose(blob, prev.buf, prev.version, delta.word_bytes_of(blob))
             if kind == "delta":
-                dm = make_manifest(self.signer, version, payload, self.chunk_bytes, base=prev.version)
+                dm = make_manifest(self.signer, version, payload, self.chunk_bytes, base=prev.version,
+                                   epoch=self.epoch)
                 self.store.put(Snapshot(dm, payload))
                 base, ratio = prev.version, len(payload) / max(len(blob), 1)
         with self.cond:
@@ -125,20 +186,34 @@ class RelayBroadcaster:
             return
         host, _, port = relay_addr.rpartition(":")
         with self.cond:
-            client = Client(url, self.token, self.timeout_s, ca_file=self.trust and self.trust.ca_file,
-                            server_name=PEER_NAME)
-            self.peers[peer_id] = Peer(client, (host, int(port)))
+            client = Client(url, "", self.timeout_s, ca_file=self.trust and self.trust.ca_file, server_name=PEER_NAME)
+            self.peers[peer_id] = Peer(client, url.rstrip("/"), (host, int(port)))  # its orders name it so
+            self.server.max_conns = max(MAX_CONNS, 2 * len(self.peers))  # one_to_many: every peer pulls from here
             self.cond.notify_all()
+        self._send_key(peer_id)  # the relay key now, before its first order (and a first RTT measurement)
 
     def remove_peer(self, peer_id: str) -> None:
         with self.cond:
             peer = self.peers.pop(peer_id, None)
+            self.cond.notify_all()
         if peer:
             peer.client.close()
+
+    def rekey(self) -> None:
+        """A worker credential was revoked (its workers removed first): a new relay key, handed to every live peer
+        now; from then on a node holding only the old one can neither pull from a peer nor serve one."""
+        with self.cond:
+            self.token = new_relay_key()
+            self.server.use_key(self.token)
+            peers = list(self.peers)
+        log.warning("relay key replaced after a revocation; handing it to %d peers", len(peers))
+        for pid in peers:
+            self._send_key(pid)
 
     def metrics(self) -> dict[str, float]:
         return {"broadcast/time_s": self.last_time_s, "broadcast/bytes": float(self.last_bytes),
                 "broadcast/failures": float(self.failures), "broadcast/rounds": float(self.rounds),
+                "broadcast/late": float(self.late),
                 "broadcast/origin_bytes": float(self.server.served_bytes),
                 "broadcast/refused": float(self.server.refused),
                 "broadcast/delta_ratio": self.last_delta_ratio, "broadcast/prepare_s": self.last_prepare_s}
@@ -148,15 +223,121 @@ class RelayBroadcaster:
             self.closed = True
             self.cond.notify_all()
         self.thread.join(timeout=5)
+        self.keys.shutdown(wait=False, cancel_futures=True)
         self.server.close()
-        for p in self.peers.values():
+        for p in list(self.peers.values()):
             p.client.close()
+
+    # ------------------------------------------------------------------ orders
+
+    def _credential(self, url: str, body: dict, full_digest: str | None = None) -> str:
+        """The learner's signature on ``body`` for the peer at ``url``. Holds the lock. Sequence numbers are
+        microseconds of wall-clock time (at least one more than the last): a restarted coordinator's orders are
+        newer than its predecessor's."""
+        self.seq = max(time.time_ns() // 1000, self.seq + 1)
+        return order_credential(self.signer, url, self.seq, body, full_digest)
+
+    def _send_key(self, peer_id: str) -> None:
+        with self.cond:
+            peer = self.peers.get(peer_id)
+            if peer is None or self.closed:
+                return
+            body = {"epoch": self.epoch, "key": self.token}
+            credential = self._credential(peer.url, body)
+
+        def send():
+            t0 = time.monotonic()
+            try:
+                peer.client.post("/key", body, headers={"Authorization": f"Bearer {credential}"},
+                                 timeout_s=KEY_TIMEOUT_S)
+            except Exception as e:  # its next order carries the key
+                log.warning("relay key to %s failed: %s", peer_id, e)
+                return
+            rtt_s = time.monotonic() - t0
+            with self.cond:
+                peer.rtt_s = min(peer.rtt_s or rtt_s, rtt_s)
+
+        try:
+            self.keys.submit(send)
+        except RuntimeError:  # closed meanwhile
+            pass
+
+    def _order(self, pid: str, version: int, base: int, ancestors: list[str], holders: list[tuple[str, int]],
+               full: Snapshot, full_digest: str) -> tuple[Peer, dict, str, Order] | None:
+        """The order for peer ``pid`` (None if it left), marking it busy with it."""
+        with self.cond:
+            peer = self.peers.get(pid)
+            if peer is None:
+                return None
+            ups = [self.peers[a].relay for a in ancestors[:MAX_ANCESTORS] if a in self.peers]
+            # a full snapshot can also come from peers that already hold it; a delta only along its own plan
+            sources = ups + (holders[:2] if base == FULL else []) + [self.origin]
+            obj = self.store.get(version, base=base)
+            wire_bytes = obj.size if obj is not None else full.size
+            deadline_s = self._deadline_s(wire_bytes, peer.rate_bytes_per_s)
+            challenge = secrets.token_hex(16)
+            body = {"epoch": self.epoch, "key": self.token, "version": version, "base": base,
+                    "sources": [list(a) for a in sources], "deadline_s": deadline_s, "challenge": challenge}
+            if base != FULL:
+                body["full_manifest"] = full.manifest
+            order = Order(version, base, wire_bytes, time.monotonic(), deadline_s,
+                          possession_proof(challenge, full.buf), len(ancestors))
+            peer.busy = order
+            return peer, body, self._credential(peer.url, body, full_digest), order
+
+    def _send(self, pid: str, peer: Peer, body: dict, credential: str, order: Order) -> None:
+        try:
+            result = peer.client.post("/fetch", body, headers={"Authorization": f"Bearer {credential}"},
+                                      timeout_s=self.timeout_s)
+        except Exception as e:  # a dead peer must not stop the others; the registry will drop it
+            result = e
+        self._settle(pid, peer, order, result)
+
+    def _settle(self, pid: str, peer: Peer, order: Order, result: dict | Exception) -> None:
+        """A peer's answer to ``order``, in its round or after it closed: delivered (proven), or failed."""
+        now = time.monotonic()
+        with self.cond:
+            if self.peers.get(pid) is not peer or peer.busy is not order:
+                return  # removed (or joined again) since
+            peer.busy = None
+            self.cond.notify_all()
+            if not isinstance(result, Exception) and result.get("proof") != order.proof:
+                result = RuntimeError("its answer does not prove it holds the snapshot")
+            if isinstance(result, Exception):
+                self.failures += 1
+                peer.retry_at = now + self.retry_s
+                peer.needs_full = order.base != FULL
+                peer.rate_bytes_per_s = 0.0  # unmeasured again: last in the next plan
+                log.warning("snapshot v%d (%s) to %s failed: %s", order.version,
+                            "full" if order.base == FULL else f"delta vs v{order.base}", pid, result)
+                return
+            peer.delivered = max(peer.delivered, order.version)
+            peer.needs_full = False
+            if order.wire_bytes >= RATE_MIN_BYTES or not peer.rate_bytes_per_s:
+                peer.rate_bytes_per_s = order.wire_bytes / max(now - order.sent_at, 1e-3)
+            self.last_results[pid] = {**result, "base": order.base, "depth": order.depth}
+        if self.on_delivered is not None:
+            self.on_delivered(pid, order.version)
 
     # ------------------------------------------------------------------ rounds
 
+    def _deadline_s(self, wire_bytes: int, rate_bytes_per_s: float) -> float:
+        """floor + slack · bytes / rate, at most timeout_s (also for no rate at all)."""
+        if rate_bytes_per_s <= 0:
+            return self.timeout_s
+        return min(self.timeout_s, self.deadline_floor_s + self.deadline_slack * wire_bytes / rate_bytes_per_s)
+
+    def _waited_until(self, order: Order, peer: Peer) -> float:
+        """When the round stops waiting for ``peer``: its rate, but no lower than the pool's median. Holds the
+        lock."""
+        rates = [p.rate_bytes_per_s for p in self.peers.values() if p.rate_bytes_per_s > 0 and p is not peer]
+        pool = statistics.median(rates) if rates else 0.0
+        return order.sent_at + self._deadline_s(order.wire_bytes, max(pool, peer.rate_bytes_per_s))
+
     def _due(self) -> list[str]:
         now = time.monotonic()
-        return [pid for pid, p in self.peers.items() if p.delivered < self.latest and p.retry_at <= now]
+        return [pid for pid, p in self.peers.items()
+                if p.delivered < self.latest and p.retry_at <= now and p.busy is None]
 
     def _loop(self) -> None:
         while True:
@@ -189,68 +370,37 @@ class RelayBroadcaster:
                 self.store.pin(version, False)
 
     def _round(self, version: int, plans: dict[int, dict[str, list[str]]], holders: list[tuple[str, int]]) -> None:
-        """One version to every due peer: per object (full, or delta against a base) its own plan."""
+        """One version to every due peer: per object (full, or delta against a base) its own plan. Returns once
+        every peer answered or is past its deadline."""
         full = self.store.get(version)
         if full is None:
             return
         started = self.published_at.get(version, time.monotonic())
         jobs = [(pid, base, ancestors) for base, plan in plans.items() for pid, ancestors in plan.items()]
-
-        def one(pid: str, base: int, ancestors: list[str]) -> tuple[str, int, dict | Exception]:
-            with self.cond:
-                peer = self.peers.get(pid)
-                ups = [self.peers[a].relay for a in ancestors if a in self.peers]
-            if peer is None:
-                return pid, base, RuntimeError("left")
-            # a full snapshot can also come from peers that already hold it; a delta only along its own plan
-            sources = ups + (holders[:2] if base == FULL else []) + [self.origin]
-            body = {"version": version, "base": base, "sources": [list(a) for a in sources]}
-            if base != FULL:
-                body["full_manifest"] = full.manifest
-            try:
-                return pid, base, peer.client.post("/fetch", body, timeout_s=self.timeout_s)
-            except Exception as e:  # a dead peer must not stop the others; the registry will drop it
-                return pid, base, e
-
-        sent = 0
-        pool = ThreadPoolExecutor(max_workers=max(1, len(jobs)))
-        futures = {pool.submit(one, *job): job[0] for job in jobs}
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            with self.cond:
-                gone = {f for f in pending if futures[f] not in self.peers}
-            if gone and gone == pending:
-                # Only peers the coordinator has since removed (dead, cut off) are left: their requests may hang
-                # until timeout_s; the round is over for everyone else, so the next version can go out.
-                log.warning("v%d: round closed without %s (removed mid-round)", version,
-                            sorted(futures[f] for f in gone))
-                pending = set()
-            for future in done:
-                pid, base, result = future.result()
-                with self.cond:
-                    peer = self.peers.get(pid)
-                    if peer is None:
-                        continue
-                    if isinstance(result, Exception):
-                        self.failures += 1
-                        peer.retry_at = time.monotonic() + self.retry_s
-                        peer.needs_full = base != FULL
-                        log.warning("snapshot v%d (%s) to %s failed: %s", version,
-                                    "full" if base == FULL else f"delta vs v{base}", pid, result)
-                        continue
-                    peer.delivered = max(peer.delivered, version)
-                    peer.needs_full = False
-                    self.last_results[pid] = {**result, "base": base, "depth": len(plans[base][pid])}
-                    peer.rate_bytes_per_s = float(result.get("bytes_per_s", 0.0))
-                    rtt = result.get("rtt_s")
-                    if isinstance(rtt, (int, float)) and 0 < rtt < 60:  # a peer's report: bounded, or ignored
-                        peer.rtt_s = float(rtt)
-                    obj = self.store.get(version, base=base)
-                    sent = max(sent, obj.size if obj else 0)
-                if self.on_delivered is not None:
-                    self.on_delivered(pid, version)
-        pool.shutdown(wait=False)  # abandoned requests end by themselves (their timeout, or the peer's reply)
+        pool = ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="broadcast-order")
+        sent: list[tuple[str, Peer, Order]] = []
+        full_digest = manifest_digest(full.manifest)  # once, not once per delta order
+        for pid, base, ancestors in jobs:
+            ordered = self._order(pid, version, base, ancestors, holders, full, full_digest)
+            if ordered is not None:
+                pool.submit(self._send, pid, *ordered)
+                sent.append((pid, ordered[0], ordered[3]))
+        pool.shutdown(wait=False)  # the late ones' answers still come (their timeout, or the peer's reply)
+        open_: list[tuple[str, float]] = []
+        with self.cond:
+            while not self.closed:
+                open_ = [(pid, self._waited_until(o, p)) for pid, p, o in sent
+                         if self.peers.get(pid) is p and p.busy is o]
+                now = time.monotonic()
+                if all(until <= now for _, until in open_):
+                    break
+                self.cond.wait(timeout=min(until for _, until in open_ if until > now) - now)
+            late = sorted(pid for pid, _ in open_)
+            self.late += len(late)
+            sent_bytes = max((o.wire_bytes for pid, p, o in sent if p.delivered >= version), default=0)
+        if late:
+            log.warning("v%d: round closed without %s, past their deadlines (they go on, and get the newest "
+                        "version when done)", version, late)
         self.rounds += 1
-        self.last_time_s, self.last_bytes = time.monotonic() - started, sent
+        self.last_time_s, self.last_bytes = time.monotonic() - started, sent_bytes
         log.debug("v%d: round over %d peers (%s) in %.3f s", version, len(jobs), self.kind, self.last_time_s)

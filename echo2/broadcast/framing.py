@@ -5,8 +5,9 @@
             ◄── bytes [start, end), PIECE_BYTES per send ─  (as they land at the server: cut-through)
 
 Nothing is unpickled: a frame is a JSON object of at most MAX_FRAME_BYTES; anything else closes the connection
-with a ConnectionError that says what was wrong. Also here: reading what TLS holds without waiting (``drain``),
-and the kernel's RTT estimate of a connection (``tcp_rtt_s``, which orders the topology).
+with a ConnectionError that says what was wrong. A reader may give a frame a time limit once its first byte is in
+(``within_s``), so that a sender trickling a frame byte by byte holds nothing for long. Also here: reading what
+TLS holds without waiting (``drain``), and the kernel's RTT estimate of a connection (``tcp_rtt_s``, diagnostics).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import socket
 import ssl
 import struct
+import time
 
 MAX_FRAME_BYTES = 4 << 20
 PIECE_BYTES = 256 << 10  # the most one send / recv call moves: the granularity of cut-through and pacing
@@ -25,9 +27,16 @@ def send_frame(sock: socket.socket, obj: dict) -> None:
     sock.sendall(struct.pack("!I", len(data)) + data)
 
 
-def recv_exact(sock: socket.socket, n: int, what: str = "bytes") -> bytes:
+def recv_exact(sock: socket.socket, n: int, what: str = "bytes", deadline: float | None = None) -> bytes:
+    """``n`` bytes; by ``deadline`` (time.monotonic()) if given, else as the socket's own timeout allows per read
+    (the socket's timeout is left changed)."""
     out = bytearray()
     while len(out) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"{what} not complete in time: {len(out)} of {n} bytes")
+            sock.settimeout(left)
         got = sock.recv(n - len(out))
         if not got:
             raise ConnectionError(f"truncated {what}: {len(out)} of {n} bytes" if out else "connection closed")
@@ -35,12 +44,22 @@ def recv_exact(sock: socket.socket, n: int, what: str = "bytes") -> bytes:
     return bytes(out)
 
 
-def recv_frame(sock: socket.socket) -> dict:
-    (n,) = struct.unpack("!I", recv_exact(sock, 4, "frame header"))
-    if n > MAX_FRAME_BYTES:
-        raise ConnectionError(f"frame of {n} bytes is over the {MAX_FRAME_BYTES} limit")
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES, within_s: float | None = None) -> dict:
+    """The next frame. Its first byte is waited for as the socket's timeout allows (an idle persistent connection);
+    with ``within_s`` the rest must follow within that many seconds."""
+    first = sock.recv(4)
+    if not first:
+        raise ConnectionError("connection closed")
+    deadline = None if within_s is None else time.monotonic() + within_s
     try:
-        obj = json.loads(recv_exact(sock, n, "frame") if n else b"")
+        head = first + recv_exact(sock, 4 - len(first), "frame header", deadline)
+    except ConnectionError:
+        raise ConnectionError(f"truncated frame header: {len(first)} of 4 bytes") from None
+    (n,) = struct.unpack("!I", head)
+    if n > max_bytes:
+        raise ConnectionError(f"frame of {n} bytes is over the {max_bytes} limit")
+    try:
+        obj = json.loads(recv_exact(sock, n, "frame", deadline) if n else b"")
     except ConnectionError as e:
         raise ConnectionError(f"truncated frame ({e})" if str(e) == "connection closed" else str(e)) from None
     except ValueError as e:

@@ -1,20 +1,28 @@
-"""What the learner signs: a snapshot's manifest (Ed25519, a key only the learner holds), and the MAC on every relay
-request (HMAC-SHA256, the broadcast plane's shared key).
+"""What the learner signs, and the MACs of the relay: a snapshot's manifest and every order to a worker (Ed25519, a
+key only the learner holds); each request for bytes and each answer to one (HMAC-SHA256, the relay key).
 
-    make_manifest(signer, v, bytes) ──► {version, base, size, chunk_bytes, chunks: [sha256 …], root, probe, sig}
+    make_manifest(signer, v, bytes) ──► {version, base, size, chunk_bytes, chunks: [sha256 …], root, probe, epoch, sig}
                                                                     │
     verify_manifest(key, m) ◄── every node, before it stores, forwards or applies a byte of version v
 
 ``root`` is the sha256 over the chunk digests (the whole-snapshot digest); ``base`` is FULL for a whole snapshot,
 else the version a sparse delta (delta.py) applies to; ``probe`` holds the learner's logprobs of fixed tokens under
-this version, which a worker compares with its engine's after applying it. Each chunk is checked against its digest
-as it lands (store.py); a request for bytes carries ``request_mac`` so that only token holders pull weights.
+this version, which a worker compares with its engine's after applying it; ``epoch`` names the learner process
+that published it (a resumed learner is a new epoch, whose versions are not the dead one's). Each chunk is checked
+against its digest as it lands (store.py).
 
-Two keys, two jobs. Every worker holds the broadcast plane's shared key (transport.relay_key): it lets a node ask a
-peer for bytes and serve them. Only the learner holds the signing key (derived from the run secret, which no
-worker has); workers get its public half when they join. So a worker that relays can withhold or corrupt bytes
-(its successors then fail a digest and turn to the next source) but cannot forge a manifest, nor the probe in it:
-the weights a worker applies are the learner's or nothing.
+Two keys, two jobs. Only the learner holds the signing key (derived from the run secret, which no worker has);
+workers get its public half when they join. It signs manifests, so a worker that relays can withhold or corrupt
+bytes (its successors then fail a digest and turn to the next source) but cannot forge a manifest, nor the probe
+in it: the weights a worker applies are the learner's or nothing. It also signs every order a worker obeys
+(``order_credential``: fetch this version from these sources; here is the relay key), bound to that worker and
+newer than the last order it took, so that no worker, live or revoked, can send another one to fetch anything.
+
+The relay key (``new_relay_key``) is random, made by the learner's broadcaster, handed to live workers inside
+its orders and replaced when a worker credential is revoked: a request for bytes carries ``request_mac`` under
+it, and the answer ``serve_proof``, so a revoked worker can neither pull from a peer nor pass for a source. A
+worker answering an order proves it holds the snapshot (``possession_proof`` over a slice the learner picks at
+random), so it cannot claim one it never fetched to look fast.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import hashlib
 import hmac
 import json
 import os
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,7 +48,7 @@ class BadSnapshot(Exception):
     """A manifest or chunk that fails authentication; never applied."""
 
 
-FIELDS = ("version", "base", "size", "chunk_bytes", "chunks", "root", "probe")
+FIELDS = ("version", "base", "size", "chunk_bytes", "chunks", "root", "probe", "epoch")
 
 
 def signing_key(run_secret: str) -> Ed25519PrivateKey:
@@ -67,10 +76,11 @@ def _mac(token: str, payload: dict[str, Any]) -> str:
 
 
 def make_manifest(signer: Ed25519PrivateKey, version: int, blob: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES,
-                  base: int = FULL, probe: dict | None = None) -> dict:
+                  base: int = FULL, probe: dict | None = None, epoch: str | None = None) -> dict:
     """``base``: FULL for a whole snapshot, else the version a sparse delta (delta.py) is taken against.
     ``probe``: the learner's logprobs of fixed tokens under this version (``{"token_ids", "logprobs", "dtype"}``),
-    signed with the rest, which a worker compares with its engine's after applying the snapshot."""
+    signed with the rest, which a worker compares with its engine's after applying the snapshot. ``epoch``: the
+    learner process publishing it (None outside a run: the lab, tests)."""
     mv = memoryview(blob)
     # Chunks are digested in parallel (hashlib releases the GIL on big buffers): one core did 500 MB in 0.64 s,
     # all of it before the first byte could leave the learner.
@@ -79,7 +89,7 @@ def make_manifest(signer: Ed25519PrivateKey, version: int, blob: bytes | memoryv
         chunks = list(pool.map(lambda span: hashlib.sha256(span).hexdigest(), spans))
     root = hashlib.sha256("".join(chunks).encode()).hexdigest()
     body = {"version": version, "base": base, "size": len(mv), "chunk_bytes": chunk_bytes, "chunks": chunks,
-            "root": root, "probe": probe}
+            "root": root, "probe": probe, "epoch": epoch}
     return {**body, "sig": signer.sign(_canonical(body)).hex()}
 
 
@@ -104,6 +114,82 @@ def verify_manifest(key: str | None, manifest: Any) -> dict:
     return manifest
 
 
+# ---------------------------------------------------------------------- the relay key
+
+
+def new_relay_key() -> str:
+    """A fresh relay key: made by the broadcaster when it starts and after each revocation, never derived from
+    anything a worker holds or held."""
+    return secrets.token_hex(32)
+
+
+def key_id(token: str) -> str:
+    """A public name of a relay key (put on requests, so that a node can tell a key it has yet to receive from one
+    it has replaced)."""
+    return hashlib.sha256(b"echo2-relay-key-id:" + token.encode()).hexdigest()[:16]
+
+
 def request_mac(token: str, version: int, base: int, start: int, end: int) -> str:
     """The MAC a fetcher puts on its request for bytes [start, end) of (version, base); the server checks it."""
     return _mac(token, {"version": version, "base": base, "start": start, "end": end})
+
+
+def serve_proof(token: str, mac: str) -> str:
+    """What a source answers a request (whose MAC is ``mac``) with: that it holds the relay key too, so a revoked
+    worker, or any process at an address a plan once named, is not taken for a source."""
+    return _mac(token, {"serves": mac})
+
+
+POSSESSION_SPAN_BYTES = 64 << 10
+"""Bytes of the snapshot a worker hashes to prove it holds it: a slice at an offset the learner picks at random
+per order, so that only a node holding (nearly) all of it can answer at once; small, since the learner checks
+every worker's answer in the coordinator's process."""
+
+
+def possession_proof(challenge: str, blob: bytes | memoryview) -> str:
+    """sha256 of ``challenge`` and the POSSESSION_SPAN_BYTES of ``blob`` at the offset the challenge selects."""
+    mv = memoryview(blob)
+    start = int(challenge, 16) % max(1, len(mv) - POSSESSION_SPAN_BYTES + 1)
+    return hashlib.sha256(challenge.encode() + mv[start:start + POSSESSION_SPAN_BYTES]).hexdigest()
+
+
+# ---------------------------------------------------------------------- the learner's orders
+
+
+def manifest_digest(manifest: Any) -> str:
+    """sha256 of a manifest's canonical JSON."""
+    return hashlib.sha256(_canonical(manifest)).hexdigest()
+
+
+def order_digest(body: dict[str, Any], full_manifest_digest: str | None = None) -> str:
+    """The digest of an order's body (canonical JSON), which its credential signs. A delta order's full manifest
+    (its chunk digests: a megabyte for a large model) counts by its own digest, which a learner ordering many
+    workers with the same manifest computes once (``full_manifest_digest``)."""
+    if "full_manifest" in body:
+        body = {**body, "full_manifest": full_manifest_digest or manifest_digest(body["full_manifest"])}
+    return hashlib.sha256(_canonical(body)).hexdigest()
+
+
+def order_credential(signer: Ed25519PrivateKey, to: str, seq: int, body: dict[str, Any],
+                     full_manifest_digest: str | None = None) -> str:
+    """The learner's credential on order ``body`` to the worker whose control URL is ``to``: ``Authorization:
+    Bearer order.<seq>.<digest>.<sig>``. It is checked before the body is read (``check_order``), and the body
+    then against the digest. ``seq`` orders the learner's orders (a worker takes none older than its last)."""
+    digest = order_digest(body, full_manifest_digest)
+    sig = signer.sign(_canonical({"to": to, "seq": seq, "digest": digest})).hex()
+    return f"order.{seq}.{digest}.{sig}"
+
+
+def check_order(key: str | None, to: str, credential: str) -> tuple[int, str]:
+    """(seq, body digest) of an order credential the learner (public key ``key``) signed for the worker at ``to``;
+    else BadSnapshot."""
+    kind, _, rest = credential.partition(".")
+    seq, _, rest = rest.partition(".")
+    digest, _, sig = rest.partition(".")
+    if kind != "order" or not seq.isdigit() or len(digest) != 64 or not key:
+        raise BadSnapshot("not an order of this run's learner")
+    try:
+        _public(key).verify(bytes.fromhex(sig), _canonical({"to": to, "seq": int(seq), "digest": digest}))
+    except (InvalidSignature, ValueError, TypeError):
+        raise BadSnapshot("not an order of this run's learner, or not for this worker") from None
+    return int(seq), digest

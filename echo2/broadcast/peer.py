@@ -1,10 +1,22 @@
-"""A worker's end of the broadcast: a relay node (store, server, fetcher) and the route the broadcaster calls.
+"""A worker's end of the broadcast: a relay node (store, server, fetcher) and the routes the broadcaster calls.
 
-    broadcaster ──POST /fetch {v, base, sources}──► SnapshotReceiver ──pull v (or its delta vs base) from
-                                                        │   sources[0], else the next ──► ...
-                                                        │  serves its own children from the same buffer meanwhile
-                                                        └─ on_snapshot(v, buffer, manifest) once every chunk of
-                                                           the full snapshot checks; answers {seconds, bytes_per_s}
+    broadcaster ──POST /fetch {epoch, key, v, base, sources, deadline_s, challenge}──► SnapshotReceiver
+                  (signed by the learner, for this node)      │  pull v (or its delta vs base) from sources[0],
+                                                              │  else the next ──► ...
+                                                              │  serves its own children from the same buffer
+                                                              └─ on_snapshot(v, buffer, manifest) once every chunk
+                                                                 of the full snapshot checks; answers {proof, ...}
+    broadcaster ──POST /key {epoch, key}──► the relay key, at once (on joining, and after a revocation)
+
+Only the learner orders: each order's credential (``Authorization: Bearer order.<seq>.<digest>.<sig>``,
+manifest.order_credential) is the learner's Ed25519 signature over this node's control URL, a sequence number
+and the body's digest, checked before the body is read. An order not newer than the last one taken is refused
+(a replay), so a worker, live or revoked, can neither send another worker after sources that never answer nor
+hand it a key (an order that crossed a newer one on the way is still taken, if of the same epoch, but its key is
+not). Each order carries the relay key of the moment (the learner replaces it when it revokes a worker)
+and the learner's epoch: an order from a new epoch (a resumed learner) empties the store, and every manifest
+fetched under an order must be of the order's epoch. The answer proves the node holds the snapshot (a hash of a
+slice the learner chose, manifest.possession_proof), so the learner believes no claim it cannot check.
 
 The worker agent owns one (and so does ``python -m echo2.lab.bench``, which measures exactly this code).
 """
@@ -12,90 +24,161 @@ The worker agent owns one (and so does ``python -m echo2.lab.bench``, which meas
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from echo2.broadcast import delta
-from echo2.broadcast.manifest import FULL, BadSnapshot, verify_key, verify_manifest
-from echo2.broadcast.relay import Fetcher, RelayServer
+from echo2.broadcast.manifest import (FULL, BadSnapshot, check_order, order_digest, possession_proof, verify_key,
+                                      verify_manifest)
+from echo2.broadcast.relay import Fetcher, RelayServer, Superseded
 from echo2.broadcast.store import Snapshot, Store
-from echo2.transport import BadRequest, JsonServer, relay_key
+from echo2.transport import BadRequest, JsonServer, Unauthorized
 
 log = logging.getLogger(__name__)
 
+MAX_SOURCES = 16
+"""Sources one order may name: the broadcaster names a few ancestors, two holders and the origin."""
+
 
 class SnapshotReceiver:
-    def __init__(self, token: str, on_snapshot: Callable[[int, Any, dict], None], host: str = "127.0.0.1",
+    def __init__(self, token: str | None, on_snapshot: Callable[[int, Any, dict], None], host: str = "127.0.0.1",
                  advertise_host: str | None = None, link: Any = None, stall_timeout_s: float = 10.0,
                  control_port: int = 0, relay_port: int = 0, trust: Any = None, manifest_key: str | None = None):
-        """``token``: the broadcast plane's shared key (transport.relay_key) and ``manifest_key`` the learner's
-        public key (manifest.verify_key); a worker's agent learns both when it joins (``use_key``). ``trust`` (a
-        transport.Trust): serve and fetch over TLS pinned to the run's CA. ``link``: the lab's emulated access link
-        (echo2/lab/link.py) for its server and fetcher; a worker has none."""
-        self.token, self.on_snapshot = token, on_snapshot
+        """``manifest_key``: the learner's public key (manifest.verify_key), which its orders and manifests are
+        checked against; a worker's agent learns it when it joins (``trust_learner``). ``token``: a relay key to
+        start with (None: none until the learner's first order brings it). ``trust`` (a transport.Trust): serve and
+        fetch over TLS pinned to the run's CA. ``link``: the lab's emulated access link (echo2/lab/link.py) for its
+        server and fetcher; a worker has none."""
+        self.on_snapshot = on_snapshot
         self.store = Store(keep=2)
         server_tls = trust.server if trust is not None else None
         self.relay_server = RelayServer(self.store, token, host, relay_port, link=link,
-                                              stall_timeout_s=max(30.0, stall_timeout_s), tls=server_tls)
+                                        stall_timeout_s=max(30.0, stall_timeout_s), tls=server_tls)
         self.fetcher = Fetcher(self.store, token, link=link, stall_timeout_s=stall_timeout_s, trust=trust,
                                manifest_key=manifest_key)
-        self.control = JsonServer(host, control_port, token, routes={"POST /fetch": self._fetch},
-                                  name="snapshots", tls=server_tls)
+        self.control = JsonServer(host, control_port, "", routes={"POST /fetch": self._fetch, "POST /key": self._key},
+                                  name="snapshots", tls=server_tls, authorize=self._authorize)
         self.url = self.control.url(advertise_host)
         self.relay_addr = f"{advertise_host or self.relay_server.addr[0]}:{self.relay_server.addr[1]}"
+        self.orders = threading.Lock()
+        self.last: dict[str, int] = {}  # route -> seq of the newest order taken there (older ones are replays)
+        self.key_seq = 0  # seq of the newest order of all: its relay key and epoch are this node's
+        self.epoch: str | None = None
 
     @classmethod
     def of_run(cls, run_secret: str, on_snapshot: Callable[[int, Any, dict], None], **kwargs) -> "SnapshotReceiver":
         """A receiver holding what a worker of the run with this secret gets when it joins (the lab, tests)."""
-        return cls(relay_key(run_secret), on_snapshot, manifest_key=verify_key(run_secret), **kwargs)
+        return cls(None, on_snapshot, manifest_key=verify_key(run_secret), **kwargs)
 
-    def use_key(self, key: str, manifest_key: str) -> None:
-        """Take the broadcast plane's key and the learner's public key (given by the coordinator when the worker
-        joins) before serving."""
-        self.token = self.relay_server.token = self.fetcher.token = self.control.token = key
+    def trust_learner(self, manifest_key: str) -> None:
+        """Take the learner's public key (given by the coordinator when the worker joins) before serving."""
         self.fetcher.manifest_key = manifest_key
+
+    @property
+    def token(self) -> str | None:
+        """The relay key this node holds now."""
+        return self.fetcher.token
 
     def start(self) -> "SnapshotReceiver":
         self.relay_server.start()
         self.control.start()
         return self
 
-    def _fetch(self, body: dict, _headers) -> dict:
+    # ------------------------------------------------------------------ the learner's orders
+
+    def _authorize(self, route: str, credential: str) -> None:
+        """Before the body is read: an order credential of this run's learner, for this node, newer than the last
+        order of its kind taken."""
+        seq, _ = self._credential(credential)
+        if seq <= self.last.get(route, 0):
+            raise Unauthorized(f"order {seq} is not newer than the last one taken: a replay")
+
+    def _credential(self, credential: str) -> tuple[int, str]:
+        try:
+            return check_order(self.fetcher.manifest_key, self.url, credential)
+        except BadSnapshot as e:
+            raise Unauthorized(str(e)) from None
+
+    def _take(self, route: str, body: dict, headers: dict) -> str | None:
+        """Take the order ``body`` (checked against its credential); returns its epoch. The newest order of all
+        sets the relay key and the epoch; an older one (it crossed a newer on the way) must be of that epoch."""
+        auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
+        seq, digest = self._credential(auth.removeprefix("Bearer "))
+        if digest != order_digest(body):
+            raise Unauthorized("the order's body is not the one its credential signs")
+        key, epoch = body.get("key"), body.get("epoch")
+        if not (isinstance(key, str) and len(key) == 64) or not (epoch is None or isinstance(epoch, str)):
+            raise BadRequest("an order carries the relay key (64 hex) and the learner's epoch")
+        with self.orders:
+            if seq <= self.last.get(route, 0):
+                raise Unauthorized(f"order {seq} is not newer than the last one taken: a replay")
+            if seq < self.key_seq and epoch != self.epoch:
+                raise Unauthorized(f"an order of an older learner epoch ({epoch!r}, now {self.epoch!r})")
+            self.last[route] = seq
+            if seq > self.key_seq:
+                self.key_seq = seq
+                if epoch != self.epoch:
+                    if self.epoch is not None:
+                        log.warning("learner epoch %s follows %s: dropping the snapshots held", epoch, self.epoch)
+                    self.epoch = epoch
+                    self.store.clear()  # another learner process's versions are neither served nor kept
+                self.fetcher.token = key
+                self.relay_server.use_key(key)
+        return epoch
+
+    def _key(self, body: dict, headers) -> dict:
+        self._take("POST /key", body, headers)
+        return {"ok": True}
+
+    def _fetch(self, body: dict, headers) -> dict:
+        epoch = self._take("POST /fetch", body, headers)
         version, base, sources = body.get("version"), body.get("base", FULL), body.get("sources")
+        deadline_s, challenge = body.get("deadline_s"), body.get("challenge")
         if type(version) is not int or version < 0 or type(base) is not int or base >= version:
             raise BadRequest("'version' must be a non-negative integer and 'base' an older one (or -1)")
-        if not isinstance(sources, list) or not sources or not all(
+        if not isinstance(sources, list) or not 0 < len(sources) <= MAX_SOURCES or not all(
                 isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and type(s[1]) is int for s in sources):
-            raise BadRequest("'sources' must be a non-empty list of [host, port]")
+            raise BadRequest(f"'sources' must be a list of 1 to {MAX_SOURCES} [host, port]")
+        if not (deadline_s is None or isinstance(deadline_s, (int, float)) and deadline_s > 0):
+            raise BadRequest("'deadline_s' must be a positive number")
+        if not (isinstance(challenge, str) and len(challenge) == 32):
+            raise BadRequest("'challenge' must be 32 hex digits")
         sources = [tuple(s) for s in sources]
         t0 = time.perf_counter()
         try:
             if base == FULL:
-                snap = self.fetcher.fetch(version, sources)
+                snap = self.fetcher.fetch(version, sources, epoch=epoch, deadline_s=deadline_s)
                 wire_bytes = snap.size
             else:
-                snap, wire_bytes = self._fetch_delta(version, base, sources, body.get("full_manifest"))
+                snap, wire_bytes = self._fetch_delta(version, base, sources, body.get("full_manifest"), epoch,
+                                                     deadline_s)
         except (ConnectionError, OSError, BadSnapshot, ValueError) as e:
+            if not isinstance(e, Superseded):  # a newer order goes on with it: children may still wait for it
+                self.store.abandon(version, base)
             raise BadRequest(f"v{version}: {e}") from None
         seconds = time.perf_counter() - t0
         # A bytes-like buffer (a MemoryFile as received here) that the relay keeps serving: never written again,
         # so the callback may keep a reference rather than a copy. The manifest is verified (signed by the learner).
         self.on_snapshot(version, snap.buf, snap.manifest)
-        return {"ok": True, "version": version, "seconds": seconds, "bytes_per_s": wire_bytes / max(seconds, 1e-9),
-                "first_byte_at": snap.first_byte_at, "done_at": time.monotonic(),  # monotonic: same host only
+        # seconds, rates and times are this node's own word: diagnostics (the lab's benchmark), never the plan's
+        return {"ok": True, "version": version, "proof": possession_proof(challenge, snap.buf), "seconds": seconds,
+                "bytes_per_s": wire_bytes / max(seconds, 1e-9), "first_byte_at": snap.first_byte_at,
+                "done_at": time.monotonic(),  # monotonic: same host only
                 "rtt_s": self.fetcher.last_rtt_s}
 
-    def _fetch_delta(self, version: int, base: int, sources, full_manifest) -> tuple[Snapshot, int]:
+    def _fetch_delta(self, version: int, base: int, sources, full_manifest, epoch: str | None,
+                     deadline_s: float | None) -> tuple[Snapshot, int]:
         """Pull the delta of ``version`` against ``base`` (held here), apply it, and check the result against the
         full snapshot's signed chunk digests before anyone may use or relay it as ``version``."""
         held = self.store.get(base)
         if held is None or not held.complete:
             raise BadSnapshot(f"base v{base} is not held here")
         manifest = verify_manifest(self.fetcher.manifest_key, full_manifest)
-        if (manifest["version"], manifest["base"]) != (version, FULL):
-            raise BadSnapshot("full_manifest is not the full snapshot of this version")
-        d = self.fetcher.fetch(version, sources, base=base)
+        if (manifest["version"], manifest["base"], manifest.get("epoch")) != (version, FULL, epoch):
+            raise BadSnapshot("full_manifest is not the full snapshot of this version and epoch")
+        d = self.fetcher.fetch(version, sources, base=base, epoch=epoch, deadline_s=deadline_s)
         full = Snapshot(manifest)
         full.buf[:] = delta.apply(held.buf, d.buf)
         full.received = full.size

@@ -5,7 +5,8 @@
 
     Fetcher.fetch(v, sources) ──request [held, end)──► sources[0]'s RelayServer ──► frames + bytes (framing.py)
         │ into store.py's Snapshot, each chunk checked against the signed manifest (manifest.py) as it completes
-        ├ source dies / refuses / stalls: resume at the byte held, from the next source (grandparent, …, origin)
+        ├ source dies / refuses / stalls / too slow for the fetch's deadline: resume at the byte held, from the
+        │ next source (grandparent, …, origin)
         └ chunks that failed their digest: re-fetched, origin first; handed on only when every chunk checks
 
 Every node (the learner's origin and every worker) holds a ``Store`` of snapshot buffers and runs a
@@ -13,8 +14,20 @@ Every node (the learner's origin and every worker) holds a ``Store`` of snapshot
 range it lacks; the source streams bytes as they *arrive at the source* (cut-through: a peer forwards while it
 is still receiving, there is no store-and-forward per chunk), over one persistent TCP connection per source.
 Backpressure is TCP's own: a slow child blocks only the thread serving it, never the parent's download.
-A source that stalls (no byte for ``stall_timeout_s``) is dropped for this fetch, so a dead relay peer is routed
-around and nothing already received is fetched twice.
+A source that stalls (no byte for ``stall_timeout_s``), or, when the fetch has a deadline, whose rate would
+finish it past that deadline, is dropped for this fetch (the last source, the origin, only for stalling), so a
+dead or slow relay peer is routed around and nothing already received is fetched twice.
+
+Keys. A request carries a MAC under the relay key (manifest.request_mac) and the key's id; the answer carries
+``serve_proof`` under the same key, which the fetcher checks: a node that lost the key (a revoked worker) can
+neither pull nor pass for a source. The key is replaced while nodes run (``use_key``): a request under a key this
+node has yet to receive waits up to ``key_wait_s`` for it; one under a replaced key is refused at once.
+
+Hostile or broken connections. The server accepts at most ``max_conns`` connections; a connection must complete
+its TLS handshake and a valid request within ``request_timeout_s`` (each request frame too, once its first byte
+is in), after which it may idle ``idle_timeout_s`` until the next; a child that stops reading for
+``stall_timeout_s`` is dropped. The fetcher gives a source ``connect_timeout_s`` to accept and ``answer_timeout_s``
+to answer (its manifest, or a frame saying it still waits for it).
 
 Transport. Off loopback both ends speak TLS (echo2/transport.py): the server presents a certificate from the run's
 CA, the fetcher verifies it against that CA alone (pinned when the worker joined). The handshake runs in the
@@ -31,34 +44,108 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from typing import Any
 
 from echo2.broadcast.framing import PIECE_BYTES, drain, recv_exact, recv_frame, send_frame, tcp_rtt_s
-from echo2.broadcast.manifest import FULL, BadSnapshot, request_mac, verify_manifest
+from echo2.broadcast.manifest import (FULL, BadSnapshot, key_id, request_mac, serve_proof,
+                                      verify_manifest)
 from echo2.broadcast.store import Snapshot, Store
 
 log = logging.getLogger(__name__)
 
+MAX_CONNS = 256
+"""Connections one relay server serves at once, each a thread: a worker serves its children (a chain: one; a
+tree: ``fanout``), late joiners and repairs, a few; the learner's origin serves every worker in one_to_many, so
+the broadcaster raises its own cap to that. Past it a connection is closed as soon as it is accepted."""
+
+REQUEST_TIMEOUT_S = 10.0
+"""A new connection's TLS handshake and first valid request must come within this, and every request frame once
+its first byte is in (a request is ~300 bytes): a silent or half-open connection holds a slot this long at most."""
+
+IDLE_TIMEOUT_S = 900.0
+"""A connection that made a valid request may idle this long before its next: a fetcher keeps its connection to
+each source from one snapshot to the next (κ learner steps apart), which spares a handshake and TCP's slow start."""
+
+KEY_WAIT_S = 2.0
+"""How long a request under a relay key this node has not received yet waits for it: the learner hands a new key
+to every worker at once, and a child may ask its parent before the parent's copy arrives (within one round trip
+from the learner); less than ANSWER_TIMEOUT_S, which the requester gives the answer."""
+
+ANSWER_TIMEOUT_S = 3.0
+"""A source must answer a request within this: with its manifest, or with a frame saying it is still waiting for
+its own (sent every WAIT_BEAT_S). One that says nothing (gone, or never meant to answer) is left for the next."""
+
+ORDER_WAIT_S = 5.0
+"""How long a node asked for a version it is not fetching waits for its own order to fetch it (the learner sends a
+parent's order and its child's at once) before it says it does not hold it: a node that was never ordered to
+fetch it (or never obeys) does not keep the child waiting for manifest_wait_s."""
+
+WAIT_BEAT_S = 1.0
+"""While a source waits for its own manifest (its parent has not started sending), it tells the requester so this
+often (a third of ANSWER_TIMEOUT_S)."""
+
+CONNECT_TIMEOUT_S = 3.0
+"""TCP and TLS handshakes with a source: a host that does not accept within this is skipped (two SYN retries)."""
+
+SLOW_GRACE_S = 2.0
+"""Time a source gets after its first byte before its rate is judged against the fetch's deadline (TCP's slow
+start, a parent still filling its own buffer)."""
+
+MAX_REQUEST_BYTES = 4096
+"""The largest request frame a server reads (a request is a handful of integers and two digests)."""
+
+REFUSAL_LOG_PERIOD_S = 10.0
+"""At most one log line per this many seconds for refused requests and connections (with the count since): a
+stranger's flood must not become a flood of log lines."""
+
+
+class Superseded(ConnectionError):
+    """A newer fetch on the same node took over: this one stops, keeping what it received."""
+
+
+class SlowSource(ConnectionError):
+    """A source whose rate would finish the fetch past its deadline."""
+
 
 class RelayServer:
-    """Serves byte ranges of the snapshots in ``store`` to token holders, as the bytes land there."""
+    """Serves byte ranges of the snapshots in ``store`` to holders of the relay key, as the bytes land there."""
 
-    def __init__(self, store: Store, token: str, host: str = "127.0.0.1", port: int = 0, link: Any = None,
-                 manifest_wait_s: float = 30.0, stall_timeout_s: float = 30.0, tls: Any = None):
-        """``tls``: an ``ssl.SSLContext`` to serve with (None: plain TCP). ``link``: the lab's emulated link."""
-        self.store, self.token, self.link, self.tls = store, token, link, tls
+    def __init__(self, store: Store, token: str | None, host: str = "127.0.0.1", port: int = 0, link: Any = None,
+                 manifest_wait_s: float = 30.0, stall_timeout_s: float = 30.0, tls: Any = None,
+                 max_conns: int = MAX_CONNS, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, key_wait_s: float = KEY_WAIT_S):
+        """``token``: the relay key (None: none yet, every request waits for one). ``tls``: an ``ssl.SSLContext``
+        to serve with (None: plain TCP). ``link``: the lab's emulated link. The rest: the module's constants."""
+        self.store, self.link, self.tls = store, link, tls
+        self.token, self.past_keys = token, set()  # ids of the keys this node held before ``token``
+        self.key_cond = threading.Condition()
         self.manifest_wait_s, self.stall_timeout_s = manifest_wait_s, stall_timeout_s
+        self.max_conns, self.request_timeout_s, self.idle_timeout_s = max_conns, request_timeout_s, idle_timeout_s
+        self.key_wait_s = key_wait_s
         self.sock = socket.create_server((host, port))
         self.addr = self.sock.getsockname()[:2]
         self.closed = False
         self.conns: set[socket.socket] = set()
+        self.conns_lock = threading.Lock()
         self.served_bytes = 0
-        self.refused = 0  # requests refused: malformed frames, wrong token (a counter for metrics)
+        self.refused = 0  # requests refused (malformed frames, wrong key) and connections over the cap: a metric
+        self.logged_at, self.logged_refused = -REFUSAL_LOG_PERIOD_S, 0
         self.thread = threading.Thread(target=self._accept, name="relay-accept", daemon=True)
 
     def start(self) -> "RelayServer":
         self.thread.start()
         return self
+
+    def use_key(self, token: str) -> None:
+        """Serve under relay key ``token`` from now on; requests under the previous one are refused."""
+        with self.key_cond:
+            if token == self.token:
+                return
+            if self.token:
+                self.past_keys.add(key_id(self.token))
+            self.token = token
+            self.key_cond.notify_all()
 
     def _accept(self) -> None:
         while not self.closed:
@@ -66,50 +153,66 @@ class RelayServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            with self.conns_lock:
+                full = len(self.conns) >= self.max_conns
+                if not full:
+                    self.conns.add(conn)
+            if full:
+                self.refused += 1
+                self._log_refusal(f"a connection: {self.max_conns} open, the cap")
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="relay-serve", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        plain, trusted = conn, False
         try:
-            plain, conn = conn, self._open(conn)
-            self.conns.discard(plain)
-            self.conns.add(conn)
+            conn.settimeout(self.request_timeout_s)  # the TLS handshake, then the first request
+            conn = self._open(conn)
+            with self.conns_lock:
+                self.conns.discard(plain)
+                self.conns.add(conn)
             while not self.closed:
+                # a node that made a valid request may keep its connection for the next snapshot; any other has
+                # request_timeout_s to make one
+                conn.settimeout(self.idle_timeout_s if trusted else self.request_timeout_s)
                 try:
-                    req = recv_frame(conn)  # persistent: one request after another
+                    req = recv_frame(conn, MAX_REQUEST_BYTES, within_s=self.request_timeout_s)
                 except ConnectionError as e:
                     if str(e) != "connection closed":  # garbage, not a peer hanging up: say so, count it
                         self._refuse(conn, str(e))
                     return
                 self._answer(conn, req)
+                trusted = True
         except (OSError, ConnectionError):
-            pass  # the requester went away mid-answer; its fetch will move on
+            pass  # silent past its time, or the requester went away mid-answer; its fetch will move on
         finally:
-            self.conns.discard(conn)
+            with self.conns_lock:
+                self.conns.discard(plain)
+                self.conns.discard(conn)
             conn.close()
 
     def _open(self, conn: socket.socket) -> socket.socket:
         """The connection as this server speaks on it: TLS after its handshake, then the lab's link if one is set."""
         if self.tls is not None:
-            conn.settimeout(30)
             conn = self.tls.wrap_socket(conn, server_side=True)
-            conn.settimeout(None)
         return self.link.serve(conn) if self.link is not None else conn
 
     def _answer(self, conn: socket.socket, req: dict) -> None:
         v, base, start, end = req.get("version"), req.get("base"), req.get("start"), req.get("end")
-        if not all(type(x) is int for x in (v, base, start, end)) or not hmac.compare_digest(
-                request_mac(self.token, v, base, start, end), str(req.get("mac", ""))):
-            self._refuse(conn, "unauthenticated or malformed request")
+        token = self._authentic(req) if all(type(x) is int for x in (v, base, start, end)) else None
+        if token is None:
+            self._refuse(conn, "unauthenticated or malformed request (no relay key, or a replaced one)")
             raise ConnectionError("refused a request")
-        snap = self.store.get(v, wait_s=self.manifest_wait_s, base=base)
+        conn.settimeout(self.stall_timeout_s)  # from here on it sends: a requester that stops reading is dropped
+        snap = self._manifest_of(conn, v, base)
         if snap is not None and end == -1:  # "to the end": the requester may not know the size yet
             end = snap.size
         if snap is None or not 0 <= start <= end <= snap.size:
             send_frame(conn, {"error": f"v{v} [{start}, {end}) not held here"})
             return
-        send_frame(conn, {"manifest": snap.manifest})
+        send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(token, req["mac"])})
         pos, mv = start, memoryview(snap.buf)
         while pos < end:
             received = snap.wait_received(pos, self.stall_timeout_s)
@@ -120,14 +223,52 @@ class RelayServer:
             conn.sendall(mv[pos:hi])
             pos = hi
 
+    def _authentic(self, req: dict) -> str | None:
+        """The relay key the request's MAC verifies under, waiting up to ``key_wait_s`` if it names a key this
+        node has yet to receive; None if it verifies under none."""
+        v, base, start, end, mac, kid = (req.get(k) for k in ("version", "base", "start", "end", "mac", "key"))
+        deadline = time.monotonic() + self.key_wait_s
+        with self.key_cond:
+            while True:
+                token = self.token
+                if token and hmac.compare_digest(request_mac(token, v, base, start, end).encode(), str(mac).encode()):
+                    return token
+                left = deadline - time.monotonic()
+                known = (token and kid == key_id(token)) or kid in self.past_keys
+                if known or not (isinstance(kid, str) and len(kid) == 16) or left <= 0:
+                    return None
+                self.key_cond.wait(left)
+
+    def _manifest_of(self, conn: socket.socket, v: int, base: int) -> Snapshot | None:
+        """The buffer of (v, base), waiting up to ``manifest_wait_s`` for one this node is fetching (its own parent
+        may not have started sending; ORDER_WAIT_S for one it is not fetching yet), and telling the requester so
+        every WAIT_BEAT_S."""
+        start = time.monotonic()
+        while True:
+            left = start + self.manifest_wait_s - time.monotonic()
+            snap = self.store.get(v, wait_s=max(0.0, min(WAIT_BEAT_S, left)), base=base)
+            if snap is not None or left <= 0 or not self.store.may_arrive(v, base):
+                return snap
+            if not self.store.expects(v, base) and time.monotonic() - start >= ORDER_WAIT_S:
+                return None
+            send_frame(conn, {"wait": True})
+
     def _refuse(self, conn: socket.socket, why: str) -> None:
         """A clear error to the sender, a log line and a counter; then the connection is dropped."""
         self.refused += 1
-        log.warning("relay %s:%d refused a request: %s", *self.addr, why)
+        self._log_refusal(f"a request: {why}")
         try:
             send_frame(conn, {"error": why})
         except OSError:
             pass
+
+    def _log_refusal(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self.logged_at >= REFUSAL_LOG_PERIOD_S:
+            since = self.refused - self.logged_refused
+            log.warning("relay %s:%d refused %s%s", *self.addr, what, f" ({since} refusals since the last line)"
+                        if since > 1 else "")
+            self.logged_at, self.logged_refused = now, self.refused
 
     def close(self) -> None:
         self.closed = True
@@ -136,7 +277,9 @@ class RelayServer:
         except OSError:
             pass
         self.sock.close()
-        for c in list(self.conns):
+        with self.conns_lock:
+            conns = list(self.conns)
+        for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -149,32 +292,49 @@ class RelayServer:
 class Fetcher:
     """Pulls snapshots into a node's store from an ordered list of sources, keeping one connection per source."""
 
-    def __init__(self, store: Store, token: str, link: Any = None, stall_timeout_s: float = 10.0,
-                 connect_timeout_s: float = 10.0, trust: Any = None, manifest_key: str | None = None):
-        """``manifest_key``: the learner's public key (manifest.verify_key), which every manifest must be signed
-        for. ``trust``: a transport.Trust; sources are then reached over TLS verified against the run's CA.
-        ``link``: the lab's emulated link (echo2/lab/link.py), never set in a run."""
+    def __init__(self, store: Store, token: str | None, link: Any = None, stall_timeout_s: float = 10.0,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, trust: Any = None, manifest_key: str | None = None,
+                 answer_timeout_s: float = ANSWER_TIMEOUT_S, manifest_wait_s: float = 30.0):
+        """``token``: the relay key (replaced by the learner's orders). ``manifest_key``: the learner's public key
+        (manifest.verify_key), which every manifest must be signed for. ``trust``: a transport.Trust; sources are
+        then reached over TLS verified against the run's CA. ``manifest_wait_s``: the longest a source may keep
+        saying it waits for its own manifest. ``link``: the lab's emulated link (echo2/lab/link.py), never set in a
+        run."""
         self.store, self.token, self.link, self.trust = store, token, link, trust
         self.manifest_key = manifest_key
         self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
+        self.answer_timeout_s, self.manifest_wait_s = answer_timeout_s, manifest_wait_s
         self.conns: dict[tuple[str, int], socket.socket] = {}
         self.lock = threading.Lock()  # one fetch at a time per node
-        self.last_rtt_s: float | None = None  # TCP's smoothed RTT to the source of the last fetch (topology order)
+        self.gen_lock = threading.Lock()
+        self.generation = 0  # bumped by each fetch: a running one that sees it change stops (Superseded)
+        self.last_rtt_s: float | None = None  # TCP's smoothed RTT to the source of the last fetch (diagnostics)
 
-    def fetch(self, version: int, sources: list[tuple[str, int]], base: int = FULL) -> Snapshot:
-        """Fetch ``version`` (or its delta against ``base``) completely and verified, trying ``sources`` in order;
-        raises if none can serve it."""
+    def fetch(self, version: int, sources: list[tuple[str, int]], base: int = FULL, epoch: str | None = None,
+              deadline_s: float | None = None) -> Snapshot:
+        """Fetch ``version`` (or its delta against ``base``) of learner epoch ``epoch`` completely and verified,
+        trying ``sources`` in order; raises if none can serve it. With ``deadline_s``, a source (but the last) whose
+        rate would finish past that many seconds from now is left for the next. A fetch started meanwhile on this
+        node supersedes this one (it raises Superseded, keeping what arrived, from which the newer one resumes)."""
+        with self.gen_lock:
+            self.generation += 1
+            gen = self.generation
         with self.lock:
-            snap = self.store.get(version, base=base)
+            deadline = None if deadline_s is None else time.monotonic() + deadline_s
+            snap = self._held(version, base, epoch, gen)
             if snap is not None and snap.complete:
                 return snap
+            self.store.expect(version, base)
             dead: set[tuple[str, int]] = set()
-            for src in sources:
+            for i, src in enumerate(sources):
                 if snap is not None and snap.received == snap.size:
                     break
                 try:
-                    snap = self._stream(src, version, base, snap)
+                    snap = self._stream(src, version, base, snap, epoch, gen,
+                                        deadline if i < len(sources) - 1 else None)
                     self.last_rtt_s = tcp_rtt_s(self.conns.get(src))
+                except Superseded:
+                    raise
                 except (OSError, ConnectionError, BadSnapshot) as e:
                     dead.add(src)
                     self._drop(src)
@@ -191,15 +351,24 @@ class Fetcher:
                 snap.cond.notify_all()
             return snap
 
+    def _held(self, version: int, base: int, epoch: str | None, gen: int) -> Snapshot | None:
+        """What this node holds of (version, base) already, if it is of ``epoch`` (else it is dropped)."""
+        if gen != self.generation:
+            raise Superseded(f"v{version}: a newer fetch took over before this one started")
+        snap = self.store.get(version, base=base)
+        if snap is not None and snap.manifest.get("epoch") != epoch:
+            self._fail(snap)
+            return None
+        return snap
+
     def _conn(self, src: tuple[str, int]) -> socket.socket:
         conn = self.conns.get(src)
         if conn is None:
-            conn = socket.create_connection(src, timeout=self.connect_timeout_s)
+            conn = socket.create_connection(src, timeout=self.connect_timeout_s)  # the TLS handshake too
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.trust is not None:
                 conn = self.trust.connect(conn)
             self.conns[src] = conn = self.link.fetch(conn) if self.link is not None else conn
-        conn.settimeout(self.stall_timeout_s)
         return conn
 
     def _drop(self, src: tuple[str, int]) -> None:
@@ -207,17 +376,53 @@ class Fetcher:
         if conn is not None:
             conn.close()
 
-    def _request(self, src, version: int, base: int, start: int, end: int) -> tuple[socket.socket, dict]:
-        conn = self._conn(src)
-        send_frame(conn, {"version": version, "base": base, "start": start, "end": end,
-                          "mac": request_mac(self.token, version, base, start, end)})
-        reply = recv_frame(conn)
+    def _request(self, src, version: int, base: int, start: int, end: int, epoch: str | None,
+                 deadline: float | None = None) -> tuple[socket.socket, dict]:
+        """Ask ``src`` for bytes [start, end) of (version, base); its verified manifest, with the connection
+        positioned at the first byte. A source still waiting for its own manifest is given up at ``deadline``."""
+        for attempt in (1, 2):
+            reused = src in self.conns
+            conn, token = self._conn(src), self.token
+            if not token:
+                raise ConnectionError("no relay key yet (the learner's first order brings it)")
+            mac = request_mac(token, version, base, start, end)
+            try:
+                send_frame(conn, {"version": version, "base": base, "start": start, "end": end, "key": key_id(token),
+                                  "mac": mac})
+                reply = self._reply(conn, deadline)
+                break
+            except socket.timeout:
+                raise
+            except (OSError, ConnectionError):
+                self._drop(src)
+                if not reused or attempt == 2:
+                    raise
+                # a persistent connection the source closed while it idled: once more, on a new one
         if "error" in reply:
             raise ConnectionError(reply["error"])
-        return conn, verify_manifest(self.manifest_key, reply.get("manifest"))
+        if not hmac.compare_digest(str(reply.get("proof", "")).encode(), serve_proof(token, mac).encode()):
+            raise BadSnapshot("the source does not hold the relay key (a revoked or stale node)")
+        manifest = verify_manifest(self.manifest_key, reply.get("manifest"))
+        if manifest.get("epoch") != epoch:
+            raise BadSnapshot(f"v{manifest['version']} of learner epoch {manifest.get('epoch')!r}, not of the "
+                              f"epoch this fetch is for ({epoch!r})")
+        conn.settimeout(self.stall_timeout_s)
+        return conn, manifest
 
-    def _stream(self, src, version: int, base: int, snap: Snapshot | None) -> Snapshot:
-        conn, manifest = self._request(src, version, base, snap.received if snap else 0, -1)
+    def _reply(self, conn: socket.socket, deadline: float | None) -> dict:
+        """The source's answer to a request: its manifest or an error, skipping its 'still waiting' frames for up to
+        ``manifest_wait_s`` (and not past ``deadline``)."""
+        conn.settimeout(self.answer_timeout_s)
+        until = time.monotonic() + self.manifest_wait_s
+        until = until if deadline is None else min(until, deadline)
+        while (reply := recv_frame(conn)).get("wait") is True:
+            if time.monotonic() > until:
+                raise SlowSource("still waiting for its own manifest, past this fetch's deadline")
+        return reply
+
+    def _stream(self, src, version: int, base: int, snap: Snapshot | None, epoch: str | None, gen: int,
+                deadline: float | None) -> Snapshot:
+        conn, manifest = self._request(src, version, base, snap.received if snap else 0, -1, epoch, deadline)
         if (manifest["version"], manifest["base"]) != (version, base):
             raise BadSnapshot(f"asked for v{version} (base {base}), got v{manifest['version']} "
                               f"(base {manifest['base']})")
@@ -226,7 +431,10 @@ class Fetcher:
         elif manifest["root"] != snap.manifest["root"]:
             raise BadSnapshot(f"v{version} from {src}: a different snapshot than the one being received")
         mv = memoryview(snap.buf)
+        first_at, got = None, 0  # from this source: its rate, judged against the deadline
         while snap.received < snap.size:
+            if gen != self.generation:
+                raise Superseded(f"v{version}: a newer fetch took over at byte {snap.received}")
             hi = min(snap.size, snap.received + PIECE_BYTES)
             n = conn.recv_into(mv[snap.received:hi])
             if n == 0:
@@ -237,6 +445,11 @@ class Fetcher:
             if snap.received % snap.chunk_bytes < n or snap.received == snap.size:  # crossed a chunk boundary
                 for bad in snap.check_chunks():
                     log.warning("v%d chunk %d from %s:%d failed its digest; will re-fetch", version, bad, *src)
+            now, got = time.monotonic(), got + n
+            first_at = first_at or now
+            if (deadline is not None and now - first_at >= SLOW_GRACE_S
+                    and now + (snap.size - snap.received) * (now - first_at) / got > deadline):
+                raise SlowSource(f"{got / (now - first_at) / 1e6:.2f} MB/s from it would finish past the deadline")
         return snap
 
     def _repair(self, snap: Snapshot, sources: list[tuple[str, int]]) -> None:
@@ -247,7 +460,7 @@ class Fetcher:
             hi = min(lo + snap.chunk_bytes, snap.size)
             for src in sources:
                 try:
-                    conn, manifest = self._request(src, snap.version, snap.key[1], lo, hi)
+                    conn, manifest = self._request(src, snap.version, snap.key[1], lo, hi, snap.manifest.get("epoch"))
                     if manifest["root"] != snap.manifest["root"]:
                         raise BadSnapshot("a different snapshot")
                     snap.buf[lo:hi] = recv_exact(conn, hi - lo)
@@ -273,4 +486,3 @@ class Fetcher:
     def close(self) -> None:
         for src in list(self.conns):
             self._drop(src)
-

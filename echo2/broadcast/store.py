@@ -82,11 +82,14 @@ class Store:
         self.keep = keep
         self.snaps: dict[tuple[int, int], Snapshot] = {}
         self.pinned: set[int] = set()  # versions still being broadcast: never collected
+        self.expected: set[tuple[int, int]] = set()  # (version, base) this node started fetching
+        self.abandoned: set[tuple[int, int]] = set()  # (version, base) this node's fetch of failed: not coming
         self.cond = threading.Condition()
 
     def put(self, snap: Snapshot) -> Snapshot:
         with self.cond:
             self.snaps[snap.key] = snap
+            self.abandoned.discard(snap.key)
             self._collect()
             self.cond.notify_all()
         return snap
@@ -96,6 +99,26 @@ class Store:
         holds may be the dead run's versions, which must be neither served nor kept over the resumed ones)."""
         with self.cond:
             self.snaps.clear()
+            self.expected.clear()
+            self.abandoned.clear()
+            self.cond.notify_all()
+
+    def expect(self, version: int, base: int = FULL) -> None:
+        """This node starts fetching (version, base): a child asking for it here may wait for its first bytes."""
+        with self.cond:
+            self.expected.add((version, base))
+            self.abandoned.discard((version, base))
+            self.cond.notify_all()
+
+    def expects(self, version: int, base: int = FULL) -> bool:
+        with self.cond:
+            return (version, base) in self.snaps or (version, base) in self.expected
+
+    def abandon(self, version: int, base: int = FULL) -> None:
+        """This node's fetch of (version, base) failed: a child waiting for it here is told at once that it will not
+        come (and turns to its next source)."""
+        with self.cond:
+            self.abandoned.add((version, base))
             self.cond.notify_all()
 
     def pin(self, version: int, pinned: bool = True) -> None:
@@ -107,15 +130,26 @@ class Store:
         keep = set(sorted({v for v, _ in self.snaps})[-self.keep:]) | self.pinned
         for key in [k for k in self.snaps if k[0] not in keep]:
             del self.snaps[key]
+        oldest = min((v for v, _ in self.snaps), default=None)  # marks of older versions are collected too
+        self.expected = {k for k in self.expected if oldest is None or k[0] >= oldest}
+        self.abandoned = {k for k in self.abandoned if oldest is None or k[0] >= oldest}
 
     def get(self, version: int, wait_s: float = 0.0, base: int = FULL) -> Snapshot | None:
-        """The buffer of ``version``, waiting up to ``wait_s`` for its manifest to arrive here (only for a version
-        newer than any held: an older one missing here was collected and will not come back)."""
+        """The buffer of ``version``, waiting up to ``wait_s`` for its manifest to arrive here (only for one that
+        may still come: ``may_arrive``)."""
         with self.cond:
             key = (version, base)
-            self.cond.wait_for(lambda: key in self.snaps or (self.snaps and version < max(self.snaps)[0]),
-                               timeout=wait_s)
+            self.cond.wait_for(lambda: key in self.snaps or not self._may_arrive(version, base), timeout=wait_s)
             return self.snaps.get(key)
+
+    def may_arrive(self, version: int, base: int = FULL) -> bool:
+        """Whether (version, base) may still come here: not older than the newest held (those were collected), and
+        not abandoned."""
+        with self.cond:
+            return self._may_arrive(version, base)
+
+    def _may_arrive(self, version: int, base: int = FULL) -> bool:
+        return (version, base) not in self.abandoned and (not self.snaps or version >= max(self.snaps)[0])
 
     def newest_complete(self) -> Snapshot | None:
         with self.cond:

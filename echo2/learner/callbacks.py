@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,16 @@ class SourceVersions(TrainerCallback):
         if state.is_world_process_zero:
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_STATE
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"step": state.global_step, "source": source_state}) + "\n")
+            with open(tmp, "w") as f:  # on disk before it is named, and its name on disk: a crash leaves old or new
+                f.write(json.dumps({"step": state.global_step, "source": source_state}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
             tmp.replace(path)
+            directory = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
             log.info("checkpoint %s", path.parent)
 
 

@@ -24,7 +24,13 @@ report.
 Resumes: each learner process is an *epoch* (the coordinator says which when the agent registers). A learner
 resumed from a checkpoint is a new epoch whose versions after the checkpoint are not the dead run's; an agent
 whose weights come from another epoch (ahead of the resumed version or behind it) neither pulls nor serves them:
-it re-joins with an empty snapshot store, waits for a snapshot of the new epoch, applies it, and goes on.
+it re-joins with an empty snapshot store, waits for a snapshot of the new epoch, applies it, and goes on. Every
+manifest names its epoch (signed by the learner): a snapshot of another epoch than the one the agent joined last
+(a fetch the dead learner ordered, finishing late) is never applied.
+
+Certificates: over TLS the agent's snapshot and relay servers present a certificate the coordinator issued for a
+few hours (transport.PEER_CERT_LIFETIME_S); the agent has it renewed every third of that, into the same TLS
+context, so that a revoked worker's certificate expires soon and it gets no other.
 
 SIGTERM / SIGINT: finish nothing new, tell the coordinator, stop the engine (no orphan engine processes).
 
@@ -50,7 +56,7 @@ from typing import Any
 
 from echo2.broadcast.peer import SnapshotReceiver
 from echo2.rollout.types import SamplingParams
-from echo2.transport import LEARNER_NAME, Client, RemoteError, Trust, is_loopback, join
+from echo2.transport import LEARNER_NAME, PEER_CERT_LIFETIME_S, Client, RemoteError, Trust, is_loopback, join
 
 log = logging.getLogger("echo2.worker")
 
@@ -86,7 +92,7 @@ class Agent:
         self.epoch: str | None = None  # the learner epoch its weights come from (None: the initial model)
         self.joined_epoch: str | None = None  # the epoch of the coordinator it registered with last
         self.stale = False  # its weights are another epoch's: no work until a snapshot of this one is applied
-        self.pending: tuple[int, Any, dict | None] | None = None
+        self.pending: tuple[int, Any, dict] | None = None  # version, buffer, manifest
         self.probe_tolerance, self.engine_dtype = probe_tolerance, engine_dtype
         self.pending_lock = threading.Lock()
         self.stop = stop or threading.Event()
@@ -94,21 +100,30 @@ class Agent:
         self.declared = dict(declared or {})  # price and links, for activation and cost accounting
         self.reconnect_timeout_s = reconnect_timeout_s
         self.reconnects = 0
-        self.receiver = SnapshotReceiver(token, self._received, listen_host, advertise_host,
+        self.trust = trust
+        self.receiver = SnapshotReceiver(None, self._received, listen_host, advertise_host,
                                          control_port=snapshot_port, relay_port=relay_port, trust=trust)
 
     def _received(self, version: int, blob, manifest: dict) -> None:
-        """A complete, verified snapshot: hold it (the relay's buffer itself) until the current batch is done."""
+        """A complete, verified snapshot: hold it (the relay's buffer itself) until the current batch is done. One
+        of another epoch than what is pending replaces it (the receiver takes the learner's orders in order)."""
         with self.pending_lock:
-            if version > max(self.version, self.pending[0] if self.pending else -1):
-                self.pending = (version, blob, manifest.get("probe"))
+            held = self.pending
+            if version > (held[0] if held else self.version) or (
+                    held is not None and manifest.get("epoch") != held[2].get("epoch")):
+                self.pending = (version, blob, manifest)
 
     def _apply_pending(self) -> None:
         with self.pending_lock:
             pending, self.pending = self.pending, None
         if pending is None:
             return
-        version, blob, probe = pending
+        version, blob, manifest = pending
+        probe = manifest.get("probe")
+        if self.joined_epoch is not None and manifest.get("epoch") != self.joined_epoch:
+            log.warning("snapshot v%d is of learner epoch %s, not %s (the one joined): not applied", version,
+                        manifest.get("epoch"), self.joined_epoch)
+            return
         for attempt in (1, 2):
             t0 = time.perf_counter()
             try:
@@ -204,6 +219,24 @@ class Agent:
         self.client.base_url = url
         return True
 
+    def _renew_loop(self) -> None:
+        """Renew this worker's certificate every third of its lifetime; retried every minute while that fails."""
+        wait_s = PEER_CERT_LIFETIME_S / 3
+        while not self.stop.wait(wait_s):
+            try:
+                self.renew_certificate()
+                wait_s = PEER_CERT_LIFETIME_S / 3
+            except Exception as e:  # the coordinator restarting, or this worker revoked (403): said, retried
+                log.warning("renewing this worker's certificate failed (%s); retrying in a minute", e)
+                wait_s = 60.0
+
+    def renew_certificate(self) -> None:
+        """A new certificate for the snapshot and relay servers, loaded into their TLS context: connections from
+        now on see it, those open keep theirs."""
+        issued = self.client.post("/certificate", {})
+        load_certificate(self.trust.server, issued["cert"].encode(), issued["key"].encode())
+        log.info("certificate renewed")
+
     def _heartbeat_loop(self, period_s: float) -> None:
         while not self.stop.wait(period_s):
             try:
@@ -215,10 +248,13 @@ class Agent:
                 log.warning("heartbeat failed: %s", e)
 
     def run(self) -> None:
-        # The broadcast plane has its own key (derived from the run secret, which a worker never holds).
+        # The learner's public key, which its orders and manifests are checked against; the relay key comes with
+        # the learner's orders.
         keys = self._retrying(lambda: self.client.post("/relay-key", {}))
-        self.receiver.use_key(keys["key"], keys["manifest_key"])
+        self.receiver.trust_learner(keys["manifest_key"])
         self.receiver.start()
+        if self.trust is not None and self.trust.server is not None:
+            threading.Thread(target=self._renew_loop, name="certificate", daemon=True).start()
         info = self._register()
         self.worker_id = info["worker_id"]
         params = SamplingParams(n=info["group_size"], **info["sampling"])
@@ -288,6 +324,18 @@ class Agent:
                 pass
         self.receiver.close()
         self.engine.close()
+
+
+def load_certificate(ctx, cert_pem: bytes, key_pem: bytes) -> None:
+    """Replace the certificate a server's TLS context presents (ssl loads keys from files only: 0600, removed at
+    once)."""
+    fd, path = tempfile.mkstemp(suffix=".pem")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cert_pem + key_pem)
+        ctx.load_cert_chain(path)
+    finally:
+        os.unlink(path)
 
 
 def build_engine(kind: str, model: str, dtype: str, max_model_len: int, stop: threading.Event,

@@ -45,6 +45,7 @@ from echo2.rollout.pool import LocalPool, StaticPool
 from echo2.rollout.protocols import RunStopped, Weights
 from echo2.rollout.scoring import longest_prompt
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
+from echo2.rollout.trust import Checks
 from echo2.rollout.types import RolloutGroup, SamplingParams
 from echo2.transport import RunCA, is_loopback
 
@@ -91,7 +92,8 @@ class AsyncRolloutSource:
                  restart_window_s: float = 600.0, min_workers: int = 0, wait_log_s: float = 30.0,
                  deadline_floor_s: float = 10.0, deadline_cap_s: float = 600.0, deadline_slack: float = 4.0,
                  worker_share: float = 0.5, deadline_strikes: int = 3, tls: str = "auto", check_every_steps: int = 0,
-                 check_max_abs_log_ratio: float = 1.0, check_min_tokens: int = 256):
+                 check_max_abs_log_ratio: float = 1.0, check_evidence_nats: float = 24.0, reward_processes: int = 2,
+                 reward_timeout_s: float = 10.0):
         """The run's parts, by name (train.py passes those this constructor names): the ``task`` and ``tokenizer``
         the coordinator scores with, the ``sampling`` workers use, the ``model_path`` and ``token`` they join with,
         ``make_broadcaster()`` (called in the coordinator's process), the worker ``pool``, the planner's
@@ -115,16 +117,22 @@ class AsyncRolloutSource:
             token=token, staleness=staleness, prompts_per_step=prompts_per_step, group_size=s.n,
             vocab_size=len(tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
             groups_per_pull=groups_per_pull, seed=seed, journal=journal_path(run_dir), sampling={
-                "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
+                "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                "stop_token_ids": list(s.stop_token_ids)},
             activation=detached(ActivationSettings, activation),
             broadcast_shape=detached(BroadcastShape, broadcast_shape),
             liveness=dict(floor_s=deadline_floor_s, cap_s=deadline_cap_s, slack=deadline_slack, share=worker_share,
                           strikes=deadline_strikes))
         self.check_every_steps = check_every_steps  # read by the learner (trainer._check)
-        self.kwargs["checks"] = dict(max_abs_log_ratio=check_max_abs_log_ratio, min_tokens=check_min_tokens)
+        self.kwargs["checks"] = dict(max_abs_log_ratio=check_max_abs_log_ratio, evidence_nats=check_evidence_nats)
+        self.rewards = dict(processes=reward_processes, timeout_s=reward_timeout_s)  # the coordinator's reward pool
         # this learner process's epoch: kept by a restarted coordinator, new after a resume (agent.py)
         self.kwargs["epoch"] = os.urandom(8).hex()
         Liveness(**self.kwargs["liveness"])  # a bad value fails here, not in the coordinator's process
+        Checks(**self.kwargs["checks"])
+        if reward_processes < 1 or not reward_timeout_s > 0:
+            raise ValueError(f"rollout.source.reward_processes={reward_processes} must be >= 1 and "
+                             f"reward_timeout_s={reward_timeout_s} > 0")
         self.ca_hash = self._tls(tls, host)
         self.kwargs["requires"] = self.requires = run_needs(task, tokenizer, model_path, s.max_tokens)
         if getattr(self.pool, "max_model_len", 0) is None:  # local agents get the context the run needs
@@ -195,7 +203,7 @@ class AsyncRolloutSource:
     def _spawn(self, recover: dict | None) -> CoordinatorProcess:
         return CoordinatorProcess(
             task=self.task, tokenizer=self.tokenizer, make_broadcaster=self.make_broadcaster,
-            log_path=os.path.join(self.run_dir, "coordinator.log"), cores=self.cores,
+            log_path=os.path.join(self.run_dir, "coordinator.log"), cores=self.cores, rewards=self.rewards,
             coordinator_kwargs=dict(self.kwargs, recover=recover, version=self.version))
 
     def _retry(self, call: Callable[[CoordinatorProcess], T]) -> T:
@@ -271,9 +279,10 @@ class AsyncRolloutSource:
             self.weights = self.weights if getattr(weights, "local", True) else None
             self._restart(e)
 
-    def on_check(self, stats: dict[str, tuple[int, float]]) -> None:
-        """Per-worker sums of the log-ratio of the learner's logprobs to the workers' (rollout checks)."""
-        self._retry(lambda c: c.check(stats))
+    def on_check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
+        """Per-worker sums (tokens, log-ratio, |log-ratio|) of the learner's logprobs against the workers' (rollout
+        checks); returns the workers whose groups in the checked batch must not be trained on."""
+        return self._retry(lambda c: c.check(stats))
 
     def checkpoint(self) -> dict[str, Any]:
         """What a learner checkpoint must hold to resume this source: the version and the journal's length."""

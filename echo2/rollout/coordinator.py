@@ -4,16 +4,24 @@
                          ▲                                                │   ▲
                          └──────────── snapshots (Broadcaster) ◄──────────┘   └ set_version(v) after each step
 
-    pull:  dispatch prompt groups, while worth_dispatching (buffer.py): in flight + buffered <= (S+1)·P
-    push:  validate (results.py) -> score (task rewards, here, never trusted from a worker) -> admit to the buffer
+    every route: its body is validated first (schemas.py: types, finite bounded numbers, known keys), and a
+            route changes nothing until it has (a bad body is a 400 naming the field, never a half-done change)
+    pull:  dispatch prompt groups, while worth_dispatching (buffer.py): in flight + buffered <= (S+1)·P, and
+           while the worker's credential holds less than its share (liveness.py)
+    push:  claim (lock) -> validate (results.py) and score (task rewards in a pool of reward processes with a time
+           limit, reward_pool.py; never trusted from a worker) outside the lock (intake.py) -> settle (lock): each
+           group buffered, or dropped with its reason; a version the worker was never delivered is refused
     take:  waits for: P admissible groups in the buffer;  unblocked by: a push that completes the batch
     reaper: a worker silent for ``heartbeat_timeout_s`` is dead: its in-flight groups are counted lost and
             their prompts re-queued, so they are generated again elsewhere; a group past its deadline
-            (liveness.py) is lost the same way, and its worker's share shrinks
+            (liveness.py) is lost the same way, and its credential's share shrinks. An error in one pass is
+            logged and counted, and the next pass runs: nothing stops liveness
     release: a worker whose generate or push failed hands its groups back at once (lost, with its reason)
     credentials: the run secret (the learner's own, the local pool's, admin routes) or a worker's own
             ``name:HMAC(secret, name)`` (transport.worker_credential), which acts only for the worker ids it
-            registered; ``POST /revoke`` (run secret only) refuses a name from then on and re-queues its work
+            registered; all the ids of one credential are one principal (registry.py): one share, one record
+            of strikes, one verdict of the rollout checks; ``POST /revoke`` (run secret only) refuses a name from
+            then on and re-queues its work
 
 It runs as threads (an HTTP server and a reaper) of its own process (service.py), which answers the learner's
 ``take`` / ``set_version`` calls over a pipe; the learner only blocks in ``take`` when the buffer is short, which
@@ -27,66 +35,43 @@ resumed from a checkpoint, carries on with the same books and data position.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from echo2.activation.planner import OnlinePlanner
 from echo2.activation.settings import ActivationSettings, BroadcastShape
 from echo2.models.identity import mismatch
+from echo2.rollout import intake, schemas
 from echo2.rollout.activation import OnChangeHook
 from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
 from echo2.rollout.gate import Gate
-from echo2.rollout.ledger import Ledger
+from echo2.rollout.ledger import open_ledger
 from echo2.rollout.liveness import Liveness
+from echo2.rollout.registry import InFlight, Registry, WorkerInfo
+from echo2.rollout.scoring import encode_prompt
 from echo2.rollout.trust import Checks
-from echo2.rollout.scoring import Scorer, encode_prompt
-from echo2.rollout.results import integer, nonneg, parse_result
 from echo2.rollout.types import RolloutGroup
-from echo2.transport import BadRequest, JsonServer, Unauthorized
+from echo2.transport import BadRequest, JsonServer, Unauthorized, is_loopback
 
 log = logging.getLogger(__name__)
 
+MAX_IDS_PER_CREDENTIAL = 16
+"""Live worker ids one credential may hold at once (a box with 8 GPUs runs 8 agents): each id costs a registry
+entry, heartbeats and a broadcast peer, so a credential cannot register without bound."""
+
 
 class CannotServe(BadRequest):
-    """A registering worker serves another model, or too short a context (HTTP 409, the reason in the body)."""
+    """A registering worker serves another model, or too short a context, or its credential is benched (HTTP
+    409, the reason in the body: the agent exits with it)."""
 
     status = 409
 
 
-@dataclass
-class WorkerInfo:
-    worker_id: str
-    snapshot_url: str | None
-    engine: str
-    relay: str | None = None  # host:port of its relay node (snapshots are pulled from and served by it)
-    version: int = 0
-    delivered_version: int = 0  # newest snapshot the broadcaster has handed to this worker
-    last_seen: float = field(default_factory=time.monotonic)
-    rollouts_per_s: float = 0.0  # measured by the worker over its last batch
-    usd_per_hour: float = 0.0  # declared at registration (what activation and cost accounting use)
-    down_mbit: float = 1000.0
-    up_mbit: float = 1000.0
-    rtt_ms: float = 0.0
-    misses: int = 0  # reaper passes in which its groups were past their deadline, less on-time pushes
-    name: str | None = None  # the worker credential it registered with (None: the run secret)
-
-
-@dataclass
-class InFlight:
-    worker_id: str
-    row: dict[str, Any]
-    prompt_ids: list[int]
-    row_index: int
-    deadline: float = math.inf  # time.monotonic() after which the group is lost
-
-
 class Coordinator:
-    def __init__(self, dataset: Any, scorer: Scorer, tokenizer: Any, *, token: str, staleness: int,
+    def __init__(self, dataset: Any, scorer: Any, tokenizer: Any, *, token: str, staleness: int,
                  prompts_per_step: int, group_size: int, sampling: dict[str, Any], vocab_size: int,
                  host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
                  groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
@@ -94,14 +79,16 @@ class Coordinator:
                  journal: str | None = None, recover: dict | None = None, version: int = 0,
                  liveness: dict | None = None, tls_dir: str | None = None, epoch: str | None = None,
                  checks: dict | None = None, requires: dict | None = None):
-        """``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
+        """``scorer``: anything with ``score_many(groups)`` (a scoring.Scorer, or a reward_pool.RewardPool).
+        ``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
         ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
         checkpoint taken at journal length N; ``version``: the learner's version then. ``liveness``: Liveness's
-        fields (deadlines, per-worker share, strikes). ``tls_dir``: the run CA's directory (transport.RunCA); set,
-        every server of the rollout plane speaks TLS and workers get their certificates here. ``epoch``: names the
-        learner process (a resumed learner is a new epoch); told to workers at registration, so that one holding
-        another epoch's weights waits for this one's instead of generating with them. ``requires``: what a worker
-        must serve, ``{"model": identity, "max_model_len": tokens}`` (echo2/models/identity.py); None: no check."""
+        fields (deadlines, per-credential share, strikes). ``tls_dir``: the run CA's directory (transport.RunCA);
+        set, every server of the rollout plane speaks TLS and workers get their certificates here. ``epoch``:
+        names the learner process (a resumed learner is a new epoch); told to workers at registration, so that one
+        holding another epoch's weights waits for this one's instead of generating with them. ``checks``: Checks's
+        fields (trust.py). ``requires``: what a worker must serve, ``{"model": identity, "max_model_len": tokens}``
+        (echo2/models/identity.py); None: no check."""
         self.requires = requires
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
         self.S, self.P, self.G = staleness, prompts_per_step, group_size
@@ -114,16 +101,21 @@ class Coordinator:
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
         self.version = version
+        # Versions every worker holds without a delivery: a fresh run's initial weights (0), and after a coordinator
+        # restart the versions the dead one may have delivered that are still admissible. A resumed learner is a
+        # new epoch: its workers wait for its weights, delivered like any snapshot.
+        self.initial_versions = ({0} if version == 0 else set(range(max(0, version - staleness), version + 1))
+                                 if not (recover and "resume_offset" in recover) else set())
         # Batches handed to the learner: the next batch taken is for step ``batches_taken``. Between a take at
         # step t and set_version(t+1) the learner is mid-step; dispatch must already judge for step t+1, or it
         # hands out work that is stale on arrival (measured: 21 % of rollouts dropped at S=0 without this).
         self.batches_taken = version
-        self.workers: dict[str, WorkerInfo] = {}
-        self.in_flight: dict[str, InFlight] = {}
+        self.last_taken: list[tuple] = []  # (group id, worker id, row) of the last batch: what the checks judge
+        self.reg = Registry(self.liveness)
         self.dataset = dataset
-        self.ledger = _ledger(journal, recover, group_size, len(dataset), seed)
+        self.ledger = open_ledger(journal, recover, group_size, len(dataset), seed)
         self.registered = 0
-        self.deadline_misses = 0
+        self.deadline_misses = self.reaper_errors = 0
         self.closed = False
         activation, shape = activation or ActivationSettings(), broadcast_shape or BroadcastShape()
         self.activation = OnlinePlanner(activation, shape, staleness=staleness,
@@ -133,6 +125,7 @@ class Coordinator:
         self.on_change = OnChangeHook(activation.on_change, run_dir=os.path.dirname(journal) if journal else None)
         self.gate = Gate(token, os.path.dirname(journal) if journal else None, fresh=not recover, tls_dir=tls_dir)
         trust = self.gate.trust
+        self.tls, self.exposed = trust is not None, not is_loopback(host)
         self.server = JsonServer(host, port, token, name="coordinator", tls=trust and trust.server,
                                  public=Gate.PUBLIC_ROUTES, authorize=self.gate.authorize, routes={
             **self.gate.routes(), "POST /revoke": self._revoke,
@@ -143,6 +136,7 @@ class Coordinator:
         self.reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
         if broadcaster is not None:
             broadcaster.on_delivered = self._snapshot_delivered
+            broadcaster.epoch = epoch  # in every manifest and order: a worker refuses another epoch's
             if trust is not None:
                 broadcaster.use_tls(trust)
 
@@ -156,66 +150,99 @@ class Coordinator:
     def url(self) -> str:
         return self.server.url()
 
+    @property
+    def workers(self) -> dict[str, WorkerInfo]:
+        return self.reg.workers
+
+    @property
+    def in_flight(self) -> dict[str, InFlight]:
+        return self.reg.in_flight
+
     # ---------------------------------------------------------------- worker-facing routes
 
-    def _worker(self, body: dict, headers) -> WorkerInfo:
-        worker = self.workers.get(str(body.get("worker_id")))
+    def _worker(self, req: schemas.WorkerCall, headers) -> WorkerInfo:
+        """The calling worker (its credential must be the one it registered with); notes it alive and, if it is
+        one it may hold (delivered, or initial), the version it claims. Holds the lock."""
+        worker = self.reg.workers.get(req.worker_id)
         if worker is None:
-            raise BadRequest(f"unknown worker {body.get('worker_id')!r}: register first")
+            raise BadRequest(f"unknown worker {req.worker_id!r}: register first")
         caller = self.gate.caller(headers)
         if caller is not None and worker.name != caller:
             raise Unauthorized(f"worker {worker.worker_id} did not register with {caller!r}'s credential")
+        if req.version is not None and req.version > self.version:
+            raise BadRequest(f"'version' {req.version} is ahead of the learner's {self.version}")
         worker.last_seen = time.monotonic()
-        if "version" in body:
-            worker.version = integer(body, "version", 0, self.version)
+        if req.version is not None and req.version in worker.delivered:
+            worker.version = req.version  # a claim of weights it was never handed is not believed
         return worker
 
     def _register(self, body: dict, headers) -> dict:
+        req = schemas.parse(schemas.Register, body)
         if self.requires is not None and (why := mismatch(self.requires, body)):
             raise CannotServe(f"this worker cannot serve this run: {why}")  # registered never: no work, no id
+        caller = self.gate.caller(headers)
+        exposed = self.exposed and caller is not None  # the run secret's agents are the learner's own
+        url = req.snapshot_url and schemas.snapshot_url(req.snapshot_url, tls=self.tls, exposed=exposed)
+        relay = req.relay and schemas.relay_address(req.relay, exposed=exposed)
         with self.lock:
-            relay_addr = body.get("relay")
-            if relay_addr is not None and not (isinstance(relay_addr, str) and relay_addr.rpartition(":")[2].isdigit()):
-                raise BadRequest("'relay' must be 'host:port'")
-            worker = WorkerInfo(self.ledger.new_worker_id(), body.get("snapshot_url"), str(body.get("engine", "?")),
-                                relay_addr, **{k: nonneg(body, k, default) for k, default in (
-                                    ("usd_per_hour", 0.0), ("down_mbit", 1000.0), ("up_mbit", 1000.0),
-                                    ("rtt_ms", 0.0))})
-            worker.name = self.gate.caller(headers)
-            self.workers[worker.worker_id] = worker
+            known = self.reg.principals.get(caller) if caller is not None else None
+            if known is not None and self.liveness.benched(known.misses):
+                raise CannotServe(f"the credential {caller!r} was benched after {known.misses} misses (deadlines "
+                                  "or invalid results): it gets no more work in this run")
+            if known is not None and len(known.ids) >= MAX_IDS_PER_CREDENTIAL:
+                raise BadRequest(f"the credential {caller!r} already has {len(known.ids)} live workers "
+                                 f"(at most {MAX_IDS_PER_CREDENTIAL}): leave with one first")
+            wid = self.ledger.new_worker_id()
+            principal = self.reg.principal(caller, wid)
+            worker = WorkerInfo(wid, principal.key, url or None, req.engine, relay or None, caller,
+                                version=max(self.initial_versions, default=-1), delivered=set(self.initial_versions),
+                                usd_per_hour=req.usd_per_hour, down_mbit=req.down_mbit, up_mbit=req.up_mbit,
+                                rtt_ms=req.rtt_ms)
+            self.reg.add(worker)
             self.registered += 1
             self.activation.dirty = True
         if self.broadcaster is not None and worker.snapshot_url:
-            self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url, worker.relay)
-        log.info("worker %s joined (%s engine, snapshots at %s)", worker.worker_id, worker.engine,
-                 worker.snapshot_url)
+            try:
+                self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url, worker.relay)
+            except Exception:
+                with self.lock:
+                    self._retire(worker.worker_id, "register_failed")
+                raise
+        log.info("worker %s joined (%s engine, snapshots at %s%s)", worker.worker_id, worker.engine,
+                 worker.snapshot_url, f", credential {caller!r}" if caller else "")
         return {"worker_id": worker.worker_id, "version": self.version, "epoch": self.epoch, "group_size": self.G,
                 "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4, "requires": self.requires}
 
     def _revoke(self, body: dict, _headers) -> dict:
         """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its workers are
         retired (their in-flight groups lost: revoked, prompts re-queued) and dropped from the broadcast."""
+        name = schemas.parse(schemas.Revoke, body).name
         with self.lock:
-            name = self.gate.revoke(body.get("name"))
-            retired = [w.worker_id for w in self.workers.values() if w.name == name]
+            self.gate.revoke(name)
+            principal = self.reg.principals.get(name)
+            retired = sorted(principal.ids) if principal is not None else []
             for wid in retired:
                 self._retire(wid, "revoked")
+            if self.broadcaster is not None:
+                self.broadcaster.rekey()  # a new relay key for the live workers: the revoked one is off the relay
             self.lock.notify_all()
         log.warning("worker credential %r revoked; retired %s", name, retired or "no live worker")
         return {"revoked": name, "retired": retired}
 
     def _heartbeat(self, body: dict, headers) -> dict:
+        req = schemas.parse(schemas.Heartbeat, body)
         with self.lock:
-            self._worker(body, headers)
+            self._worker(req, headers)
         return {"version": self.version}
 
     def _pull(self, body: dict, headers) -> dict:
         """Hand out up to ``max_groups`` groups. A long poll: with nothing worth dispatching it waits (up to
         ``long_poll_s``) for the learner to take a batch or publish a version, instead of the worker sleeping."""
+        req = schemas.parse(schemas.Pull, body)
         deadline = time.monotonic() + self.long_poll_s
         with self.lock:
-            worker = self._worker(body, headers)
-            want = min(integer(body, "max_groups", 1, 1024), self.groups_per_pull)
+            worker = self._worker(req, headers)
+            want = min(req.max_groups or self.groups_per_pull, self.groups_per_pull)
             while True:
                 work = self._dispatch(worker, want)
                 remaining = deadline - time.monotonic()
@@ -228,111 +255,89 @@ class Coordinator:
         return {"work": work, "version": self.version, "wait_s": 0.0 if work or fresh_snapshot else 0.1}
 
     def _dispatch(self, worker: WorkerInfo, want: int) -> list[dict]:
-        """New groups for ``worker``, while worth it (buffer.worth_dispatching). Holds the lock."""
-        work = []
-        if not self.activation.is_active(worker.worker_id):
-            return work  # deactivated: no work until a re-plan turns it on again
-        held = sum(1 for f in self.in_flight.values() if f.worker_id == worker.worker_id)
-        limit = self.liveness.worker_limit((self.S + 1) * self.P, worker.misses)
-        while len(work) < want and held + len(work) < limit and not self.closed:
-            ahead = len(self.buffer) + len(self.in_flight)
-            next_step = max(self.version, self.batches_taken)
-            if not worth_dispatching(next_step, worker.version, ahead, self.P, self.S):
+        """New groups for ``worker``, while worth it (buffer.worth_dispatching) and within its credential's share.
+        Holds the lock. A group whose prompt cannot be built is lost (``dispatch_failed``), not half-dispatched."""
+        work: list[dict] = []
+        if not self.activation.is_active(worker.worker_id) or worker.version < 0 or worker.worker_id not in \
+                self.reg.workers:
+            return work  # deactivated (until a re-plan turns it on), or it holds no weights it may generate with
+        principal = self.reg.principals[worker.principal]
+        room = self.reg.limit(principal, (self.S + 1) * self.P, self.groups_per_pull, self.activation.is_active)
+        room -= principal.held
+        while len(work) < min(want, room) and not self.closed:
+            ahead = len(self.buffer) + len(self.reg.in_flight)
+            if not worth_dispatching(max(self.version, self.batches_taken), worker.version, ahead, self.P, self.S):
                 break
             gid, index = self.ledger.draw()
-            row = self.dataset[index]
-            ids = encode_prompt(self.tokenizer, row["prompt"])
-            self.in_flight[gid] = InFlight(worker.worker_id, row, ids, index)
+            try:
+                row = self.dataset[index]
+                ids = encode_prompt(self.tokenizer, row["prompt"])
+            except Exception:
+                log.exception("group %s: the prompt of row %d could not be built", gid, index)
+                self.ledger.lose(gid, "dispatch_failed", requeue=False)
+                break
+            self.reg.fly(gid, InFlight(worker.worker_id, worker.principal, row, ids, index))
             work.append({"group_id": gid, "prompt_ids": ids})
         if work:
-            due = time.monotonic() + self.liveness.deadline_s(worker.rollouts_per_s, held + len(work), self.G)
+            rate = worker.rollouts_per_s or self.reg.fresh_rate()
+            due = time.monotonic() + self.liveness.deadline_s(rate, worker.held, self.G)
             for w in work:
-                self.in_flight[w["group_id"]].deadline = due
+                self.reg.in_flight[w["group_id"]].deadline = due
         return work
 
     def _push(self, body: dict, headers) -> dict:
-        results = body.get("results")
-        if not isinstance(results, list):
-            raise BadRequest("'results' must be a list")
-        accepted, rejected = [], []
+        """Claim the results' groups (lock), parse and score them (no lock), settle each (lock): intake.py. Every
+        claimed group ends buffered or dropped with a reason, whatever fails on the way."""
+        req = schemas.parse(schemas.Push, body)
         with self.lock:
-            worker = self._worker(body, headers)
-            claimed = []
-            for res in results:
-                gid = str(res.get("group_id")) if isinstance(res, dict) else None
-                flight = self.in_flight.get(gid)
-                if flight is None or flight.worker_id != worker.worker_id:
-                    # a replay, a duplicate, a result the reaper already gave up on, or work never dispatched
-                    rejected.append({"group_id": gid, "reason": "not_in_flight_for_this_worker"})
-                    self.ledger.refuse("not_in_flight_for_this_worker")
-                    log.warning("worker %s: result for group %s refused: not in flight for it", worker.worker_id, gid)
-                    continue
-                claimed.append((gid, self.in_flight.pop(gid), res))
-        scored = []
-        for gid, flight, res in claimed:  # parse and score outside the lock
-            try:
-                rollouts = parse_result(res, flight.prompt_ids, self.G, int(self.sampling["max_tokens"]),
-                                        self.vocab_size)
-                group = RolloutGroup(row=flight.row, rollouts=rollouts, group_id=gid, row_index=flight.row_index,
-                                     worker_id=flight.worker_id)
-                self.scorer.score(group)
-                scored.append((gid, flight, group))
-            except BadRequest as e:
-                rejected.append({"group_id": gid, "reason": str(e)})
-                with self.lock:  # the rollouts were generated but are unusable; the prompt goes back
-                    self.ledger.drop(gid, "invalid", requeue=True)
-                log.warning("worker %s: group %s rejected: %s", worker.worker_id, gid, e)
-        with self.lock:
-            if scored and worker.misses and not self.liveness.benched(worker.misses):
-                worker.misses -= 1  # on time again: one halving of its share back
-            for gid, flight, group in scored:
-                self.ledger.received(gid, worker.worker_id)
-                if self.buffer.admit(group, group.version, self.version):
-                    accepted.append(gid)
-                else:  # generated by weights the learner has not published: a lying or broken worker
-                    self.ledger.drop(gid, "future_version", requeue=True)
-                    rejected.append({"group_id": gid, "reason": "future_version"})
-            rate = body.get("rollouts_per_s")
-            if isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0:  # a report, not a trust
-                worker.rollouts_per_s = float(rate)
-            self.lock.notify_all()
+            worker = self._worker(req, headers)
+            claimed, rejected = intake.claim(self.reg, self.ledger, worker, req.results)
+            claimed_at = time.monotonic()
+        try:
+            outcomes = intake.score(self.scorer, claimed, self.G, int(self.sampling["max_tokens"]), self.vocab_size)
+            with self.lock:
+                accepted = intake.settle(self.reg, self.ledger, self.buffer, worker, outcomes, rejected,
+                                         version=self.version, staleness=self.S, group_size=self.G,
+                                         claimed_at=claimed_at, reported_rate=req.rollouts_per_s)
+                self.lock.notify_all()
+        finally:
+            with self.lock:
+                intake.unclaim(self.reg, self.ledger, [gid for gid, _, _ in claimed])
         return {"accepted": accepted, "rejected": rejected, "version": self.version}
 
     def _snapshot_delivered(self, worker_id: str, version: int) -> None:
+        """The broadcaster handed ``version`` to the worker: from now on it may claim it."""
         with self.lock:
-            worker = self.workers.get(worker_id)
+            worker = self.reg.workers.get(worker_id)
             if worker is not None:
-                worker.delivered_version = max(worker.delivered_version, version)
+                horizon = intake.delivery_horizon(self.version, self.S)
+                worker.delivered = {v for v in worker.delivered if v >= horizon} | {version}
                 self.lock.notify_all()
 
     def _leave(self, body: dict, headers) -> dict:
+        req = schemas.parse(schemas.Leave, body)
         with self.lock:
-            worker = self._worker(body, headers)
+            worker = self._worker(req, headers)
             self._retire(worker.worker_id, "worker_left")
         return {"ok": True}
 
-    RELEASE_REASONS = ("generate_failed", "push_failed")
-
     def _release(self, body: dict, headers) -> dict:
         """A worker hands back groups it cannot deliver: lost with its reason, prompts re-queued at once."""
-        reason, gids = body.get("reason"), body.get("group_ids")
-        if reason not in self.RELEASE_REASONS:
-            raise BadRequest(f"'reason' must be one of {self.RELEASE_REASONS}, got {reason!r}")
-        if not isinstance(gids, list) or not all(isinstance(g, str) for g in gids):
-            raise BadRequest("'group_ids' must be a list of strings")
-        released = []
+        req = schemas.parse(schemas.Release, body)
+        released, stray = [], 0
         with self.lock:
-            worker = self._worker(body, headers)
-            for gid in gids:
-                flight = self.in_flight.get(gid)
+            worker = self._worker(req, headers)
+            for gid in req.group_ids:
+                flight = self.reg.in_flight.get(gid)
                 if flight is None or flight.worker_id != worker.worker_id:
-                    self.ledger.refuse("release_not_in_flight")  # already settled (e.g. its push did arrive)
+                    stray += 1  # already settled (e.g. its push did arrive)
                     continue
-                del self.in_flight[gid]
-                self.ledger.lose(gid, reason)
+                self.reg.land(gid)
+                self.ledger.lose(gid, req.reason)
                 released.append(gid)
+            self.ledger.refuse("release_not_in_flight", stray)
             self.lock.notify_all()  # room under the in-flight cap
-        log.warning("worker %s handed back %d groups: %s", worker.worker_id, len(released), reason)
+        log.warning("worker %s handed back %d groups: %s", worker.worker_id, len(released), req.reason)
         return {"released": released}
 
     def _status(self, _body, _headers) -> dict:
@@ -342,57 +347,69 @@ class Coordinator:
         """A point-in-time view (also ``GET /status``): version, queue depths, live workers, who delivered what."""
         with self.lock:
             return {"version": self.version, "buffered_groups": len(self.buffer),
-                    "in_flight_groups": len(self.in_flight), "workers": sorted(self.workers),
+                    "in_flight_groups": len(self.reg.in_flight), "workers": sorted(self.reg.workers),
                     "registered": self.registered, "by_worker": dict(self.ledger.by_worker),
-                    "held": dict(Counter(f.worker_id for f in self.in_flight.values())),
-                    "benched": sorted(w.worker_id for w in self.workers.values()
-                                      if self.liveness.benched(w.misses))}
+                    "held": {w.worker_id: w.held for w in self.reg.workers.values() if w.held},
+                    "benched": sorted(w.worker_id for w in self.reg.workers.values() if self.reg.benched(w))}
 
     # ---------------------------------------------------------------- liveness
 
     def _retire(self, worker_id: str, reason: str) -> None:
         """Remove a worker; its in-flight groups are lost (counted) and their prompts re-queued. Holds the lock."""
-        self.workers.pop(worker_id, None)
+        if self.reg.remove(worker_id) is None:
+            return
         self.ledger.retire(worker_id, reason)
         self.activation.dirty = True
-        for gid in [g for g, f in self.in_flight.items() if f.worker_id == worker_id]:
-            del self.in_flight[gid]
+        for gid in self.reg.held_by(worker_id):
+            self.reg.land(gid)
             self.ledger.lose(gid, reason)
         if self.broadcaster is not None:
             self.broadcaster.remove_peer(worker_id)
         log.log(logging.INFO if reason == "worker_left" else logging.WARNING, "worker %s retired: %s", worker_id, reason)
 
     def _reap_loop(self) -> None:
+        """Every pass: the dead, the late, a re-plan; each in its own try, so that a failure in one (a planner
+        bug, a hook that cannot start) is logged with its traceback and counted, and liveness goes on."""
         while not self.closed:
             time.sleep(min(1.0, self.heartbeat_timeout_s / 4))
-            with self.lock:
-                now = time.monotonic()
-                for w in [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]:
-                    self._retire(w.worker_id, "worker_dead")
-                self.on_change.reap()
-                self._expire(now)
-                bcast = self.broadcaster.metrics() if self.broadcaster is not None else {}
-                workers = list(self.workers.values())
-                change = self.activation.replan(workers, float(bcast.get("broadcast/bytes", 0.0)), now)
-                if change is not None:
-                    self.on_change(change, workers, self.activation.settings.solver)
-                    self.lock.notify_all()
+            for step in (self._reap_dead, self._expire, self._replan):
+                try:
+                    with self.lock:
+                        step(time.monotonic())
+                except Exception:
+                    self.reaper_errors += 1
+                    log.exception("reaper: %s failed (error %d); the next pass runs as usual", step.__name__,
+                                  self.reaper_errors)
+
+    def _reap_dead(self, now: float) -> None:
+        for w in [w for w in self.reg.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]:
+            self._retire(w.worker_id, "worker_dead")
+
+    def _replan(self, now: float) -> None:
+        self.on_change.reap()
+        bcast = self.broadcaster.metrics() if self.broadcaster is not None else {}
+        workers = list(self.reg.workers.values())
+        change = self.activation.replan(workers, float(bcast.get("broadcast/bytes", 0.0)), now)
+        if change is not None:
+            self.on_change(change, workers, self.activation.settings.solver)
+            self.lock.notify_all()
 
     def _expire(self, now: float) -> None:
-        """Groups past their deadline are lost and re-queued; each of their workers takes one miss. Holds the lock."""
-        late = Counter()
-        for gid in [g for g, f in self.in_flight.items() if f.deadline < now]:
-            late[self.in_flight.pop(gid).worker_id] += 1
+        """Groups past their deadline are lost and re-queued; each credential with late groups takes one miss.
+        Holds the lock."""
+        late: Counter = Counter()
+        for gid in [g for g, f in self.reg.in_flight.items() if f.deadline < now]:
+            flight = self.reg.land(gid)
+            self.reg.remember(gid, flight, "past_deadline")
+            late[flight.principal] += 1
             self.ledger.lose(gid, "deadline")
-        for wid, n in late.items():
-            worker = self.workers.get(wid)
-            if worker is None:
-                continue
-            worker.misses += 1
+        for key, n in late.items():
+            principal = self.reg.principals[key]
+            principal.misses += 1
             self.deadline_misses += 1
-            benched = self.liveness.benched(worker.misses)
-            log.warning("worker %s: %d groups past their deadline (miss %d of %d)%s", wid, n, worker.misses,
-                        self.liveness.strikes, "; it gets no more work" if benched else "")
+            benched = self.liveness.benched(principal.misses)
+            log.warning("worker %s: %d groups past their deadline (miss %d of %d)%s", ",".join(sorted(principal.ids))
+                        or key, n, principal.misses, self.liveness.strikes, "; it gets no more work" if benched else "")
         if late:
             self.lock.notify_all()
 
@@ -402,7 +419,7 @@ class Coordinator:
         """Called by the learner after every optimizer step."""
         with self.lock:
             self.version = version
-            self.activation.step_done(self.workers, time.monotonic())
+            self.activation.step_done(self.reg.workers, time.monotonic())
             self._evict_stale()
             self.lock.notify_all()  # long-polling workers may now be worth dispatching to
 
@@ -415,6 +432,7 @@ class Coordinator:
                 got = self.buffer.take(n, self.version)
                 if got is not None:
                     self.ledger.consumed([g.group_id for _, g in got])
+                    self.last_taken = [(g.group_id, g.worker_id, g.row_index) for _, g in got]
                     self.batches_taken += 1
                     self.activation.took(time.monotonic())
                     self.lock.notify_all()  # room under the in-flight cap: wake long-polling workers
@@ -422,43 +440,67 @@ class Coordinator:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"no {n} admissible groups within {timeout_s} s "
-                                       f"({len(self.buffer)} buffered, {len(self.workers)} workers)")
+                                       f"({len(self.buffer)} buffered, {len(self.reg.workers)} workers)")
                 self.lock.wait(timeout=1.0 if remaining is None else min(remaining, 1.0))
 
-    def check(self, stats: dict[str, tuple[int, float]]) -> None:
-        """The learner's scores of workers' behaviour logprobs (trust.py): flag, or retire an implausible worker,
-        dropping its buffered groups (``untrusted``, prompts re-queued) and revoking its credential."""
+    def check(self, stats: dict[str, tuple]) -> list[str]:
+        """The learner's scores of the last batch's behaviour logprobs, ``{worker id: (tokens, Σ log-ratio,
+        Σ |log-ratio|)}`` (trust.py), judged per credential. A credential found cheating is retired whole: its
+        credential revoked, every id retired (groups in flight lost: untrusted), its buffered groups dropped
+        (untrusted, prompts re-queued). Returns the worker ids whose groups in that batch the learner must not
+        train on (booked: dropped, untrusted)."""
         with self.lock:
-            flagged, retire = self.checks.update(stats)
-            for wid in flagged:
-                log.warning("worker %s flagged: mean log-ratio %.2f against the learner's logprobs", wid,
-                            self.checks.mean(wid))
-            for wid in retire:
-                worker = self.workers.get(wid)
-                if worker is None:
-                    continue
-                keep = []
-                for x, group in self.buffer.groups:
-                    if group.worker_id == wid:
-                        self.ledger.drop(group.group_id, "untrusted", requeue=True)
-                    else:
-                        keep.append((x, group))
-                self.buffer.groups = deque(keep)
-                if worker.name is not None:
-                    self.gate.revoke(worker.name)  # else it would come back under a new id
-                self._retire(wid, "untrusted")
-                log.warning("worker %s retired as untrusted (mean log-ratio %.2f over %d tokens)", wid,
-                            self.checks.mean(wid), self.checks.tokens[wid])
+            per: dict[str, list] = {}
+            for wid, (n, total, *rest) in stats.items():
+                key = self.reg.principal_of.get(wid, f"#{wid}")
+                acc = per.setdefault(key, [0, 0.0, 0.0])
+                acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + total, acc[2] + (rest[0] if rest else abs(total))
+            verdict = self.checks.update({k: tuple(v) for k, v in per.items()})
+            for key in verdict.flagged:
+                log.warning("worker %s flagged: mean |log-ratio| %.2f against the learner's logprobs (credential %s)",
+                            ",".join(sorted(self._ids(key))) or key, self.checks.mean_abs(key), key)
+            for key in verdict.retire:
+                self._distrust(key)
+            bad = {wid for wid in stats if self.reg.principal_of.get(wid, f"#{wid}") in set(verdict.reject)}
+            judged = [(gid, row) for gid, wid, row in self.last_taken if wid in bad]
+            self.ledger.distrusted([gid for gid, _ in judged], [row for _, row in judged], "untrusted")
+            self.last_taken = []  # judged once
             self.lock.notify_all()
+        return sorted(bad)
+
+    def _ids(self, key: str) -> set[str]:
+        principal = self.reg.principals.get(key)
+        return set(principal.ids) if principal is not None else set()
+
+    def _distrust(self, key: str) -> None:
+        """Retire a principal as untrusted: revoke its credential, drop its buffered groups, retire its ids."""
+        principal = self.reg.principals.get(key)
+        ids = self._ids(key)
+        if principal is not None and principal.name is not None:
+            self.gate.revoke(principal.name)  # else it would come back under a new id
+        keep = deque()
+        for x, group in self.buffer.groups:
+            if self.reg.principal_of.get(group.worker_id) == key:
+                self.ledger.drop(group.group_id, "untrusted", requeue=True)
+            else:
+                keep.append((x, group))
+        self.buffer.groups = keep
+        for wid in sorted(ids):
+            self._retire(wid, "untrusted")
+            log.warning("worker %s retired as untrusted (credential %s: mean |log-ratio| %.2f over %d tokens)", wid,
+                        key, self.checks.mean_abs(key), self.checks.tokens.get(key, 0))
+        if self.broadcaster is not None and principal is not None and principal.name is not None:
+            self.broadcaster.rekey()  # its credential was revoked: off the relay too
 
     def _evict_stale(self) -> None:
         for group in self.buffer.evict_stale(self.version):
             self.ledger.drop(group.group_id, "stale", requeue=False)
 
     def mark(self) -> int:
-        """A point to resume from (the learner is between steps): the journal's length now."""
+        """A point to resume from (the learner is between steps): the journal's length now, written and fsynced
+        (raises if the journal cannot be written: a checkpoint must not record a point it does not reach)."""
         with self.lock:
-            return self.ledger.position()
+            return self.ledger.sync()
 
     def metrics(self) -> dict[str, float]:
         with self.lock:
@@ -475,13 +517,18 @@ class Coordinator:
                    "rollout/flagged_workers": float(len(self.checks.flagged)),
                    "rollout/dropped_untrusted": float(led.dropped["untrusted"]),
                    "rollout/deadline_misses": float(self.deadline_misses),
-                   "rollout/benched_workers": float(sum(self.liveness.benched(w.misses)
-                                                        for w in self.workers.values()))}
+                   "rollout/invalid_strikes": float(self.reg.invalid_strikes),
+                   "rollout/reaper_errors": float(self.reaper_errors),
+                   "rollout/journal_errors": float(led.journal_errors),
+                   "rollout/benched_workers": float(sum(self.reg.benched(w) for w in self.workers.values()))}
             for w in self.workers.values():
                 out[f"rollout/throughput/{w.worker_id}"] = w.rollouts_per_s
-            for wid in self.checks.tokens:  # rollout checks: each worker's mean log-ratio so far
-                out[f"rollout/check_log_ratio/{wid}"] = self.checks.mean(wid)
+            for key in self.checks.tokens:  # rollout checks, per credential (#w3: a run-secret worker)
+                out[f"rollout/check_log_ratio/{key}"] = self.checks.mean(key)
+                out[f"rollout/check_abs_log_ratio/{key}"] = self.checks.mean_abs(key)
             out.update(self.activation.metrics(self.workers))
+        if hasattr(self.scorer, "metrics"):
+            out.update(self.scorer.metrics())
         return out
 
     def accounting(self) -> dict[str, Any]:
@@ -504,9 +551,9 @@ class Coordinator:
             for _, group in self.buffer.groups:
                 self.ledger.drop(group.group_id, "unconsumed_at_end", requeue=False)
             self.buffer.groups.clear()
-            for gid in self.in_flight:
+            for gid in list(self.reg.in_flight):
+                self.reg.land(gid)
                 self.ledger.lose(gid, "in_flight_at_end", requeue=False)
-            self.in_flight.clear()
             self.lock.notify_all()
         self.server.close()
         accounting = self.accounting()
@@ -516,22 +563,3 @@ class Coordinator:
 
 def _nonzero(counter: Counter) -> dict[str, int]:
     return {k: v for k, v in counter.items() if v}
-
-
-def _ledger(journal: str | None, recover: dict | None, group_size: int, n_rows: int, seed: int) -> Ledger:
-    if recover and journal is None:
-        raise ValueError("recovering the coordinator needs its journal")
-    if recover and recover.get("restart"):
-        led = Ledger.after_coordinator_restart(journal, group_size, n_rows, seed)
-        log.warning("coordinator restarted from %s: %s", journal, led.accounting())
-        return led
-    if recover:
-        led = Ledger.after_learner_resume(journal, int(recover["resume_offset"]), group_size, n_rows, seed)
-        log.info("coordinator resumed from %s at byte %d: %s", journal, recover["resume_offset"], led.accounting())
-        return led
-    led = Ledger(group_size, n_rows, seed)
-    if journal is not None:
-        if os.path.exists(journal):
-            os.unlink(journal)  # a fresh run in a used directory: the old journal is not this run's
-        led.open_journal(journal)
-    return led

@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from echo2.broadcast.manifest import verify_key
+from echo2.rollout import schemas
 from echo2.transport import (PEER_NAME, BadRequest, Revoked, RunCA, Trust, Unauthorized, credential_name,
                              relay_key)
 
@@ -78,14 +79,16 @@ class Gate:
             raise BadRequest("this coordinator does not use TLS")
         return {"ca": self.ca.ca_pem.decode()}
 
-    def _certificate(self, _body, _headers) -> dict:
+    def _certificate(self, body, _headers) -> dict:
         """A key and certificate for a worker's snapshot and relay servers, for the name every peer verifies."""
+        schemas.parse(schemas.Empty, body)
         if self.ca is None:
             raise BadRequest("this coordinator does not use TLS")
         cert, key = self.ca.issue([PEER_NAME])
         return {"cert": cert.decode(), "key": key.decode()}
 
-    def _relay_key(self, _body, _headers) -> dict:
+    def _relay_key(self, body, _headers) -> dict:
         """What a worker's snapshot receiver needs: the broadcast plane's key (transport.relay_key) and the public
         key the learner's manifests are signed for (broadcast.manifest.verify_key)."""
+        schemas.parse(schemas.Empty, body)
         return {"key": relay_key(self.secret), "manifest_key": verify_key(self.secret)}

@@ -12,9 +12,13 @@ always. The data position is the row stream (a seeded shuffle per epoch of the t
 the queue of rows handed back for another try (a lost or invalid group's prompt is generated again).
 
 **The journal** (``<run dir>/rollouts.journal``): one JSON line per transition, appended under the
-coordinator's lock and written through to the OS at once (line buffering; a killed process loses nothing it
-wrote, a crashed machine may lose the tail). Replaying it rebuilds the exact books, the data position and the
-open groups. Two uses:
+coordinator's lock and written to the OS *before* the transition is applied (a killed process loses nothing it
+acted on; a crashed machine may lose the tail since the last checkpoint, where the journal is fsynced). A
+write that fails (ENOSPC, EIO) is cut back to the last whole line and its line kept in memory with every later
+one, in order, until the file takes them: the books in memory stay exact and always add up, the file stays a
+prefix of them, and a checkpoint (``sync``) that cannot write them all fails loudly instead of recording an
+offset the journal does not reach. Replaying it rebuilds the exact books, the data position and the open
+groups. Two uses:
 
 * **coordinator restart** (its process died): replay; the groups still open were in the dead process's memory,
   so in-flight ones are lost and buffered ones dropped, with reason ``coordinator_restart``; their prompts
@@ -23,7 +27,8 @@ open groups. Two uses:
   data position goes back to step k's (rows drawn after it are drawn again; groups open at k have their
   prompts re-queued), while the books keep everything the dead run did after k: its consumed rollouts
   trained steps that were thrown away (dropped, ``discarded_by_resume``), its open groups at death are
-  lost / dropped with reason ``learner_restart``.
+  lost / dropped with reason ``learner_restart``. The journal must reach that length, at a line's end (else a
+  clear error: it is another run's, or was cut); a torn last line (the process died mid-write) is cut off.
 
 Either way a ``state`` line records the recovered state, so replaying the whole journal again gives it back.
 """
@@ -56,8 +61,14 @@ class Event(str, Enum):
     LOST = "l"  # group id, reason, 1 to re-queue its row
     WORKER = "w"  # worker id: a worker id was issued
     RETIRED = "t"  # worker id, reason
-    REFUSED = "f"  # reason: a result refused unread
+    REFUSED = "f"  # reason[, n]: n results refused unread (one line per reason per push, not per result)
+    DISTRUSTED = "u"  # [group ids], [rows], reason: consumed, then found untrusted by the learner's checks (not
+    #                   trained on): dropped, rows re-queued
     STATE = "s"  # the whole state (after a recovery): replay restarts from it
+
+
+class JournalError(OSError):
+    """The journal cannot be written, so a checkpoint would record a position it does not reach."""
 
 
 def index_stream(n_rows: int, seed: int, skip: int = 0):
@@ -89,14 +100,17 @@ class Ledger:
     by_worker: Counter = field(default_factory=Counter)  # worker id -> rollouts received from it
     retired: Counter = field(default_factory=Counter)  # reason -> workers removed (dead, left)
     refused: Counter = field(default_factory=Counter)  # reason -> results refused unread (replays, ...)
-    journal: Any = None  # an open text file, or None
+    journal: Any = None  # an open binary file (unbuffered), or None
     valid_bytes: int | None = None  # set by replay: the journal's length up to its last whole line
+    written_bytes: int = 0  # the journal's length: whole lines only
+    pending: list = field(default_factory=list)  # lines applied but not yet written (the disk refused them)
+    journal_errors: int = 0  # failed writes
 
     def __post_init__(self):
         self._stream = index_stream(self.n_rows, self.seed, self.drawn)
 
     # ------------------------------------------------------------------ transitions (the caller holds its lock)
-    # Each one is an event: applied here exactly as replay applies it (``_apply``), then journaled.
+    # Each one is an event: checked, journaled, then applied here exactly as replay applies it (``_apply``).
 
     def draw(self) -> tuple[str, int]:
         """A new group: (group id, row index), the row from the re-queue first, else the stream."""
@@ -123,8 +137,15 @@ class Ledger:
     def retire(self, worker_id: str, reason: str) -> None:
         self._event(Event.RETIRED, worker_id, reason)
 
-    def refuse(self, reason: str) -> None:
-        self._event(Event.REFUSED, reason)
+    def refuse(self, reason: str, n: int = 1) -> None:
+        if n > 0:
+            self._event(Event.REFUSED, reason, *([n] if n > 1 else []))
+
+    def distrusted(self, gids: list[str], rows: list[int], reason: str) -> None:
+        """Groups of a batch already taken (consumed) that the learner found untrusted and did not train on: dropped
+        after all, their ``rows`` re-queued."""
+        if gids:
+            self._event(Event.DISTRUSTED, list(gids), list(rows), reason)
 
     def new_worker_id(self) -> str:
         wid = f"w{self.next_worker}"
@@ -132,8 +153,21 @@ class Ledger:
         return wid
 
     def _event(self, event: Event, *args: Any) -> None:
-        self._apply(event, list(args))
+        self._check(event, args)  # a transition that cannot apply is refused before it is written
         self._write(event, *args)
+        self._apply(event, list(args))
+
+    def _check(self, event: Event, args: tuple) -> None:
+        """Raise (writing and changing nothing) if ``event`` would not apply: the groups it moves must be open."""
+        if event in (Event.RECEIVED, Event.DROPPED, Event.LOST):
+            gids = [args[0]]
+        elif event is Event.CONSUMED:
+            gids = args[0]
+        else:
+            return
+        missing = [g for g in gids if g not in self.open]
+        if missing:
+            raise KeyError(f"{event.name.lower()}: groups {missing[:5]} are not open")
 
     # ------------------------------------------------------------------ the books
 
@@ -150,23 +184,66 @@ class Ledger:
     def open_journal(self, path: str) -> int:
         """Append transitions to ``path`` from now on; returns its length (a resume point). A replayed ledger
         first cuts off a torn last line, so that what follows it is not glued to it."""
-        if self.valid_bytes is not None and os.path.getsize(path) > self.valid_bytes:
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        if self.valid_bytes is not None and size > self.valid_bytes:
+            log.warning("journal %s: cutting off a torn last line (%d bytes) before appending", path,
+                        size - self.valid_bytes)
             os.truncate(path, self.valid_bytes)
-        self.journal = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (closed by close())
+            size = self.valid_bytes
+        self.journal = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
+        self.written_bytes = size
         return self.position()
 
     def position(self) -> int:
-        """The journal's length in bytes: everything up to here is a state a checkpoint can return to."""
-        return self.journal.tell() if self.journal is not None else 0
+        """The journal's length in bytes: everything up to here is a state a checkpoint can return to (once
+        ``pending`` is empty: ``sync`` first)."""
+        return self.written_bytes if self.journal is not None else 0
+
+    def sync(self) -> int:
+        """Write what is pending and fsync: a checkpoint's point. Raises JournalError if the disk refuses."""
+        if self.journal is None:
+            return 0
+        self._flush()
+        if self.pending:
+            raise JournalError(f"the rollout journal {self.journal.name!r} cannot be written ({len(self.pending)} "
+                               "lines held in memory; a full disk?): a checkpoint now could not be resumed from")
+        os.fsync(self.journal.fileno())
+        return self.written_bytes
 
     def close(self) -> None:
         if self.journal is not None:
+            self._flush()
+            if self.pending:
+                log.error("journal %s: %d transitions could not be written (a full disk?); the books in "
+                          "summary.json are complete, the journal is not", self.journal.name, len(self.pending))
             self.journal.close()
             self.journal = None
 
     def _write(self, event: Event, *args: Any) -> None:
         if self.journal is not None:
-            self.journal.write(json.dumps([event.value, *args], separators=(",", ":")) + "\n")
+            self.pending.append(json.dumps([event.value, *args], separators=(",", ":")).encode() + b"\n")
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write the pending lines in order; on failure cut the file back to its last whole line and keep them."""
+        while self.pending:
+            line = self.pending[0]
+            try:
+                done = 0
+                while done < len(line):
+                    done += self.journal.write(line[done:])
+            except OSError as e:
+                self.journal_errors += 1
+                if self.journal_errors == 1 or self.journal_errors % 1000 == 0:
+                    log.error("journal %s: write failed (%s; %d failures); %d lines held in memory until it "
+                              "succeeds", self.journal.name, e, self.journal_errors, len(self.pending))
+                try:
+                    os.ftruncate(self.journal.fileno(), self.written_bytes)
+                except OSError:
+                    log.exception("journal %s: could not cut a partial line off", self.journal.name)
+                return
+            self.written_bytes += len(line)
+            self.pending.pop(0)
 
     def checkpoint(self) -> None:
         """Write the whole state as one line (replay restarts from it)."""
@@ -246,8 +323,13 @@ class Ledger:
     def _on_retired(self, worker: str, reason: str) -> None:
         self.retired[reason] += 1
 
-    def _on_refused(self, reason: str) -> None:
-        self.refused[reason] += 1
+    def _on_refused(self, reason: str, n: int = 1) -> None:
+        self.refused[reason] += n
+
+    def _on_distrusted(self, gids: list[str], rows: list[int], reason: str) -> None:
+        self.rollouts["consumed"] -= len(gids) * self.group_size
+        self.dropped[reason] += len(gids) * self.group_size
+        self.requeue.extend(rows)
 
     def _on_state(self, s: dict[str, Any]) -> None:
         self.drawn, self.next_group, self.next_worker = s["drawn"], s["next_group"], s["next_worker"]
@@ -281,6 +363,11 @@ class Ledger:
         ``offset`` (see the module doc)."""
         with open(path, "rb") as f:  # one read, one parse: the checkpoint's state, then the rest on top of a copy
             data = f.read()
+        if offset > len(data) or (offset and data[offset - 1:offset] != b"\n"):
+            where = "past its end" if offset > len(data) else "inside a line"
+            raise ValueError(f"journal {path} is {len(data)} bytes and the checkpoint's position, byte {offset}, is "
+                             f"{where}: it is another run's journal, or was cut or rewritten; resume from the "
+                             "checkpoint this journal belongs to, or start afresh in a new run directory")
         at = cls(group_size, n_rows, seed)
         at._replay(data[:offset], path, warn_torn=False)
         led = cls(group_size, n_rows, seed)
@@ -305,11 +392,33 @@ class Ledger:
 
 _APPLY = {Event.DRAW: Ledger._on_draw, Event.RECEIVED: Ledger._on_received, Event.CONSUMED: Ledger._on_consumed,
           Event.DROPPED: Ledger._on_dropped, Event.LOST: Ledger._on_lost, Event.WORKER: Ledger._on_worker,
-          Event.RETIRED: Ledger._on_retired, Event.REFUSED: Ledger._on_refused, Event.STATE: Ledger._on_state}
+          Event.RETIRED: Ledger._on_retired, Event.REFUSED: Ledger._on_refused,
+          Event.DISTRUSTED: Ledger._on_distrusted, Event.STATE: Ledger._on_state}
 
 
 def _nonzero(counter: Counter) -> dict[str, int]:
     return {k: v for k, v in counter.items() if v}
+
+
+def open_ledger(journal: str | None, recover: dict | None, group_size: int, n_rows: int, seed: int) -> Ledger:
+    """A coordinator's ledger: fresh (a used journal at ``journal`` is another run's and is removed), or
+    recovered (``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a resumed learner)."""
+    if recover and journal is None:
+        raise ValueError("recovering the coordinator needs its journal")
+    if recover and recover.get("restart"):
+        led = Ledger.after_coordinator_restart(journal, group_size, n_rows, seed)
+        log.warning("coordinator restarted from %s: %s", journal, led.accounting())
+        return led
+    if recover:
+        led = Ledger.after_learner_resume(journal, int(recover["resume_offset"]), group_size, n_rows, seed)
+        log.info("coordinator resumed from %s at byte %d: %s", journal, recover["resume_offset"], led.accounting())
+        return led
+    led = Ledger(group_size, n_rows, seed)
+    if journal is not None:
+        if os.path.exists(journal):
+            os.unlink(journal)  # a fresh run in a used directory: the old journal is not this run's
+        led.open_journal(journal)
+    return led
 
 
 def journal_path(run_dir: str) -> str:

@@ -1,11 +1,12 @@
-"""What a worker may send: the checks every pushed result and every number in a request pass, or a BadRequest
-that names what is wrong. A worker is not trusted; nothing it sends is scored or counted before these pass.
+"""What a worker may send in a pushed result: the checks every result passes, or a BadRequest that names what is
+wrong (the rest of each request body is checked by schemas.py). A worker is not trusted; nothing it sends is
+scored or counted before these pass. One bad result costs its own group (dropped: invalid), not the push.
 
     push result ──parse_result──► [Rollout] × G   (token ids inside the vocabulary, 1..max_tokens of them, one
                                                    logprob each, finite and <= 0, a known finish reason)
 
 Rewards are never taken from a worker (the coordinator scores with the task's own functions), and a version
-from the future is refused by the buffer, not here.
+from the future, or one the worker was never delivered, is refused when the group is settled (intake.py).
 """
 
 from __future__ import annotations
@@ -50,11 +51,3 @@ def integer(body: dict, key: str, lo: int, hi: int) -> int:
     if type(value) is not int or not lo <= value <= hi:
         raise BadRequest(f"{key!r} must be an integer in [{lo}, {hi}], got {value!r}")
     return value
-
-
-def nonneg(body: dict, key: str, default: float) -> float:
-    """``body.get(key, default)``, a finite number >= 0 (not a bool)."""
-    value = body.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise BadRequest(f"{key!r} must be a finite number >= 0, got {value!r}")
-    return float(value)

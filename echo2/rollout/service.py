@@ -3,10 +3,12 @@
     learner process                                        coordinator process (spawned, one per run)
     AsyncRolloutSource ─ CoordinatorProcess ══ pipe ══►  serve() → InChild: Coordinator (HTTP server, reapers)
        collect   take(n)             request → reply (P scored groups)       + Broadcaster (its send thread)
+                                                                             + RewardPool (reward processes)
        on_version set_version(v)     one-way
                  publish_written(v)  one-way; the bytes go through a memory file (memfd) the child maps, not the pipe
        metrics   metrics()           request → reply  (also status(), for tests and tools)
-       on_save   mark()              request → reply (the journal's length: where a resume starts from)
+       on_save   mark()              request → reply (the journal's length, fsynced: where a resume starts from)
+       checks    check(stats)        request → reply (the workers whose groups in the batch are not trained on)
        close     close()             request → reply (the rollout accounting); then the process exits
 
 Each call sends the InChild method that serves it (pickled by name) with its arguments: follow a call from
@@ -48,12 +50,14 @@ class CoordinatorProcess:
     """The learner's handle on the coordinator process; the same calls as an in-process Coordinator."""
 
     def __init__(self, *, task: Any, tokenizer: Any, make_broadcaster: Any, coordinator_kwargs: dict[str, Any],
-                 log_path: str | None = None, cores: list[int] | None = None, start_timeout_s: float = 120.0):
+                 log_path: str | None = None, cores: list[int] | None = None, start_timeout_s: float = 120.0,
+                 rewards: dict[str, Any] | None = None):
+        """``rewards``: the reward pool's settings (reward_pool.RewardPool: ``processes``, ``timeout_s``)."""
         self.log_path = log_path
         self.staged: deque[int] = deque()  # memory files of the last published snapshots (see _handoff)
         spec = dict(task=task, tokenizer=tokenizer, make_broadcaster=make_broadcaster,
                     coordinator_kwargs=coordinator_kwargs, log_path=log_path, log_level=logging.getLogger().level,
-                    cores=list(cores) if cores else None)
+                    cores=list(cores) if cores else None, rewards=dict(rewards or {}))
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads and a model
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(target=serve, args=(child_conn, spec), name="echo2-coordinator", daemon=True)
@@ -109,9 +113,10 @@ class CoordinatorProcess:
     def status(self) -> dict[str, Any]:
         return self._call(InChild.status)
 
-    def check(self, stats: dict[str, tuple[int, float]]) -> None:
-        """The learner's per-worker scores of behaviour logprobs (rollout checks); one-way."""
-        self._send(InChild.check, stats)
+    def check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
+        """The learner's per-worker scores of behaviour logprobs (rollout checks); returns the workers whose groups
+        in the checked batch must not be trained on."""
+        return self._call(InChild.check, stats)
 
     def close(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """Stop serving and return the accounting (what was buffered or in flight counted as at the end)."""
@@ -179,15 +184,16 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
         os.sched_setaffinity(0, set(spec["cores"]))
     _configure_logging(spec["log_path"], spec["log_level"])
     from echo2.rollout.coordinator import Coordinator
-    from echo2.rollout.scoring import Scorer
+    from echo2.rollout.reward_pool import RewardPool
 
     task, tokenizer = spec["task"], spec["tokenizer"]
+    rewards = RewardPool(task, tokenizer, **spec["rewards"])  # reward functions in processes of their own
     broadcaster = spec["make_broadcaster"]()
-    coordinator = Coordinator(task.train_dataset(), Scorer(task, tokenizer), tokenizer, broadcaster=broadcaster,
+    coordinator = Coordinator(task.train_dataset(), rewards, tokenizer, broadcaster=broadcaster,
                               **spec["coordinator_kwargs"]).start()
     _exit_with_parent()
     conn.send(("ok", coordinator.url))
-    served = InChild(coordinator, broadcaster)
+    served = InChild(coordinator, broadcaster, rewards)
     while True:
         try:
             method, args, reply = conn.recv()
@@ -217,8 +223,8 @@ class InChild:
     """What the coordinator process does for each of CoordinatorProcess's calls, one method per call (the learner
     sends the method itself down the pipe)."""
 
-    def __init__(self, coordinator: Any, broadcaster: Any):
-        self.coordinator, self.broadcaster = coordinator, broadcaster
+    def __init__(self, coordinator: Any, broadcaster: Any, rewards: Any = None):
+        self.coordinator, self.broadcaster, self.rewards = coordinator, broadcaster, rewards
 
     def take(self, n: int, timeout_s: float | None) -> list:
         return self.coordinator.take(n, timeout_s)
@@ -238,18 +244,24 @@ class InChild:
     def mark(self) -> int:
         return self.coordinator.mark()
 
-    def check(self, stats: dict[str, tuple[int, float]]) -> None:
-        self.coordinator.check(stats)
+    def check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
+        return self.coordinator.check(stats)
 
     def close(self) -> dict[str, Any]:
         """Stop serving; the rollout accounting, with what was buffered or in flight counted as at the end."""
         self.broadcaster.close()
-        return self.coordinator.close()
+        try:
+            return self.coordinator.close()
+        finally:
+            if self.rewards is not None:
+                self.rewards.close()
 
     def abort(self) -> None:
         """The learner died: stop without settling the journal."""
         self.broadcaster.close()
         self.coordinator.abort()
+        if self.rewards is not None:
+            self.rewards.close()
 
 
 def _map(path: str) -> mmap.mmap:

@@ -1,14 +1,29 @@
 """Checking what workers return against the policy they claim: the learner's logprobs of their tokens.
 
 A worker reports, with every token, the logprob its weights (version x) gave it. The learner, at version t,
-scores the same tokens; for an honest worker the per-token log-ratio ``log π_t − log π_x`` is small and centred
-just below 0 (its mean is −KL(π_x ‖ π_t), which grows with the lag t − x and the learning rate), while invented
-logprobs or tokens the policy would not sample sit far out (a random token claimed at −0.05 scores about
-−log |V| under the policy). Per worker the mean log-ratio over many tokens separates the two.
+scores the same tokens; for an honest worker the per-token log-ratio δ = log π_t − log π_x is small (its mean
+is −KL(π_x ‖ π_t), which grows with the lag t − x and the learning rate), while invented logprobs or tokens the
+policy would not sample sit far out (a random token claimed at −0.05 scores about −log |V| under the policy).
+The statistic is the per-token *absolute* log-ratio |δ|: a mean of signed ratios lets errors of ±4 nats in
+turn cancel out, the absolute values do not (and |mean δ| ≤ mean |δ|, so it catches all the mean did).
 
-Pure numbers: the learner sends per-worker sums (every ``check_every_steps`` steps), ``Checks.update`` says
-who is flagged (warned, counted) and who is retired (its buffered rollouts dropped as ``untrusted``, its
-credential revoked). Not done here: a per-lag calibration of the threshold (one bound for every lag).
+**The test** is Page's CUSUM over each principal's (credential's, registry.py) checked batches: with n tokens
+and Σ|δ| in a batch, its evidence ``e ← max(0, e + Σ|δ| − b·n)``, b = ``max_abs_log_ratio`` (nats per token):
+tokens an honest worker sends pull e down to 0, tokens beyond b on average push it up by their excess. At
+``evidence_nats`` (E) the principal is retired (its credential revoked, all it holds dropped as
+``untrusted``), at E/4 flagged (a warning). Why this and not a token count: a short-answer task gives few
+tokens per check (2-3 per completion on the demo task), and the evidence a forgery needs scales with how far
+out it is, not with a fixed count: a fabricated answer whose logprobs are off by 3 nats a token needs
+E/(3−b) tokens, one group; and the reset at 0 means honest history banks no credit for cheating later.
+Honest tokens reach E only if their mean |δ| stays above b, i.e. the policy moved more than b nats a token
+within the lag S, at which point those rollouts' importance ratios (e^b) are useless to train on anyway.
+
+**A batch found bad is not trained on**: every principal whose batch alone averages more than b per token,
+or who is retired by this batch, has its groups in it dropped (``untrusted``) and masked by the learner.
+
+Pure numbers: the learner sends per-worker sums (every ``check_every_steps`` steps); the coordinator adds
+them up per principal and applies the verdict. Not done here: a per-lag calibration of b (one bound for
+every lag).
 """
 
 from __future__ import annotations
@@ -16,28 +31,51 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Verdict:
+    flagged: list  # principals newly flagged (a warning)
+    retire: list  # principals to retire now
+    reject: list  # principals whose groups in this batch are not trained on (retired ones included)
+
+
 @dataclass
 class Checks:
-    max_abs_log_ratio: float = 1.0  # |mean per-token log-ratio| above this is implausible, in nats
-    min_tokens: int = 256  # tokens scored before a worker can be retired (a quarter of them: flagged)
-    tokens: dict = field(default_factory=dict)  # worker -> tokens scored
-    sums: dict = field(default_factory=dict)  # worker -> sum of per-token log-ratios
+    max_abs_log_ratio: float = 1.0  # b: mean |log-ratio| per token an honest worker stays under, in nats
+    evidence_nats: float = 24.0  # E: CUSUM of excess nats at which a principal is retired (E/4: flagged)
+    tokens: dict = field(default_factory=dict)  # principal -> tokens scored
+    sums: dict = field(default_factory=dict)  # principal -> Σ δ (signed: the mean shows drift in metrics)
+    abs_sums: dict = field(default_factory=dict)  # principal -> Σ |δ|
+    evidence: dict = field(default_factory=dict)  # principal -> the CUSUM e
     flagged: set = field(default_factory=set)
 
-    def update(self, stats: dict[str, tuple[int, float]]) -> tuple[list[str], list[str]]:
-        """Add ``{worker: (tokens, sum of log-ratios)}``; returns (newly flagged, to retire)."""
-        newly, retire = [], []
-        for worker, (n, total) in stats.items():
-            self.tokens[worker] = self.tokens.get(worker, 0) + int(n)
-            self.sums[worker] = self.sums.get(worker, 0.0) + float(total)
-            n_all = self.tokens[worker]
-            implausible = abs(self.sums[worker] / max(n_all, 1)) > self.max_abs_log_ratio
-            if implausible and n_all >= self.min_tokens:
-                retire.append(worker)
-            elif implausible and n_all >= self.min_tokens / 4 and worker not in self.flagged:
-                self.flagged.add(worker)
-                newly.append(worker)
-        return newly, retire
+    def __post_init__(self):
+        if not self.max_abs_log_ratio > 0 or not self.evidence_nats > 0:
+            raise ValueError(f"rollout checks: max_abs_log_ratio={self.max_abs_log_ratio} and evidence_nats="
+                             f"{self.evidence_nats} must be > 0")
 
-    def mean(self, worker: str) -> float:
-        return self.sums.get(worker, 0.0) / max(self.tokens.get(worker, 0), 1)
+    def update(self, stats: dict[str, tuple[int, float, float]]) -> Verdict:
+        """Add one checked batch, ``{principal: (tokens, Σ δ, Σ |δ|)}``."""
+        flagged, retire, reject = [], [], []
+        for who, (n, total, total_abs) in stats.items():
+            n, total, total_abs = int(n), float(total), float(total_abs)
+            self.tokens[who] = self.tokens.get(who, 0) + n
+            self.sums[who] = self.sums.get(who, 0.0) + total
+            self.abs_sums[who] = self.abs_sums.get(who, 0.0) + total_abs
+            excess = total_abs - self.max_abs_log_ratio * n
+            e = self.evidence[who] = max(0.0, self.evidence.get(who, 0.0) + excess)
+            if e >= self.evidence_nats:
+                retire.append(who)
+            elif e >= self.evidence_nats / 4 and who not in self.flagged:
+                self.flagged.add(who)
+                flagged.append(who)
+            if excess > 0 or e >= self.evidence_nats:
+                reject.append(who)
+        return Verdict(flagged, retire, reject)
+
+    def mean(self, who: str) -> float:
+        """Mean signed log-ratio so far (honest: slightly below 0)."""
+        return self.sums.get(who, 0.0) / max(self.tokens.get(who, 0), 1)
+
+    def mean_abs(self, who: str) -> float:
+        """Mean |log-ratio| so far: the statistic the test bounds by ``max_abs_log_ratio``."""
+        return self.abs_sums.get(who, 0.0) / max(self.tokens.get(who, 0), 1)

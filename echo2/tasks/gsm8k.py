@@ -10,12 +10,13 @@ answer is the number after ``####``; a completion is scored with math-verify, wh
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, load_dataset
 
-from echo2.tasks.base import RewardFunc, Task
+from echo2.tasks.base import RewardFunc, Task, completion_text
 
 INSTRUCTION = "Solve the problem step by step, then give the final answer as \\boxed{N}."
 
@@ -27,12 +28,18 @@ def extract_gold(answer_field: str) -> str:
     return answer_field.split("####")[-1].strip().replace(",", "").rstrip(".")
 
 
+VERIFY_TIMEOUT_S = 5
+"""math-verify's own limit on parsing and on comparing, where it can apply it: its timeout uses SIGALRM, which only
+works in a main thread (a reward process of the coordinator's pool, which also kills a group past its own limit);
+elsewhere (a learner's thread) it runs without one."""
+
+
 def verify_answer(completion: str, gold: str) -> bool:
     from math_verify import parse, verify
 
-    # parsing_timeout=None: math-verify's default timeout uses SIGALRM, which only works on the main thread.
-    pred = parse(completion, parsing_timeout=None)
-    return bool(pred) and verify(parse(f"${gold}$", parsing_timeout=None), pred, timeout_seconds=None)
+    limit = VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    pred = parse(completion, parsing_timeout=limit)
+    return bool(pred) and verify(parse(f"${gold}$", parsing_timeout=limit), pred, timeout_seconds=limit)
 
 
 class Gsm8kTask(Task):
@@ -83,6 +90,6 @@ class Gsm8kTask(Task):
 
     def reward_funcs(self) -> list[RewardFunc]:
         def correct(prompts, completions, completion_ids=None, answer=None, **_):
-            return [float(verify_answer(c, a)) for c, a in zip(completions, answer, strict=True)]
+            return [float(verify_answer(completion_text(c), a)) for c, a in zip(completions, answer, strict=True)]
 
         return [correct]

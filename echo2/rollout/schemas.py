@@ -1,0 +1,193 @@
+"""What each of the coordinator's routes accepts: the JSON bodies as pydantic models, with their bounds.
+
+A worker is a stranger: every number it declares reaches the planner (capacity.py, activation/), the deadline
+policy (liveness.py) or the books, so each one is checked here first, inside the route, before anything
+changes: the right type (no string, bool or float where an integer belongs), finite, positive where the
+planner divides by it, and bounded so that no sum, product or DP table sized by it can overflow; strings and
+lists are bounded too, and an unknown key is refused (a typo or an older agent is told so, not ignored).
+``parse`` turns pydantic's ValidationError into a ``BadRequest`` naming each bad field, its value and why.
+
+    body (dict, already JSON) ──parse(Model, body)──► Model instance (frozen) ──► the route handler
+
+The bounds (each with its reason) are module constants, so that the planner's tests can run at their edges.
+A pushed result's completions are checked by results.py (per result: one bad result costs its own group, not
+the whole push); the push envelope is checked here. Addresses a worker declares (``snapshot_url``, ``relay``)
+are checked by ``snapshot_url`` and ``relay_address``: the learner host will POST the relay key to the first
+and point other workers at the second.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from echo2.transport import BadRequest, WORKER_NAME
+
+MAX_ID_CHARS = 64
+"""Worker and group ids are ours (``w17``, ``g4021``); anything longer is not one."""
+MAX_GROUPS_PER_REQUEST = 1024
+"""Most groups one pull may ask for, one push may carry and one release may name: the in-flight cap
+((S+1)·P groups) is far below this in any configuration we run."""
+MAX_VERSION = 1 << 40
+"""Policy versions are optimizer steps: no run gets near this."""
+MAX_USD_PER_HOUR = 1000.0
+"""Dearest worker price, $/h (an 8-GPU datacentre node rents for ~$100/h). The exact activation solver sizes
+a table by total cents, so an unbounded price (1e308) overflowed it."""
+MIN_MBIT, MAX_MBIT = 0.01, 1e6
+"""Link rates, Mbit/s: 10 kbit/s up to 1 Tbit/s. The capacity model divides by them (0 stopped the reaper)."""
+MAX_RTT_MS = 60_000.0
+"""Round-trip time to the learner, ms: a minute is already no link to train over."""
+MAX_ROLLOUTS_PER_S = 1e6
+"""Most rollouts/s a worker's rate is taken to be: the coordinator's own measurement is clamped to it (it divides by
+a push's elapsed time), and so is what a worker reports of itself (kept for diagnostics, never planned with)."""
+MAX_CONTEXT_TOKENS = 1 << 24
+MAX_TEXT_CHARS = 512
+"""Free-form strings (an engine's name, a model's name or digest, an address)."""
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+
+
+class Body(BaseModel):
+    """Strict (no coercion: ``"1"`` is not 1, ``true`` is not a number), frozen, and unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Empty(Body):
+    """Routes that take no arguments (``/certificate``, ``/relay-key``)."""
+
+
+class ModelClaim(Body):
+    """What model a worker serves (echo2/models/identity.py); checked against the run's by ``mismatch``."""
+
+    name: Text
+    digest: Text
+
+
+class Register(Body):
+    """A worker's declaration: where to reach it, what it serves, its price and links (for the planner)."""
+
+    snapshot_url: Text | None = None
+    relay: Text | None = None
+    engine: Annotated[str, Field(max_length=MAX_ID_CHARS)] = "?"
+    usd_per_hour: float = Field(0.0, ge=0, le=MAX_USD_PER_HOUR, allow_inf_nan=False)
+    down_mbit: float = Field(1000.0, ge=MIN_MBIT, le=MAX_MBIT, allow_inf_nan=False)
+    up_mbit: float = Field(1000.0, ge=MIN_MBIT, le=MAX_MBIT, allow_inf_nan=False)
+    rtt_ms: float = Field(0.0, ge=0, le=MAX_RTT_MS, allow_inf_nan=False)
+    model: ModelClaim | None = None
+    max_model_len: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS)
+
+
+class WorkerCall(Body):
+    """Any call by a registered worker; ``version``: the policy version it holds (omitted: no claim)."""
+
+    worker_id: Id
+    version: int | None = Field(None, ge=0, le=MAX_VERSION)
+
+
+class Heartbeat(WorkerCall):
+    pass
+
+
+class Leave(WorkerCall):
+    pass
+
+
+class Pull(WorkerCall):
+    max_groups: int | None = Field(None, ge=1, le=MAX_GROUPS_PER_REQUEST)  # None: the coordinator's groups_per_pull
+
+
+class Push(WorkerCall):
+    results: list[dict[str, Any]] = Field(max_length=MAX_GROUPS_PER_REQUEST)
+    # what the worker says of itself (clamped to MAX_ROLLOUTS_PER_S, not refused: an agent's own clock over a fast
+    # batch can report anything; nothing is planned with it)
+    rollouts_per_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+
+class Release(WorkerCall):
+    reason: Literal["generate_failed", "push_failed"]
+    group_ids: list[Id] = Field(max_length=MAX_GROUPS_PER_REQUEST)
+
+
+class Revoke(Body):
+    name: Annotated[str, Field(pattern=f"^{WORKER_NAME.pattern}$")]
+
+
+M = TypeVar("M", bound=Body)
+
+
+def parse(model: type[M], body: Any) -> M:
+    """``body`` as ``model``, or a BadRequest that names every bad field, what it got and why."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise BadRequest(f"bad {model.__name__.lower()} request: {_explain(e)}") from None
+
+
+def _explain(e: ValidationError, most: int = 4) -> str:
+    parts = []
+    for err in e.errors()[:most]:
+        where = ".".join(map(str, err["loc"])) or "body"
+        got = repr(err.get("input"))
+        parts.append(f"{where}: {err['msg']} (got {got[:60] + '...' if len(got) > 60 else got})")
+    more = e.error_count() - most
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+# ---------------------------------------------------------------------- addresses a worker declares
+
+_HOSTNAME = re.compile(r"(?=.{1,253}\.?$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def snapshot_url(url: str, *, tls: bool, exposed: bool) -> str:
+    """The control URL of a worker's snapshot receiver, which the learner host POSTs the relay key to.
+
+    ``https://host:port`` when the run speaks TLS (the learner then verifies the run CA's peer certificate, so
+    the key reaches only a server the run issued a certificate to), ``http://host:port`` when it does not (an
+    https URL could not be verified). No credentials, path or query. ``exposed`` (the coordinator listens off
+    loopback): a worker may not name loopback, link-local (cloud metadata), multicast or unspecified
+    addresses, which would make the learner host talk to itself or its provider."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise BadRequest(f"snapshot_url {url!r}: {e}") from None
+    scheme = "https" if tls else "http"
+    if parts.scheme != scheme:
+        raise BadRequest(f"snapshot_url {url!r}: this run's workers serve {scheme}://HOST:PORT "
+                         f"({'TLS with the run CA' if tls else 'no TLS'})")
+    if parts.username or parts.password or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise BadRequest(f"snapshot_url {url!r}: only {scheme}://HOST:PORT")
+    if port is None or not 0 < port < 65536:
+        raise BadRequest(f"snapshot_url {url!r}: needs a port in 1..65535")
+    _host(parts.hostname or "", "snapshot_url", exposed)
+    return url
+
+
+def relay_address(addr: str, *, exposed: bool) -> str:
+    """A worker's relay node, ``host:port`` (an IPv6 host in brackets), which other workers will fetch from."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadRequest(f"'relay' must be 'host:port', got {addr!r}")
+    _host(host[1:-1] if host.startswith("[") and host.endswith("]") else host, "relay", exposed)
+    return addr
+
+
+def _host(host: str, what: str, exposed: bool) -> None:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(host):
+            raise BadRequest(f"{what}: {host!r} is neither an IP address nor a host name") from None
+        if exposed and (host.lower() == "localhost" or host.lower().rstrip(".").endswith(".localhost")):
+            raise BadRequest(f"{what}: {host!r} names the learner's own host; advertise an address it can reach")
+        return
+    if exposed and (ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified or ip.is_reserved):
+        raise BadRequest(f"{what}: {host} is not an address of another host (loopback, link-local, multicast, "
+                         "unspecified or reserved); advertise the address the learner reaches it at")

@@ -1,0 +1,434 @@
+"""The broadcast plane against hung, lying, revoked and silent peers (issue 27): a round never waits on one peer
+past its deadline, nor lets a slow parent hold its successors; the plan follows what the learner measured, not
+what a peer says; only the learner orders a worker to fetch; a revoked worker is off the relay; manifests and
+orders carry the learner's epoch; the relay's sockets time out and are capped.
+
+Everything runs over TCP on loopback with small snapshots (tens of 64 KiB chunks) and shrunk timeouts, so each
+test takes seconds. Names the code under test added are imported inside the tests that use them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+import pytest
+
+from conftest import small_coordinator
+from echo2.broadcast.broadcaster import RelayBroadcaster
+from echo2.broadcast.framing import send_frame
+from echo2.broadcast.manifest import BadSnapshot, make_manifest, signing_key, verify_key, verify_manifest
+from echo2.broadcast.peer import SnapshotReceiver
+from echo2.broadcast.relay import Fetcher, RelayServer
+from echo2.broadcast.store import Snapshot, Store
+from echo2.transport import Client, RemoteError, relay_key, worker_credential
+
+SECRET = "secret"  # small_coordinator's run secret too
+SIGNER, KEY = signing_key(SECRET), verify_key(SECRET)
+TOKEN = "7e" * 32  # a relay key, for the tests that run relay nodes without a broadcaster
+CHUNK = 64 << 10
+
+
+def wait(cond, timeout=20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def origin_with(blob: bytes, version: int = 1, **manifest) -> RelayServer:
+    store = Store()
+    store.put(Snapshot(make_manifest(SIGNER, version, blob, CHUNK, **manifest), blob))
+    return RelayServer(store, TOKEN).start()
+
+
+def receivers(got: dict, *names: str, cls=SnapshotReceiver) -> dict[str, SnapshotReceiver]:
+    return {n: cls.of_run(SECRET, lambda v, _b, _m, n=n: got.setdefault(n, []).append(v)).start() for n in names}
+
+
+def silent_server() -> socket.socket:
+    """A port that accepts connections (the kernel does, into its backlog) and never answers: a hung host."""
+    return socket.create_server(("127.0.0.1", 0))
+
+
+# ---------------------------------------------------------------------- 1. deadlines
+
+
+def test_a_round_closes_at_a_hung_peers_deadline_and_the_next_version_goes_out():
+    """A peer that takes its order and never answers holds a round only until its deadline (floor + slack · bytes /
+    the pool's measured rate), not timeout_s (600 s): the next version reaches the others at once."""
+    got: dict[str, list[int]] = {}
+    honest = receivers(got, "a", "b")
+    hung_control, hung_relay = silent_server(), silent_server()
+    bc = RelayBroadcaster(SECRET, topology="chain", chunk_mb=CHUNK / (1 << 20), timeout_s=600)
+    bc.deadline_floor_s = 1.0  # shrunk from 10 s for the test
+    try:
+        for n, r in honest.items():
+            bc.add_peer(n, r.url, r.relay_addr)
+        bc.add_peer("hung", f"http://127.0.0.1:{hung_control.getsockname()[1]}",
+                    f"127.0.0.1:{hung_relay.getsockname()[1]}")
+        blob = os.urandom(8 * CHUNK)
+        bc.publish(1, blob)
+        assert wait(lambda: all(got.get(n) == [1] for n in honest)), got
+        bc.publish(2, blob[::-1])
+        assert wait(lambda: all(got.get(n) == [1, 2] for n in honest), timeout=8), got
+        assert bc.metrics()["broadcast/late"] >= 1  # the round closed without it, and says so
+    finally:
+        bc.close()
+        for r in honest.values():
+            r.close()
+        hung_control.close()
+        hung_relay.close()
+
+
+class Trickler(RelayServer):
+    """A parent that sends its snapshot at 20 KB/s: never silent long enough for a stall timeout."""
+
+    def _answer(self, conn, req):
+        from echo2.broadcast.manifest import serve_proof
+
+        snap = self.store.get(req["version"])
+        send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(self.token, req["mac"])})
+        for i in range(req["start"], snap.size, 4096):
+            conn.sendall(memoryview(snap.buf)[i:i + 4096])
+            time.sleep(0.2)
+
+
+def test_a_source_too_slow_for_the_fetch_deadline_is_left_for_the_next():
+    """Its successors are not held by a slow parent: with the deadline of its order, a fetcher leaves a source
+    whose rate would miss it (after SLOW_GRACE_S) and resumes from the next at the byte it holds."""
+    blob = os.urandom(16 * CHUNK)  # 1 MiB: 50 s from the trickler
+    origin = origin_with(blob)
+    slow_store = Store()
+    slow_store.put(Snapshot(make_manifest(SIGNER, 1, blob, CHUNK), blob))
+    slow = Trickler(slow_store, TOKEN).start()
+    f = Fetcher(Store(), TOKEN, stall_timeout_s=5, manifest_key=KEY)
+    try:
+        t0 = time.monotonic()
+        snap = f.fetch(1, [slow.addr, origin.addr], deadline_s=4)
+        assert bytes(snap.buf) == blob and time.monotonic() - t0 < 6
+        assert 0 < len(blob) - origin.served_bytes < CHUNK  # resumed: the trickled bytes were not fetched again
+    finally:
+        f.close()
+        slow.close()
+        origin.close()
+
+
+# ---------------------------------------------------------------------- 2. measured, not reported
+
+
+class Braggart(SnapshotReceiver):
+    """Slow to finish, but reports a link faster than anyone's and the nearest RTT."""
+
+    def _fetch(self, body, headers):
+        out = super()._fetch(body, headers)
+        time.sleep(1.0)
+        return {**out, "seconds": 1e-6, "bytes_per_s": 1e12, "rtt_s": 1e-6}
+
+
+class Claimer(SnapshotReceiver):
+    """Answers every order at once, as if it held the snapshot, without fetching a byte."""
+
+    def _fetch(self, body, headers):
+        return {"ok": True, "version": body["version"], "seconds": 1e-6, "bytes_per_s": 1e12, "rtt_s": 1e-6,
+                "first_byte_at": time.monotonic(), "done_at": time.monotonic()}
+
+
+def test_a_peers_own_report_does_not_put_it_at_the_head_of_the_chain():
+    got: dict[str, list[int]] = {}
+    peers = {**receivers(got, "a", "b"), **receivers(got, "braggart", cls=Braggart)}
+    bc = RelayBroadcaster(SECRET, topology="chain", chunk_mb=CHUNK / (1 << 20))
+    try:
+        for n, r in peers.items():
+            bc.add_peer(n, r.url, r.relay_addr)
+        blob = os.urandom(8 * CHUNK)
+        for v in (1, 2):
+            bc.publish(v, blob[::-1] if v == 2 else blob)
+            assert wait(lambda: all(got.get(n, [])[-1:] == [v] for n in peers) and len(bc.last_results) == 3
+                        and all(r["version"] == v for r in bc.last_results.values())), got
+        # measured by the learner in round 1, it was the slowest: last in round 2's chain, not first
+        assert bc.last_results["braggart"]["depth"] == 2, bc.last_results
+    finally:
+        bc.close()
+        for r in peers.values():
+            r.close()
+
+
+def test_a_peer_claiming_a_snapshot_it_never_fetched_is_not_believed():
+    got: dict[str, list[int]] = {}
+    peers = {**receivers(got, "a"), **receivers(got, "claimer", cls=Claimer)}
+    delivered = []
+    bc = RelayBroadcaster(SECRET, topology="chain", chunk_mb=CHUNK / (1 << 20), retry_s=60)
+    bc.on_delivered = lambda peer, v: delivered.append((peer, v))
+    try:
+        for n, r in peers.items():
+            bc.add_peer(n, r.url, r.relay_addr)
+        bc.publish(1, os.urandom(8 * CHUNK))
+        assert wait(lambda: ("a", 1) in delivered and bc.failures >= 1), (delivered, bc.failures)
+        assert ("claimer", 1) not in delivered and bc.peers["claimer"].rate_bytes_per_s == 0
+    finally:
+        bc.close()
+        for r in peers.values():
+            r.close()
+
+
+def test_unmeasured_peers_go_last():
+    from echo2.broadcast import topology
+
+    peers = [topology.PeerLink("new"), topology.PeerLink("slow", 1e6, 0.05), topology.PeerLink("fast", 1e8, 0.2),
+             topology.PeerLink("fast-no-rtt", 1e8, 0.0)]
+    assert [p.peer_id for p in topology.order(peers)] == ["fast", "fast-no-rtt", "slow", "new"]
+
+
+# ---------------------------------------------------------------------- 3. only the learner orders
+
+
+def test_only_the_learner_orders_a_fetch_and_an_order_is_taken_once():
+    got: dict[str, list[int]] = {}
+    peers = receivers(got, "r", "other")
+    r = peers["r"]
+    hole = silent_server()
+    try:
+        # a worker holding the relay key (every worker did, revoked ones too) sends r after a source that never
+        # answers: refused on its headers, at once
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as refused:
+            Client(r.url, relay_key(SECRET)).post("/fetch", {"version": 1, "base": -1, "sources": [
+                ["127.0.0.1", hole.getsockname()[1]]]})
+        assert refused.value.status == 401 and time.monotonic() - t0 < 2, refused.value
+
+        from echo2.broadcast.manifest import order_credential
+
+        body = {"epoch": None, "key": "ab" * 32}
+        order = order_credential(SIGNER, r.url, 100, body)
+        assert Client(r.url, order).post("/key", body) == {"ok": True} and r.token == "ab" * 32
+        for url, credential, sent, why in [
+                (r.url, order, body, "replay"),  # the same order again
+                (peers["other"].url, order, body, "not for this worker"),  # r's order, sent to another worker
+                (r.url, order_credential(SIGNER, r.url, 101, body), {**body, "key": "cd" * 32}, "not the one"),
+                (r.url, order_credential(signing_key(relay_key(SECRET)), r.url, 102, body), body, "not an order")]:
+            with pytest.raises(RemoteError, match=why) as e:
+                Client(url, credential).post("/key", sent)
+            assert e.value.status == 401
+        assert r.token == "ab" * 32
+    finally:
+        hole.close()
+        for p in peers.values():
+            p.close()
+
+
+def test_a_source_that_never_answers_is_left_quickly():
+    blob = os.urandom(4 * CHUNK)
+    origin, hole = origin_with(blob), silent_server()
+    f = Fetcher(Store(), TOKEN, manifest_key=KEY)  # the defaults a worker runs with
+    try:
+        t0 = time.monotonic()
+        assert bytes(f.fetch(1, [hole.getsockname()[:2], origin.addr]).buf) == blob
+        assert time.monotonic() - t0 < 5
+    finally:
+        f.close()
+        hole.close()
+        origin.close()
+
+
+# ---------------------------------------------------------------------- 4. revocation
+
+
+def test_a_revoked_worker_can_neither_fetch_from_nor_serve_its_peers(tiny_model_dir):
+    got: dict[str, list[int]] = {}
+    bc = RelayBroadcaster(SECRET, topology="chain", chunk_mb=CHUNK / (1 << 20))
+    coord = small_coordinator(tiny_model_dir, broadcaster=bc)
+    peers = receivers(got, "a", "b", "r")
+    try:
+        for n, p in peers.items():
+            Client(coord.url, worker_credential(SECRET, n)).post("/register", {
+                "engine": "test", "snapshot_url": p.url, "relay": p.relay_addr})
+        blob = os.urandom(8 * CHUNK)
+        bc.publish(1, blob)
+        assert wait(lambda: all(got.get(n) == [1] for n in peers)), got
+        held = peers["r"].token
+        Client(coord.url, SECRET).post("/revoke", {"name": "r"})
+        a, b, r = peers["a"], peers["b"], peers["r"]
+        assert wait(lambda: a.token == b.token != held and r.token == held, timeout=10)
+        # what r holds no longer opens a peer's relay
+        with pytest.raises(ConnectionError, match="no source"):
+            Fetcher(Store(), held, stall_timeout_s=2, manifest_key=KEY).fetch(1, [a.relay_server.addr])
+        # nor is r taken for a source: a live node sent to it (a stale plan, its address reused) moves on
+        served = r.relay_server.served_bytes
+        live = Fetcher(Store(), a.token, stall_timeout_s=2, manifest_key=KEY)
+        assert bytes(live.fetch(1, [r.relay_server.addr, bc.origin]).buf) == blob
+        assert r.relay_server.served_bytes == served
+        bc.publish(2, blob[::-1])
+        assert wait(lambda: got["a"] == got["b"] == [1, 2]) and got["r"] == [1]
+    finally:
+        bc.close()
+        coord.close()
+        for p in peers.values():
+            p.close()
+
+
+def test_peer_certificates_are_short_lived_and_the_agent_renews_its_own(tmp_path):
+    from cryptography import x509
+
+    from echo2.rollout.agent import Agent
+    from echo2.transport import PEER_NAME, RunCA, Trust, server_context
+
+    ca = RunCA(str(tmp_path / "tls"))
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def life(cert_pem: bytes) -> datetime.timedelta:
+        return x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc - now
+
+    cert, key = ca.issue([PEER_NAME])  # what a worker gets (/certificate)
+    assert datetime.timedelta(hours=1) < life(cert) <= datetime.timedelta(hours=12)
+    assert life(ca.ca_pem) > datetime.timedelta(days=300)  # the CA lasts the run (the workers pin it)
+
+    trust = Trust(ca.ca_pem, ca.ca_file, server_context(cert, key))
+    server = RelayServer(Store(), TOKEN, tls=trust.server).start()
+    learner = RelayServer(Store(), TOKEN, tls=ca.trust().server).start()
+
+    def served(at: RelayServer) -> x509.Certificate:
+        conn = trust.connect(socket.create_connection(at.addr, timeout=5))
+        try:
+            return x509.load_der_x509_certificate(conn.getpeercert(binary_form=True))
+        finally:
+            conn.close()
+
+    class Coordinator:  # the /certificate route, as the gate answers it
+        def post(self, path, body):
+            assert path == "/certificate"
+            cert, key = ca.issue([PEER_NAME])
+            return {"cert": cert.decode(), "key": key.decode()}
+
+    agent = Agent("https://127.0.0.1:1", "secret", engine=None, trust=trust)
+    try:
+        # the learner's own (the coordinator's and the origin's servers) lasts the run: nobody revokes the learner
+        assert served(learner).not_valid_after_utc - now > datetime.timedelta(days=300)
+        before = served(server).serial_number
+        agent.client = Coordinator()
+        agent.renew_certificate()
+        assert served(server).serial_number != before  # the same servers now present the new one
+    finally:
+        agent.receiver.close()
+        server.close()
+        learner.close()
+
+
+# ---------------------------------------------------------------------- 5. epochs
+
+
+def test_a_manifest_or_an_order_of_another_learner_epoch_is_refused():
+    """A peer still holding the dead learner's v3 (same version number, other weights) is skipped for the resumed
+    learner's; the epoch is signed, so a relay cannot relabel it; a receiver takes no order of an older epoch
+    once it took one of a newer, and drops what it held at the change."""
+    from echo2.broadcast.manifest import order_credential
+
+    dead_blob, blob = os.urandom(4 * CHUNK), os.urandom(4 * CHUNK)
+    stale, origin = origin_with(dead_blob, 3, epoch="dead"), origin_with(blob, 3, epoch="resumed")
+    f = Fetcher(Store(), TOKEN, stall_timeout_s=2, manifest_key=KEY)
+    got: dict[str, list[int]] = {}
+    r = receivers(got, "r")["r"]
+    try:
+        snap = f.fetch(3, [stale.addr, origin.addr], epoch="resumed")
+        assert bytes(snap.buf) == blob and origin.served_bytes == len(blob)
+        dead_manifest = stale.store.get(3).manifest
+        with pytest.raises(BadSnapshot, match="not signed"):
+            verify_manifest(KEY, {**dead_manifest, "epoch": "resumed"})
+
+        def order(route, seq, epoch, **fetch):
+            body = {"epoch": epoch, "key": "ab" * 32, **fetch}
+            return Client(r.url, order_credential(SIGNER, r.url, seq, body)).post(route, body)
+
+        order("/key", 10, "dead")
+        r.store.put(Snapshot(dead_manifest, dead_blob))
+        order("/key", 30, "resumed")
+        assert r.epoch == "resumed" and not r.store.snaps  # the dead run's weights are neither kept nor served
+        with pytest.raises(RemoteError, match="older learner epoch"):  # sent before the resumed learner's key
+            order("/fetch", 20, "dead", version=3, base=-1, sources=[list(stale.addr)], deadline_s=5.0,
+                  challenge="0" * 32)
+        assert not r.store.snaps
+    finally:
+        for x in (f, stale, origin, r):
+            x.close()
+
+
+class _Engine:
+    name = "recording"
+
+    def __init__(self):
+        self.loads = []
+
+    def load_weights(self, version, blob):
+        self.loads.append((version, bytes(blob)))
+
+    def close(self):
+        pass
+
+
+def test_the_agent_applies_no_snapshot_of_another_epoch_than_it_joined():
+    """A fetch the dead learner ordered may finish after the agent re-joined the resumed one: never applied."""
+    from echo2.rollout.agent import Agent
+
+    engine = _Engine()
+    agent = Agent("http://127.0.0.1:1", "secret", engine)
+    try:
+        agent.joined_epoch, agent.stale, agent.version = "resumed", True, -1  # as _register leaves it
+        agent._received(5, b"dead", {"epoch": "dead", "probe": None})
+        agent._apply_pending()
+        assert engine.loads == [] and agent.version == -1
+        agent._received(5, b"dead", {"epoch": "dead", "probe": None})
+        agent._received(3, b"resumed", {"epoch": "resumed", "probe": None})  # lower, but of the newer order
+        agent._apply_pending()
+        assert engine.loads == [(3, b"resumed")] and agent.version == 3 and agent.epoch == "resumed"
+    finally:
+        agent.receiver.close()
+
+
+# ---------------------------------------------------------------------- 6. the relay's own sockets
+
+
+def test_silent_half_open_and_unread_connections_are_dropped_and_capped():
+    blob = os.urandom(512 * CHUNK)  # 32 MiB: more than loopback's socket buffers hold for a reader that stops
+    store = Store()
+    store.put(Snapshot(make_manifest(SIGNER, 1, blob, CHUNK), blob))
+    server = RelayServer(store, TOKEN, max_conns=3, request_timeout_s=1.0, stall_timeout_s=1.0).start()
+    conns = []
+    try:
+        silent = socket.create_connection(server.addr, timeout=5)
+        half = socket.create_connection(server.addr, timeout=5)
+        half.sendall(b"\x00\x00")  # half a frame header, then nothing
+        unread = socket.create_connection(server.addr, timeout=5)  # asks for everything, reads nothing
+        conns += [silent, half, unread]
+        from echo2.broadcast.manifest import key_id, request_mac
+
+        send_frame(unread, {"version": 1, "base": -1, "start": 0, "end": -1, "key": key_id(TOKEN),
+                            "mac": request_mac(TOKEN, 1, -1, 0, -1)})
+        assert wait(lambda: len(server.conns) == 3, 5)
+        extra = socket.create_connection(server.addr, timeout=5)  # over the cap: closed at once
+        conns.append(extra)
+        assert _closed(extra, 2)
+        for s in (silent, half):  # past request_timeout_s
+            assert _closed(s, 4)
+        assert wait(lambda: not server.conns, 6), server.conns  # the unread one, past its stall timeout
+        f = Fetcher(Store(), TOKEN, stall_timeout_s=2, manifest_key=KEY)
+        assert bytes(f.fetch(1, [server.addr]).buf) == blob  # and it serves on
+        f.close()
+    finally:
+        for s in conns:
+            s.close()
+        server.close()
+
+
+def _closed(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closed ``sock`` within ``within_s`` (what it sent before closing is skipped)."""
+    sock.settimeout(within_s)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False

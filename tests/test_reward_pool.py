@@ -1,0 +1,153 @@
+"""Rewards in processes of their own with a time limit: a reward that hangs, spins in C, raises or kills its process
+costs its group (dropped with the reason, counted), never the coordinator's liveness; and the coordinator's
+process keeps answering heartbeats while math-verify chews on \\boxed{10^{10^{7}}}."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES, balanced
+from echo2.rollout.types import Completion, Rollout, RolloutGroup
+from echo2.tasks.base import Task
+
+G = 2
+
+
+def slow(prompts, completions, **_):
+    """A reward by the completion's text: 'sleep' sleeps, 'spin' computes in C (no signal interrupts it), 'raise'
+    raises, 'die' kills its process; anything else scores 1."""
+    out = []
+    for text in completions:
+        if text == "sleep":
+            time.sleep(60)
+        elif text == "spin":
+            10 ** (10 ** 8)  # about a minute of bigint arithmetic in C, holding the GIL
+        elif text == "raise":
+            raise ZeroDivisionError("a reward bug")
+        elif text == "die":
+            os._exit(3)
+        out.append(1.0)
+    return out
+
+
+class SlowTask(Task):
+    """Pickled by reference into the reward processes (this module is importable there: tests/ is on their path)."""
+
+    name = "slow"
+
+    def reward_funcs(self):
+        return [slow]
+
+
+def group(text: str, gid: str) -> RolloutGroup:
+    rollouts = [Rollout([1], Completion([5], [-1.0], "stop"), 0, text=text) for _ in range(G)]
+    return RolloutGroup(row={"prompt": "p"}, rollouts=rollouts, group_id=gid)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from echo2.rollout.reward_pool import RewardPool
+
+    p = RewardPool(SlowTask(), tokenizer=None, processes=2, timeout_s=1.5)  # texts are set by the test, not decoded
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("text, reason", [("sleep", "reward_timeout"), ("spin", "reward_timeout"),
+                                          ("raise", "reward_error"), ("die", "reward_crashed")])
+def test_a_bad_reward_costs_its_group_only(pool, text, reason):
+    groups = [group("ok", "g0"), group(text, "g1"), group("ok", "g2")]
+    t0 = time.monotonic()
+    assert pool.score_many(groups) == [None, reason, None]
+    assert time.monotonic() - t0 < 1.5 + 10  # the limit, plus a fresh process for the rest (generous: loaded CI)
+    assert [r.reward for r in groups[0].rollouts + groups[2].rollouts] == [1.0] * 2 * G
+    assert pool.score_many([group("ok", "g3")]) == [None]  # the pool goes on
+    assert pool.counts[reason] >= 1
+
+
+class CharTokenizer:
+    """One token per character (ids are code points): enough to carry LaTeX, which the tiny model's digit
+    vocabulary cannot. Pickled into the coordinator's process."""
+
+    def __len__(self):
+        return 128
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [min(ord(c), 127) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+class _NoBroadcast:
+    """The coordinator process's broadcaster, doing nothing (this test sends no snapshot)."""
+
+    on_delivered = None
+
+    def metrics(self):
+        return {}
+
+    def add_peer(self, *a):
+        pass
+
+    def remove_peer(self, *a):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_heartbeats_are_answered_while_a_reward_chews_on_a_huge_power(tmp_path):
+    """The real coordinator process on gsm8k; one worker pushes \\boxed{10^{10^{7}}} (math-verify took 18 s on it in
+    the coordinator's own process, holding its GIL), another heartbeats meanwhile: every heartbeat is answered
+    within a second, the push within the reward limit, and the books balance."""
+    from echo2.rollout.service import CoordinatorProcess
+    from echo2.tasks.gsm8k import Gsm8kTask
+    from echo2.transport import Client
+
+    tok = CharTokenizer()
+    task = Gsm8kTask(data_dir=str(FIXTURES / "gsm8k"), chat=False, max_completion_length=64)
+    coord = CoordinatorProcess(
+        task=task, tokenizer=tok, log_path=str(tmp_path / "coordinator.log"), make_broadcaster=_NoBroadcast,
+        coordinator_kwargs=dict(token="secret", staleness=1, prompts_per_step=2, group_size=G, vocab_size=len(tok),
+                                long_poll_s=0.0,
+                                sampling={"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
+    try:
+        client = Client(coord.url, "secret", timeout_s=60)
+        pusher = client.post("/register", {})["worker_id"]
+        beater = client.post("/register", {})["worker_id"]
+        work = client.post("/pull", {"worker_id": pusher, "version": 0, "max_groups": 1})["work"]
+        bomb = tok("The answer is \\boxed{10^{10^{7}}}")["input_ids"]
+        body = {"worker_id": pusher, "results": [{"group_id": work[0]["group_id"], "version": 0, "completions": [
+            {"token_ids": bomb, "logprobs": [-0.1] * len(bomb), "finish_reason": "stop"}] * G}]}
+        done, latencies = threading.Event(), []
+
+        def beat():
+            beats = Client(coord.url, "secret", timeout_s=60)
+            while not done.is_set():
+                t0 = time.monotonic()
+                beats.post("/heartbeat", {"worker_id": beater, "version": 0})
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.1)
+
+        thread = threading.Thread(target=beat, daemon=True)
+        thread.start()
+        t0 = time.monotonic()
+        reply = client.post("/push", body)
+        pushed_s = time.monotonic() - t0
+        done.set()
+        thread.join(timeout=10)
+        print(f"push answered in {pushed_s:.1f} s: {reply}; {len(latencies)} heartbeats, slowest "
+              f"{max(latencies):.3f} s")
+        assert len(latencies) >= 10 and max(latencies) < 1.0, latencies
+        assert pushed_s < 15, pushed_s
+        acc = coord.close()
+        assert balanced(acc), acc
+    finally:
+        coord.abandon()
+    assert "Traceback" not in Path(tmp_path / "coordinator.log").read_text()
