@@ -278,3 +278,146 @@ def test_bf16_keeps_fp32_master_weights_and_publishes_bf16(tmp_path):
     published = snapshot.decode(path.read_bytes())
     for name, p in trainer.model.named_parameters():
         assert published[name].dtype == torch.bfloat16 and torch.equal(published[name], p.detach().to(torch.bfloat16))
+
+
+# Hand-made log-ratios log w = log pi_learner - log pi_behaviour: 3 sequences of up to 3 tokens; the last token of
+# sequence 1 is padding (its w of 1 must not count anywhere). Squared logs of the 8 real tokens: 0, 1.21, 1.92 |
+# 0.16, 3.21 | 0.26, 0.01, 0.03 (mean 0.851). Geometric means: 0.909 | 3.0 | 0.865.
+RATIOS = [[1.0, 3.0, 0.25], [1.5, 6.0, 1.0], [0.6, 0.9, 1.2]]
+REAL = [[1, 1, 1], [1, 1, 0], [1, 1, 1]]
+PAD = None  # a padded position: its weight is not looked at
+
+
+@pytest.mark.parametrize("correction, expected", [
+    # truncate at is_max = 2; nothing dropped
+    (dict(mode="tis"), [[1.0, 2.0, 0.25], [1.5, 2.0, PAD], [0.6, 0.9, 1.2]]),
+    # drop w outside [0.5, 2], both sides; keep the rest at w
+    (dict(mode="mask"), [[1.0, 0.0, 0.0], [1.5, 0.0, PAD], [0.6, 0.9, 1.2]]),
+    # the same rule within [0.5, 5]: 3.0 is kept at 3, 0.25 and 6.0 dropped
+    (dict(mode="icepop"), [[1.0, 3.0, 0.0], [1.5, 0.0, PAD], [0.6, 0.9, 1.2]]),
+    (dict(mode="icepop", icepop_bounds=(0.2, 7.0)), [[1.0, 3.0, 0.25], [1.5, 6.0, PAD], [0.6, 0.9, 1.2]]),
+    # m2po, tau = 1: the batch's mean (0.851) is under tau, nothing dropped, although sequence 1's own is 1.69
+    (dict(mode="m2po", m2_threshold=1.0), [[1.0, 3.0, 0.25], [1.5, 6.0, PAD], [0.6, 0.9, 1.2]]),
+    # tau = 0.8: dropping 6.0 leaves 0.514 (had the padding counted, the mean 0.757 would have dropped nothing)
+    (dict(mode="m2po", m2_threshold=0.8), [[1.0, 3.0, 0.25], [1.5, 0.0, PAD], [0.6, 0.9, 1.2]]),
+    # tau = 0.1: 6.0, 0.25, 3.0 dropped (0.279 after two, 0.094 after three)
+    (dict(mode="m2po", m2_threshold=0.1), [[1.0, 0.0, 0.0], [1.5, 0.0, PAD], [0.6, 0.9, 1.2]]),
+    # tau = 0.04: then 0.6 (0.052) and 1.5 (0.015): five dropped
+    (dict(mode="m2po", m2_threshold=0.04), [[1.0, 0.0, 0.0], [0.0, 0.0, PAD], [0.0, 0.9, 1.2]]),
+    # seq_mask: sequence 1 (geometric mean 3) dropped whole, 1.5 with it; the others weighted as tis (0.25 kept)
+    (dict(mode="seq_mask"), [[1.0, 2.0, 0.25], [0.0, 0.0, PAD], [0.6, 0.9, 1.2]]),
+    (dict(mode="seq_mask", seq_bounds=(0.88, 3.0)), [[1.0, 2.0, 0.25], [1.5, 2.0, PAD], [0.0, 0.0, 0.0]]),
+    (dict(mode="seq_mask", is_bounds=(0.5, 10.0), seq_bounds=(0.5, 3.5)), [[1.0, 3.0, 0.25], [1.5, 6.0, PAD],
+                                                                           [0.6, 0.9, 1.2]]),
+])
+def test_importance_weights_keep_and_weight_exactly_these_tokens(correction, expected):
+    """Each correction on hand-made log-ratios: which tokens it keeps (weight > 0) and with what weight."""
+    from echo2.learner.corrections import Correction, importance_weights
+
+    real = torch.tensor(REAL, dtype=torch.bool)
+    log_ratio = torch.log(torch.tensor(RATIOS)) * real  # as the learner builds it: padding at log w = 0
+    weights = importance_weights(log_ratio, Correction(**correction), real)
+    got = [[None if e is PAD else round(w, 4) for w, e in zip(row, erow)] for row, erow in zip(weights.tolist(),
+                                                                                              expected)]
+    assert got == expected
+
+
+def test_tis_and_mask_weights_are_unchanged_bit_for_bit():
+    """The weights of tis and mask are exactly the formulas echo2 had before the other corrections came."""
+    from echo2.learner.corrections import Correction, importance_weights
+
+    torch.manual_seed(0)
+    real = torch.rand(32, 7) > 0.2
+    log_ratio = torch.randn(32, 7) * 1.5 * real
+    w = torch.exp(log_ratio)
+    assert torch.equal(importance_weights(log_ratio, Correction("tis", is_bounds=(0.5, 2.0)), real),
+                       torch.clamp(w, max=2.0))
+    assert torch.equal(importance_weights(log_ratio, Correction("mask", is_bounds=(0.5, 2.0)), real),
+                       torch.where((w >= 0.5) & (w <= 2.0), w, torch.zeros_like(w)))
+
+
+@pytest.mark.parametrize("squared, tau, keep", [
+    ([0.01, 0.02, 0.03], 0.04, [True, True, True]),  # mean under tau: nothing to do
+    ([0.01, 9.0, 0.03], 0.04, [True, False, True]),  # the one outlier
+    ([1.0, 1.0, 0.0], 0.5, [False, True, True]),  # dropping one of the tied 1s is enough: the first goes
+    ([4.0, 4.0], 1.0, [False, False]),  # even the smallest exceeds tau: everything is dropped
+    ([], 1.0, []),
+])
+def test_m2po_drops_the_fewest_largest_tokens(squared, tau, keep):
+    from echo2.learner.corrections import m2po_keep
+
+    assert m2po_keep(torch.tensor(squared), tau).tolist() == keep
+
+
+class TwoProcesses:
+    """A stand-in for accelerate with 2 learner processes, seen from process ``rank``: ``gather`` concatenates
+    both processes' tensors (``pad_across_processes`` pads each to the longer with ``pad_index``)."""
+
+    num_processes = 2
+
+    def __init__(self, rank, slices):
+        self.process_index, self.slices = rank, slices
+
+    def pad_across_processes(self, tensor, pad_index):
+        longest = max(len(s) for s in self.slices)
+        self.padded = [torch.cat([s, torch.full((longest - len(s),), pad_index)]) for s in self.slices]
+        return self.padded[self.process_index]
+
+    def gather(self, tensor):
+        return torch.cat(self.padded)
+
+
+def test_m2po_selects_over_the_whole_batch_when_split_across_processes():
+    """With 2 learner processes, each holding half the batch, each keeps exactly its part of what M2PO keeps on
+    the whole batch (the rows of process 1 are longer, so process 0's slice is padded in the gather)."""
+    from types import SimpleNamespace
+
+    from echo2.learner.corrections import Correction, m2po_keep
+    from echo2.learner.trainer import Echo2GRPOTrainer
+
+    torch.manual_seed(1)
+    log_ratio = [torch.randn(3, 4) * 0.3, torch.randn(3, 6) * 0.3]
+    real = [torch.rand(3, 4) > 0.3, torch.rand(3, 6) > 0.3]
+    log_ratio[1][0, 1], real[1][0, 1] = 2.0, True  # an outlier on process 1 ...
+    whole = m2po_keep(torch.cat([(lr[m]).square() for lr, m in zip(log_ratio, real)]), 0.04)
+    assert not whole.all() and whole.any()  # ... so something is dropped, not everything
+    slices = [(lr[m]).square() for lr, m in zip(log_ratio, real)]
+    mine = [Echo2GRPOTrainer._m2po_keep(SimpleNamespace(accelerator=TwoProcesses(rank, slices),
+                                                        correction_spec=Correction("m2po")), log_ratio[rank], real[rank])
+            for rank in (0, 1)]
+    assert torch.equal(torch.cat(mine), whole)
+
+
+@pytest.fixture(scope="module")
+def on_policy_gradient(tmp_path_factory):
+    """The gradient of one sync step with the decoupled loss on on-policy data (every weight 1)."""
+    ids, grad, _, _ = first_step(tmp_path_factory.mktemp("on-policy"), "tis", 0.0)
+    assert grad.norm() > 0
+    return ids, grad
+
+
+@pytest.mark.parametrize("correction, shift, factor, masked", [
+    ("icepop", 1.5, math.exp(1.5), 0.0),  # w = e^1.5 = 4.5 lies within [0.5, 5]: kept at full weight
+    ("icepop", 1.7, 0.0, 1.0),  # e^1.7 = 5.5 does not
+    ("m2po", 0.1, math.exp(0.1), 0.0),  # (log w)^2 = 0.01 <= 0.04 for every token: nothing to drop
+    ("m2po", 1.5, 0.0, 1.0),  # 2.25 for every token: even the last exceeds 0.04, all dropped
+    ("seq_mask", 0.3, math.exp(0.3), 0.0),  # every sequence's geometric mean e^0.3 is within [0.5, 2]
+    ("seq_mask", 1.5, 0.0, 1.0),  # e^1.5 is not: every sequence dropped
+])
+def test_new_corrections_end_to_end(tmp_path, on_policy_gradient, correction, shift, factor, masked):
+    """icepop, m2po and seq_mask in a real learner step, the behaviour logprobs lowered by ``shift`` nats so every
+    token's w is e^shift: the gradient is e^shift times the on-policy one where the correction keeps the tokens,
+    0 where it drops them; the step's record says what it did (the masked fraction, ratio, second moment)."""
+    ids0, g0 = on_policy_gradient
+    ids, grad, delta, rec = first_step(tmp_path, correction, shift)
+    assert ids == ids0, "not the same batch: the comparison below would mean nothing"
+    if factor:
+        assert close(grad, factor * g0), ((grad - factor * g0).norm(), g0.norm())
+    else:
+        assert grad.abs().max() == 0 and delta.abs().max() == 0
+    assert rec["rollout/is_frac_masked"] == masked and rec["rollout/is_frac_truncated"] == 0.0
+    assert rec["rollout/is_frac_corrected"] == masked
+    assert rec["rollout/is_ratio_mean"] == pytest.approx(math.exp(shift), rel=1e-4)
+    assert rec["rollout/is_ratio_max"] == pytest.approx(math.exp(shift), rel=1e-4)
+    assert rec["rollout/is_log_ratio_m2"] == pytest.approx(shift ** 2, rel=1e-3)
+    assert rec["rollout/is_weight_mean"] == pytest.approx(factor, rel=1e-4, abs=1e-12)

@@ -126,3 +126,21 @@ def test_the_report_groups_a_sweeps_cells_and_times_the_threshold(tmp_path):
                                            "rollout.correction", "--threshold", "0.5"])
     assert (tmp_path / "out" / "reward_by_staleness.png").stat().st_size > 0
     assert "| none | 4 | 1 |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_the_report_shows_the_share_of_tokens_a_correction_masked(tmp_path):
+    """The grouped table's "tokens masked": rollout/is_frac_masked averaged over the cell's steps; "-" for runs
+    without a correction (no such metric)."""
+    from echo2 import report
+
+    masked = fake_run(tmp_path, "masked", 8, 0, [0.0] * 30, 8)
+    records = [json.loads(line) for line in (masked / "metrics.jsonl").read_text().splitlines()]
+    (masked / "metrics.jsonl").write_text("".join(json.dumps({**r, "rollout/is_frac_masked": 0.1 * (i % 2)}) + "\n"
+                                                  for i, r in enumerate(records)))
+    plain = fake_run(tmp_path, "plain", 8, 1, [0.0] * 30, 8)
+    runs = [report.load(masked), report.load(plain)]
+    assert report.cell_row(runs[:1], None, 10)["masked_mean"] == pytest.approx(0.05)
+    assert report.cell_row(runs[1:], None, 10)["masked_mean"] is None
+    table = report.grouped_markdown(report.grouped(runs, "seed", None), "seed", None, None, 10).splitlines()
+    assert table[0].endswith("| tokens masked |")
+    assert table[2].endswith("| 0.050 |") and table[3].endswith("| - |")

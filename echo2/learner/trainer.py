@@ -7,7 +7,10 @@ How it differs from TRL's trainer (trl==1.16.0), and nothing else:
   TRL's batch dict from the returned, already scored, groups.
 * The "old" policy of GRPO's clipped ratio is the **behaviour** logprobs the engine returned with each
   token (``old_per_token_logps``). TRL instead recomputes them with the current weights or assumes
-  ratio 1; with stale rollouts that would silently treat them as on-policy.
+  ratio 1; with stale rollouts that would silently treat them as on-policy. With ``rollout.correction`` set,
+  the learner uses the decoupled loss instead: the ratio is taken against its weights now (one more forward
+  pass, without grad) and each token's advantage is weighted by π_learner / π_behaviour, truncated or masked
+  as ``echo2/learner/corrections.py`` defines (tis, mask, icepop, m2po, seq_mask).
 * One optimizer step per batch of R = P·G rollouts, so the policy version is exactly ``state.global_step``
   (docs/design.md §1). Each process's slice of R/N rollouts may be split into micro-batches
   (``learner.micro_batch_size``): TRL's own buffering does it (``steps_per_generation =
@@ -34,6 +37,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import nanstd, pad
 
+from echo2.learner.corrections import CORRECTIONS, Correction, importance_weights, m2po_keep
 from echo2.learner.weights import PolicyWeights
 from echo2.rollout.protocols import RolloutSource
 from echo2.rollout.types import RolloutGroup
@@ -61,30 +65,17 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
-CORRECTIONS = ("none", "tis", "mask")
-
-
-def importance_weights(log_ratio: torch.Tensor, mode: str, bounds: tuple[float, float]) -> torch.Tensor:
-    """Per-token weights w = π_prox / π_behaviour for the decoupled off-policy loss.
-
-    ``tis`` truncates w at ``bounds[1]`` (truncated importance sampling: bounded variance, some bias);
-    ``mask`` zeroes tokens whose w falls outside ``bounds`` (they teach nothing rather than something wrong).
-    """
-    w = torch.exp(log_ratio)
-    if mode == "tis":
-        return torch.clamp(w, max=bounds[1])
-    if mode == "mask":
-        return torch.where((w >= bounds[0]) & (w <= bounds[1]), w, torch.zeros_like(w))
-    raise ValueError(f"correction {mode!r}")
-
-
 class Echo2GRPOTrainer(GRPOTrainer):
     def __init__(self, *args, rollout_source: RolloutSource, correction: str = "none",
-                 is_bounds: tuple[float, float] = (0.5, 2.0), **kwargs):
+                 is_bounds: tuple[float, float] = (0.5, 2.0), icepop_bounds: tuple[float, float] = (0.5, 5.0),
+                 m2_threshold: float = 0.04, seq_bounds: tuple[float, float] = (0.5, 2.0), **kwargs):
         super().__init__(*args, **kwargs)
         if correction not in CORRECTIONS:
             raise ValueError(f"rollout.correction={correction!r}: expected one of {CORRECTIONS}")
         self.correction, self.is_bounds = correction, is_bounds
+        # rollout.correction with its thresholds (echo2/learner/corrections.py); self.correction stays its name.
+        self.correction_spec = Correction(correction, is_bounds=tuple(is_bounds), icepop_bounds=tuple(icepop_bounds),
+                                          m2_threshold=m2_threshold, seq_bounds=tuple(seq_bounds))
         if self.args.steps_per_generation != self.args.gradient_accumulation_steps or self.num_iterations != 1:
             raise ValueError("echo2's learner takes one optimizer step per batch: steps_per_generation = "
                              "gradient_accumulation_steps (the micro-batches of one slice), num_iterations = 1")
@@ -211,8 +202,11 @@ class Echo2GRPOTrainer(GRPOTrainer):
         every = getattr(self.rollout_source, "check_every_steps", 0)
         if every and self.version % every == 0 and any(g.worker_id for g in groups):
             learner_logps = old_logps if self.correction != "none" else None
-            self._check(groups, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps,
-                        learner_logps)
+            distrusted = self._check(groups, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                     behaviour_logps, learner_logps)
+            if distrusted:  # tokens the checks found implausible are not trained on (booked: dropped, untrusted)
+                keep = torch.tensor([g.worker_id not in distrusted for g in groups for _ in g.rollouts], device=device)
+                completion_mask = completion_mask * keep.unsqueeze(1).long()
         batch = {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
@@ -250,44 +244,81 @@ class Echo2GRPOTrainer(GRPOTrainer):
         return loss
 
     def _decoupled(self, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps, advantages):
-        """Decoupled off-policy loss (``rollout.correction`` tis / mask): the clipped ratio is taken against the
-        *proximal* policy (the learner's weights now, recomputed without grad), and each token is weighted by
-        w = π_prox / π_behaviour, truncated or masked. Returns (old logprobs, per-token advantages)."""
+        """Decoupled off-policy loss (``rollout.correction`` other than none): the clipped ratio is taken against
+        the *proximal* policy (the learner's weights now, recomputed without grad), and each token's advantage is
+        weighted by w = π_prox / π_behaviour, corrected (echo2/learner/corrections.py says how, per correction).
+        Returns (old logprobs, per-token advantages)."""
         with torch.no_grad():
             prox_logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
                 completion_ids.size(1), batch_size=self.args.per_device_train_batch_size)
         mask = completion_mask.bool()
-        raw = torch.exp((prox_logps - behaviour_logps)[mask])
-        weights = importance_weights((prox_logps - behaviour_logps) * completion_mask, self.correction, self.is_bounds)
-        kept = weights[mask]
-        for key, value in {
-            "rollout/is_ratio_mean": raw.mean(), "rollout/is_ratio_max": raw.max(),
-            "rollout/is_weight_mean": kept.mean(),
-            "rollout/is_frac_corrected": (kept != raw).float().mean(),
-        }.items():
-            self._metrics["train"][key].append(self.accelerator.gather(value.reshape(1)).mean().item())
+        log_ratio = (prox_logps - behaviour_logps) * completion_mask
+        keep = self._m2po_keep(log_ratio, mask) if self.correction == "m2po" else None
+        weights = importance_weights(log_ratio, self.correction_spec, mask, keep)
+        self._log_correction(log_ratio, weights, mask)
         return prox_logps, advantages.unsqueeze(1) * weights
 
+    def _m2po_keep(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """M2PO's choice over the whole batch of R rollouts, of which this process holds a slice: the (log w)² of
+        every process's real tokens are gathered (each slice padded to the longest with -1, which no square is),
+        every process runs the same selection on the same values, and keeps its own part."""
+        squared = log_ratio[mask].square()
+        if self.accelerator.num_processes == 1:
+            return m2po_keep(squared, self.correction_spec.m2_threshold)
+        padded = self.accelerator.pad_across_processes(squared, pad_index=-1.0)
+        everyone = self.accelerator.gather(padded)
+        keep = torch.ones_like(everyone, dtype=torch.bool)
+        real = everyone >= 0
+        keep[real] = m2po_keep(everyone[real], self.correction_spec.m2_threshold)
+        mine = keep.view(self.accelerator.num_processes, -1)[self.accelerator.process_index]
+        return mine[:squared.numel()]
+
+    def _log_correction(self, log_ratio: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> None:
+        """Per step, over the batch's real tokens (all processes): the raw ratio w's mean and max, the second
+        moment of log w (M2PO's M2), and what the correction did: tokens dropped (weight 0), truncated (a lower,
+        non-zero weight), either (is_frac_corrected), the mean weight, and the second moment of the tokens kept."""
+        raw, kept = torch.exp(log_ratio)[mask], weights[mask]  # exp as importance_weights took it: same bits
+        dropped = (kept == 0) & (raw > 0)
+        truncated = (kept != raw) & ~dropped
+        sq = log_ratio[mask].double().square()
+        sums = torch.stack([mask.sum().double(), raw.double().sum(), kept.double().sum(), dropped.sum().double(),
+                            truncated.sum().double(), sq.sum(), sq[kept > 0].sum(), (kept > 0).sum().double()])
+        n, raw_sum, kept_sum, n_dropped, n_truncated, sq_sum, sq_kept, n_kept = (
+            self.accelerator.gather(sums.unsqueeze(0)).sum(0).tolist())
+        raw_max = self.accelerator.gather((raw.max() if raw.numel() else raw.new_zeros(())).reshape(1)).max().item()
+        n = max(n, 1.0)
+        for key, value in {
+            "rollout/is_ratio_mean": raw_sum / n, "rollout/is_ratio_max": raw_max,
+            "rollout/is_log_ratio_m2": sq_sum / n, "rollout/is_log_ratio_m2_kept": sq_kept / max(n_kept, 1.0),
+            "rollout/is_weight_mean": kept_sum / n,
+            "rollout/is_frac_masked": n_dropped / n, "rollout/is_frac_truncated": n_truncated / n,
+            "rollout/is_frac_corrected": (n_dropped + n_truncated) / n,
+        }.items():
+            self._metrics["train"][key].append(value)
+
     def _check(self, groups, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps,
-               learner_logps=None) -> None:
+               learner_logps=None) -> set[str]:
         """Rollout checks (echo2/rollout/trust.py): the learner's logprobs of each worker's tokens against the
-        behaviour logprobs it reported; per-worker sums go to the source, which judges."""
+        behaviour logprobs it reported; per-worker sums (tokens, Σ log-ratio, Σ |log-ratio|) go to the source,
+        which judges; returns the workers whose groups in this batch must not be trained on."""
         if learner_logps is None:
             with torch.no_grad():
                 learner_logps, _, _ = self._get_per_token_logps_and_entropies(
                     self.model, torch.cat([prompt_ids, completion_ids], 1),
                     torch.cat([prompt_mask, completion_mask], 1), completion_ids.size(1),
                     batch_size=self.args.per_device_train_batch_size)
-        ratio = ((learner_logps - behaviour_logps) * completion_mask).sum(1).tolist()
+        diff = (learner_logps - behaviour_logps) * completion_mask
+        ratio, absolute = diff.sum(1).tolist(), diff.abs().sum(1).tolist()
         tokens = completion_mask.sum(1).tolist()
         stats: dict[str, list] = {}
         workers = [g.worker_id for g in groups for _ in g.rollouts]
-        for worker, n, total in zip(workers, tokens, ratio, strict=True):
-            acc = stats.setdefault(worker, [0, 0.0])
+        for worker, n, total, total_abs in zip(workers, tokens, ratio, absolute, strict=True):
+            acc = stats.setdefault(worker, [0, 0.0, 0.0])
             acc[0] += int(n)
             acc[1] += float(total)
-        self.rollout_source.on_check({w: tuple(v) for w, v in stats.items() if w})
+            acc[2] += float(total_abs)
+        return set(self.rollout_source.on_check({w: tuple(v) for w, v in stats.items() if w}) or ())
 
     def _zero_std_fraction(self, all_rewards: torch.Tensor) -> float:
         """Fraction of groups whose G rewards are all equal: they carry no GRPO signal."""
