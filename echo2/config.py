@@ -23,7 +23,7 @@ from echo2.activation.settings import ActivationSettings
 class ModelConfig:
     name: str = MISSING
     path: Any = MISSING  # a node with _target_ returning something from_pretrained accepts
-    dtype: str = "float32"
+    dtype: str = "float32"  # or auto (learner/args.resolve_precision)
 
 
 @dataclass
@@ -61,6 +61,20 @@ class Gsm8kTaskConfig:
 
 
 @dataclass
+class ArithChatTaskConfig:
+    _target_: str = "echo2.tasks.arith_chat.ArithChatTask"
+    ops: str = "+-*"
+    max_a: int = 20
+    max_b: int = 10
+    train_size: int = 10_000
+    eval_size: int = 100
+    seed: int = 0
+    max_completion_length: int = 12
+    instruction: str = "Answer with just the number."
+    system: Optional[str] = None
+
+
+@dataclass
 class LearnerConfig:
     learning_rate: float = 3e-3
     lr_scheduler_type: str = "constant"
@@ -75,7 +89,7 @@ class LearnerConfig:
     epsilon_high: Optional[float] = None
     scale_rewards: str = "group"
     mask_truncated_completions: bool = False
-    bf16: bool = False
+    bf16: Optional[bool] = None  # null: follow model.dtype (learner/args.resolve_precision)
     low_precision_weights: bool = False
     micro_batch_size: Optional[int] = None
     gradient_checkpointing: bool = False
@@ -93,9 +107,14 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    correction: str = "none"
+    correction: str = "none"  # echo2/learner/corrections.py: CORRECTIONS
     is_min: float = 0.5
     is_max: float = 2.0
+    icepop_min: float = 0.5
+    icepop_max: float = 5.0
+    m2_threshold: float = 0.04
+    seq_min: float = 0.5
+    seq_max: float = 2.0
 
 
 @dataclass
@@ -142,6 +161,7 @@ def register_configs() -> None:
     cs.store(group="task", name="arith_schema", node=ArithTaskConfig)
     cs.store(group="task", name="gsm8k_schema", node=Gsm8kTaskConfig)
     cs.store(group="task", name="kuhn_schema", node=KuhnTaskConfig)
+    cs.store(group="task", name="arith_chat_schema", node=ArithChatTaskConfig)
     cs.store(group="learner", name="learner_schema", node=LearnerConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
     cs.store(group="broadcast", name="broadcast_schema", node=BroadcastConfig)
@@ -149,7 +169,7 @@ def register_configs() -> None:
 
 
 WANDB_MODES = ("offline", "online", "disabled")
-TASK_SCHEMAS = (ArithTaskConfig, KuhnTaskConfig, Gsm8kTaskConfig)
+TASK_SCHEMAS = (ArithTaskConfig, KuhnTaskConfig, Gsm8kTaskConfig, ArithChatTaskConfig)
 
 
 def unknown_key(dotted: str) -> str | None:
@@ -253,10 +273,15 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if cfg.learner.lr_staleness != "none" and cfg.learner.deepspeed:
         errors.append("learner.lr_staleness=inverse with DeepSpeed: its engine steps the optimizer inside backward, "
                       "before the rate can be scaled; use the single-process learner (learner=default)")
-    if r.correction not in ("none", "tis", "mask"):
-        errors.append(f"rollout.correction={r.correction!r}: expected none, tis or mask")
-    if not 0 <= r.is_min <= 1 <= r.is_max:
-        errors.append(f"rollout.is_min={r.is_min}, is_max={r.is_max}: need 0 <= is_min <= 1 <= is_max")
+    from echo2.learner.corrections import CORRECTIONS  # the definitions' module (it imports torch)
+
+    if r.correction not in CORRECTIONS:
+        errors.append(f"rollout.correction={r.correction!r}: expected one of {', '.join(CORRECTIONS)}")
+    for lo, hi in (("is_min", "is_max"), ("icepop_min", "icepop_max"), ("seq_min", "seq_max")):
+        if not 0 <= r[lo] <= 1 <= r[hi]:  # a ratio of 1 (on-policy) must always be kept
+            errors.append(f"rollout.{lo}={r[lo]}, {hi}={r[hi]}: need 0 <= {lo} <= 1 <= {hi}")
+    if r.m2_threshold <= 0:
+        errors.append(f"rollout.m2_threshold={r.m2_threshold}: must be > 0 (nats², the batch's mean (log w)²)")
     if r.temperature <= 0:
         errors.append(f"rollout.temperature={r.temperature}: must be > 0")
     if r.top_p != 1 or r.top_k != 0:

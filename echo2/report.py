@@ -9,6 +9,7 @@ label: the overrides that differ between the runs, else the directory name) and 
 current directory):
 
     reward.png        reward against learner step, wall-clock time and dollars (moving average of --smooth steps)
+    eval.png          held-out (greedy) accuracy against learner step and wall-clock time
     staleness.png     histogram of the lag of every consumed group (step - version; from consumed.jsonl)
     utilization.png   learner utilization over time (1 - time waiting for rollouts / wall, per window)
     broadcast.png     time of each dissemination round against run time (broadcast/time_s)
@@ -19,10 +20,14 @@ and by ``--panels KEY2`` if given; the runs within a group (a sweep's seeds) are
 
     reward_by_KEY.png  mean reward against step, one line per value of KEY (shaded: min to max over the group),
                        one panel per value of KEY2
+    eval_by_KEY.png    mean held-out accuracy against step and wall-clock time, one line per value of KEY (shaded:
+                       min to max over the group)
     report.md          also one row per group: reward and eval accuracy (mean ± sd), steps and seconds to
                        --threshold (the reward's moving average first at or above it; median over the group),
                        the lag actually consumed, and instability signs: the largest gradient norm, importance
-                       ratio and reward drop (peak moving average minus the last 20 steps' mean) in the group
+                       ratio and reward drop (peak moving average minus the last 20 steps' mean) in the group, and
+                       the share of tokens the off-policy correction dropped (rollout/is_frac_masked, mean over the
+                       group's steps; "-" without a correction)
 
 The same table (for one run) ends every training run: ``summary_table``.
 """
@@ -98,6 +103,14 @@ def row(run: dict) -> dict[str, Any]:
         "lost": sum((acc.get("lost") or {}).values()) if acc else None,
         "usd": last.get("cost/usd"),
     }
+
+
+def evaluations(run: dict) -> list[tuple[int, float, float]]:
+    """(step, wall-clock s, accuracy) of each held-out evaluation; step 0 is at time 0 (before training)."""
+    by_step = run["summary"].get("eval_accuracy_by_step") or {
+        str(r["step"]): r["eval/accuracy"] for r in run["records"] if r.get("eval/accuracy") is not None}
+    times = {r["step"]: r["time_s"] for r in run["records"]}
+    return sorted((int(s), times.get(int(s), 0.0), a) for s, a in by_step.items() if int(s) == 0 or int(s) in times)
 
 
 def staleness(run: dict) -> Counter:
@@ -188,6 +201,21 @@ def plot(runs: list[dict], out: Path, smooth: int = 10) -> list[Path]:
                      transform=axes[2].transAxes)
     axes[0].legend(fontsize=8)
     written.append(_save(fig, out / "reward.png"))
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for name, run in zip(names, runs, strict=True):
+        points = evaluations(run)
+        line, = axes[0].plot([p[0] for p in points], [p[2] for p in points], marker=".", label=name)
+        axes[1].plot([p[1] for p in points], [p[2] for p in points], marker=".", color=line.get_color())
+    for ax, xl in zip(axes, ("learner step", "wall-clock s"), strict=True):
+        ax.set_xlabel(xl)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out accuracy (greedy)")
+    if not axes[0].lines or not any(len(ln.get_xdata()) for ln in axes[0].lines):
+        axes[0].text(0.5, 0.5, "no evaluations (run.eval_every_steps=0)", ha="center", transform=axes[0].transAxes)
+    else:
+        axes[0].legend(fontsize=8)
+    written.append(_save(fig, out / "eval.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     hists = [(name, staleness(run)) for name, run in zip(names, runs, strict=True)]
@@ -286,7 +314,7 @@ def cell_row(runs: list[dict], threshold: float | None, window: int) -> dict[str
         return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
     rows = [row(r) for r in runs]
-    reached_steps, reached_s, drops, grad, ratio = [], [], [], [], []
+    reached_steps, reached_s, drops, grad, ratio, masked = [], [], [], [], [], []
     for run in runs:
         recs = [r for r in run["records"] if r.get("reward/mean") is not None]
         ma = moving_average([r["reward/mean"] for r in recs], window)
@@ -297,6 +325,7 @@ def cell_row(runs: list[dict], threshold: float | None, window: int) -> dict[str
         drops.append(max(ma) - sum(tail) / len(tail) if tail else None)
         grad += [r["train/grad_norm"] for r in run["records"] if r.get("train/grad_norm") is not None]
         ratio += [r["rollout/is_ratio_max"] for r in run["records"] if r.get("rollout/is_ratio_max") is not None]
+        masked += [r["rollout/is_frac_masked"] for r in run["records"] if r.get("rollout/is_frac_masked") is not None]
     lags = sum((staleness(r) for r in runs), Counter())
     done = [s for s in reached_steps if s is not None]
     return {
@@ -310,6 +339,7 @@ def cell_row(runs: list[dict], threshold: float | None, window: int) -> dict[str
         "lag_at_max": lags[max(lags)] / sum(lags.values()) if lags else None,
         "grad_max": max(grad) if grad else None, "ratio_max": max(ratio) if ratio else None,
         "drop_max": max((d for d in drops if d is not None), default=None),
+        "masked_mean": statistics.fmean(masked) if masked else None,
     }
 
 
@@ -329,7 +359,8 @@ def grouped_markdown(groups: dict[tuple, list[dict]], by: str, panels: str | Non
 
     head = ([panels] if panels else []) + [by, "runs", "reward last 20", "eval acc",
                                            f"reached {threshold}", "steps to it", "s to it", "lag mean",
-                                           "lag max (share)", "grad norm max", "IS ratio max", "reward drop max"]
+                                           "lag max (share)", "grad norm max", "IS ratio max", "reward drop max",
+                                           "tokens masked"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for (panel, value), runs in groups.items():
         c = cell_row(runs, threshold, window)
@@ -337,7 +368,7 @@ def grouped_markdown(groups: dict[tuple, list[dict]], by: str, panels: str | Non
             str(value), str(c["runs"]), pm(c["reward"]), pm(c["eval"]), c["reached"], _fmt(c["steps_to"], ".0f"),
             _fmt(c["s_to"], ".1f"), _fmt(c["lag_mean"], ".2f"),
             "-" if c["lag_max"] is None else f"{c['lag_max']} ({c['lag_at_max']:.2f})", _fmt(c["grad_max"], ".2f"),
-            _fmt(c["ratio_max"], ".2f"), _fmt(c["drop_max"], ".3f")]
+            _fmt(c["ratio_max"], ".2f"), _fmt(c["drop_max"], ".3f"), _fmt(c["masked_mean"], ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -372,6 +403,37 @@ def plot_grouped(groups: dict[tuple, list[dict]], by: str, panels: str | None, o
     return _save(fig, out / f"reward_by_{by.rsplit('.', 1)[-1]}.png")
 
 
+def plot_grouped_eval(groups: dict[tuple, list[dict]], by: str, out: Path) -> Path | None:
+    """Mean held-out accuracy of each group against step and wall-clock s (at the steps every run evaluated;
+    shaded: min to max over the group's runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for (panel, value), runs in groups.items():
+        series = [{s: (t, a) for s, t, a in evaluations(run)} for run in runs]
+        steps = sorted(set.intersection(*(set(s) for s in series)))
+        if not steps:
+            continue
+        accs = [[s[k][1] for s in series] for k in steps]
+        mean = [sum(a) / len(a) for a in accs]
+        label = f"{by.rsplit('.', 1)[-1]}={value}" + (f" ({panel})" if panel != "" else "")
+        for ax, xs in ((axes[0], steps), (axes[1], [sum(s[k][0] for s in series) / len(series) for k in steps])):
+            line, = ax.plot(xs, mean, marker=".", label=label)
+            ax.fill_between(xs, [min(a) for a in accs], [max(a) for a in accs], color=line.get_color(), alpha=0.15)
+    if not axes[0].lines:
+        plt.close(fig)
+        return None
+    for ax, xl in zip(axes, ("learner step", "wall-clock s (mean over runs)"), strict=True):
+        ax.set_xlabel(xl)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out accuracy (mean over runs, min-max shaded)")
+    axes[0].legend(fontsize=8)
+    return _save(fig, out / f"eval_by_{by.rsplit('.', 1)[-1]}.png")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m echo2.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -393,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.by:
         groups = grouped(runs, args.by, args.panels)
         files.append(plot_grouped(groups, args.by, args.panels, out, args.smooth))
+        files += [f for f in [plot_grouped_eval(groups, args.by, out)] if f]
         table = grouped_markdown(groups, args.by, args.panels, args.threshold, args.smooth) + "\n" + table
     (out / "report.md").write_text(table)
     files.append(out / "report.md")

@@ -25,6 +25,7 @@ def test_every_option_is_documented():
 @pytest.mark.parametrize("node, files", [
     (schema.ModelConfig, "model/*.yaml"), (schema.ArithTaskConfig, "task/arith.yaml"),
     (schema.KuhnTaskConfig, "task/kuhn.yaml"), (schema.Gsm8kTaskConfig, "task/gsm8k.yaml"),
+    (schema.ArithChatTaskConfig, "task/arith_chat.yaml"),
     (schema.LearnerConfig, "learner/default.yaml"), (schema.RolloutConfig, "rollout/*.yaml"),
     (schema.BroadcastConfig, "broadcast/*.yaml"), (schema.ActivationConfig, "activation/default.yaml"),
 ])

@@ -52,6 +52,23 @@ def check_launch(cfg: Any, world_size: int, env: Mapping[str, str] = os.environ)
     check_precision(cfg)
 
 
+def resolve_precision(cfg: Any, cuda: bool | None = None) -> None:
+    """Settle the ``auto`` precision settings in place (the resolved config then records what ran):
+    ``model.dtype=auto`` is bfloat16 where there are GPUs and float32 on CPU; ``learner.bf16=null`` follows the
+    model's dtype (bf16 compute with fp32 master weights for a bf16/fp16 model, unless
+    ``learner.low_precision_weights`` asks to train those weights directly), so that ``model=qwen3_0.6b`` alone
+    trains in float32 on a CPU and in bf16 on a GPU."""
+    from omegaconf import open_dict
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    with open_dict(cfg):
+        if cfg.model.dtype == "auto":
+            cfg.model.dtype = "bfloat16" if cuda else "float32"
+        if cfg.learner.bf16 is None:  # (low_precision_weights: the opt-in to train the bf16 weights themselves)
+            cfg.learner.bf16 = cfg.model.dtype in LOW_PRECISION and not cfg.learner.low_precision_weights
+
+
 def check_precision(cfg: Any) -> None:
     """AdamW on bf16/fp16 weights loses small updates: at lr 1e-6 an update below half an ulp of the weight (bf16
     keeps 8 significant bits) rounds away, so most weights never move. Refuse it unless the user opts in."""

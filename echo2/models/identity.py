@@ -36,9 +36,9 @@ def model_identity(name_or_path: str, tokenizer: Any = None) -> dict[str, Any]:
     """``{"name", "digest", "max_position_embeddings"}`` of a model; ``tokenizer``: its loaded tokenizer, if at
     hand (else loaded here)."""
     if tokenizer is None:
-        from transformers import AutoTokenizer
+        from echo2.models.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = load_tokenizer(name_or_path)
     config = model_config(name_or_path)
     what = {"config": {k: v for k, v in config.items() if k not in _VOLATILE},
             "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),

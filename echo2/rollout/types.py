@@ -22,6 +22,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
+    # Tokens that end a completion (besides the engine's own EOS): the run's stop tokens (models/tokenizer.py).
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 A reward function has TRL's signature, ``f(prompts, completions, completion_ids, **columns) -> list[float|None]``,
 where ``columns`` are the dataset's other columns (lists aligned with ``completions``). So a function written
-for TRL's ``GRPOTrainer(reward_funcs=...)`` drops in unchanged. ``None`` means "cannot score this one".
+for TRL's ``GRPOTrainer(reward_funcs=...)`` drops in unchanged. ``None`` means "cannot score this one". As in
+TRL, a completion is a string when the prompt is, and ``[{"role": "assistant", "content": text}]`` when the prompt
+is a list of chat messages; ``completion_text`` reads either.
 """
 
 from __future__ import annotations
@@ -13,6 +15,14 @@ from typing import Any
 from datasets import Dataset
 
 RewardFunc = Callable[..., list[float | None]]
+
+
+def completion_text(completion: str | list[dict[str, Any]]) -> str:
+    """The text of a completion as a reward function receives it: a string, or TRL's conversational form (a list
+    holding one assistant message)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m["content"] for m in completion)
 
 
 class Task:

@@ -66,6 +66,7 @@ class HFEngine:
             input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention[i, width - len(p) :] = 1
         n = 1 if greedy else params.n
+        stop = self.eos_token_ids | set(params.stop_token_ids)
         gen_cfg = GenerationConfig(
             do_sample=not greedy,
             temperature=params.temperature if not greedy else 1.0,
@@ -73,7 +74,7 @@ class HFEngine:
             max_new_tokens=params.max_tokens,
             num_return_sequences=n,
             pad_token_id=self.pad_token_id,
-            eos_token_id=sorted(self.eos_token_ids),
+            eos_token_id=sorted(stop),
             output_scores=True,
             return_dict_in_generate=True,
         )
@@ -91,7 +92,7 @@ class HFEngine:
             for j in range(n):
                 row = i * n + j
                 ids = new_tokens[row].tolist()
-                cut = next((k + 1 for k, t in enumerate(ids) if t in self.eos_token_ids), None)
+                cut = next((k + 1 for k, t in enumerate(ids) if t in stop), None)
                 finish = "stop" if cut is not None else "length"
                 cut = cut if cut is not None else len(ids)
                 group.append(Completion(ids[:cut], token_logps[row, :cut].tolist(), finish))
@@ -106,10 +107,12 @@ class HFWorkerEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", pad_token_id: int | None = None,
                  eos_token_ids: Sequence[int] | None = None, **_ignored):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from echo2.models.tokenizer import load_tokenizer
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        tok = AutoTokenizer.from_pretrained(model_path)
+        tok = load_tokenizer(model_path)
         self.engine = HFEngine(tok.pad_token_id if pad_token_id is None else pad_token_id,
                                eos_token_ids or [tok.eos_token_id])
 

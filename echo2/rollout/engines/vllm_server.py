@@ -134,7 +134,7 @@ class VLLMServerEngine:
                              "importance ratio (the learner scores the full softmax); use top_p=1, top_k=0")
         body = {"model": self.model_path, "prompt": [list(p) for p in prompt_ids], "n": params.n,
                 "max_tokens": params.max_tokens, "temperature": params.temperature, **NEUTRAL,
-                "logprobs": 0, "return_token_ids": True}
+                "stop_token_ids": list(params.stop_token_ids), "logprobs": 0, "return_token_ids": True}
         r = self.session.post(f"{self.base}/v1/completions", json=body, timeout=600)
         r.raise_for_status()
         choices = sorted(r.json()["choices"], key=lambda c: c["index"])  # prompt-major: i * n + j
