@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from echo2.lab import testbed
+    from echo2.rollout.pool import engine_core
 
     def stop_now(signum, _frame):  # a SIGTERM before the learner runs: unwind, so the namespaces are removed
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -80,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.engine:
                 cmd += ["--engine", args.engine]
             log = open(Path(run_dir) / "workers" / f"worker{i - 1}.log", "wb")  # noqa: SIM115 (closed at exit)
-            workers.append(tb.popen(i, cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            # each worker's vLLM threads on a core of their own, as a local pool spreads them
+            own = dict(env, VLLM_CPU_OMP_THREADS_BIND=str(engine_core(i - 1)))
+            workers.append(tb.popen(i, cmd, cwd=ROOT, env=own, stdout=log, stderr=subprocess.STDOUT))
         print(f"wan: learner on {host0} (run dir {run_dir}), {args.workers} workers at {args.link_mbit} Mbit/s, "
               f"RTT {args.rtt_ms} ms", flush=True)
 

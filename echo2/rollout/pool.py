@@ -48,7 +48,8 @@ def terminate(procs: list, timeout_s: float = 60.0) -> None:
 
 
 class StaticPool:
-    """Agents are started by someone else (a rented GPU box, a SLURM array) and join with the token.
+    """Agents are started by someone else (a rented GPU box, a SLURM array) and join, each with its own
+    credential (echo2.credential: revocable, and it cannot sign snapshots as the run secret could).
     ``workers`` optionally lists the expected ones with prices and links (for planning: echo2.plan)."""
 
     def __init__(self, workers: list[dict] | None = None):
@@ -57,14 +58,17 @@ class StaticPool:
     def start(self, coordinator_url: str, token: str, model_path: str, run_dir: str,
               ca_hash: str | None = None) -> None:
         pin = f" --ca-hash {ca_hash}" if ca_hash else ""
-        log.info("waiting for workers to join; on each worker machine run:\n    ECHO2_TOKEN=<the run's token> "
-                 "python -m echo2.worker --coordinator %s%s --model %s --listen-host 0.0.0.0 "
-                 "--advertise-host <its public address>", coordinator_url, pin, model_path)
+        log.info("waiting for workers to join. Give each worker its own credential, never the run secret: here "
+                 "(with the run secret in ECHO2_TOKEN) `python -m echo2.credential NAME` prints NAME's; then on that "
+                 "worker's machine run:\n    ECHO2_TOKEN=<NAME's credential> python -m echo2.worker --coordinator "
+                 "%s%s --model %s --listen-host 0.0.0.0 --advertise-host <its public address>",
+                 coordinator_url, pin, model_path)
 
     def describe(self, coordinator_url: str) -> str:
         """Where this pool's workers come from (for the learner's waiting lines)."""
         return (f"pool=static starts no worker: start them elsewhere with `python -m echo2.worker --coordinator "
-                f"{coordinator_url} --model MODEL` (launchers/join.sh) and the run's ECHO2_TOKEN")
+                f"{coordinator_url} --model MODEL` (launchers/join.sh), each with its own credential in ECHO2_TOKEN "
+                "(`python -m echo2.credential NAME` on this machine), never the run secret")
 
     def stop(self) -> None:
         pass
@@ -82,6 +86,14 @@ def visible_gpus() -> list[str]:
         return []
     names = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     return names[:count] if names else [str(i) for i in range(count)]
+
+
+def engine_core(i: int, cores: list[int] | None = None) -> int:
+    """The core of local agent i's vLLM (CPU) OpenMP threads, for ``VLLM_CPU_OMP_THREADS_BIND``: ``cores[i mod n]``
+    if given, else core i mod the machine's cores. vLLM-CPU binds every engine's threads to core 0 by default, so
+    two engines on one machine would spin on one core: the second starved for 25 s in a local pool, and behind the
+    WAN launcher it could not apply its first snapshot until the first worker stopped. Pure."""
+    return cores[i % len(cores)] if cores else i % (os.cpu_count() or 1)
 
 
 def gpu_assignment(n_agents: int, gpus: list[str]) -> list[str | None]:
@@ -145,14 +157,9 @@ class LocalPool:
         """Start one more agent (also mid-run: a joining worker)."""
         i = len(self.procs)
         cmd, env = self.command(i)
-        pin = None
-        if self.cores:  # worker i on core cores[i % len]: its agent, its vLLM server and vLLM's OpenMP threads
-            core = self.cores[i % len(self.cores)]
-            pin = lambda: os.sched_setaffinity(0, {core})  # noqa: E731
-        else:
-            # vLLM-CPU binds every engine's OpenMP threads to core 0 by default, so two local engines would
-            # spin on one core (measured: the second worker starved for 25 s). Spread them instead.
-            core = i % (os.cpu_count() or 1)
+        core = engine_core(i, self.cores)
+        # with pool.cores, worker i is pinned to its core: its agent, its vLLM server and vLLM's OpenMP threads
+        pin = (lambda: os.sched_setaffinity(0, {core})) if self.cores else None
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
         out = subprocess.DEVNULL
         if self.log_dir:
