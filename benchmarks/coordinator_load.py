@@ -160,7 +160,7 @@ def main() -> None:
                 received = lambda: coord.ledger.rollouts["received"]  # noqa: E731
             else:
                 coord = CoordinatorProcess(task=task, tokenizer=tok, coordinator_kwargs=kwargs,
-                                           make_broadcaster=functools.partial(RelayBroadcaster, token="bench"))
+                                           make_broadcaster=functools.partial(RelayBroadcaster, secret="bench"))
                 for tid in os.listdir(f"/proc/{coord.proc.pid}/task"):  # every thread; new ones inherit
                     os.sched_setaffinity(int(tid), {side_core})
                 received = lambda: coord.metrics()["rollout/received"]  # noqa: E731
