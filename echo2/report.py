@@ -25,7 +25,8 @@ and by ``--panels KEY2`` if given; the runs within a group (a sweep's seeds) are
     report.md          also one row per group: reward and eval accuracy (mean ± sd), steps and seconds to
                        --threshold (the reward's moving average first at or above it; median over the group),
                        the lag actually consumed, and instability signs: the largest gradient norm, importance
-                       ratio and reward drop (peak moving average minus the last 20 steps' mean) in the group, and
+                       ratio and reward drop (peak moving average minus the last 20 steps' mean) in the group, the
+                       worst dip (the largest fall of the moving average below its best so far, recovered or not), and
                        the share of tokens the off-policy correction dropped (rollout/is_frac_masked, mean over the
                        group's steps; "-" without a correction)
 
@@ -303,6 +304,16 @@ def moving_average(xs: list[float], window: int) -> list[float]:
     return out
 
 
+def worst_dip(ma: list[float]) -> float | None:
+    """The largest fall of a reward curve (its moving average) below its own best so far, recovered or not: the
+    "reward drop" (peak against the last 20 steps) misses a dip that recovers."""
+    peak, dip = -math.inf, None
+    for v in ma:
+        peak = max(peak, v)
+        dip = max(dip or 0.0, peak - v)
+    return dip
+
+
 def cell_row(runs: list[dict], threshold: float | None, window: int) -> dict[str, Any]:
     """One group of runs (the seeds of a cell): means and spreads, time to threshold, lag, instability."""
     import statistics
@@ -314,7 +325,7 @@ def cell_row(runs: list[dict], threshold: float | None, window: int) -> dict[str
         return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
     rows = [row(r) for r in runs]
-    reached_steps, reached_s, drops, grad, ratio, masked = [], [], [], [], [], []
+    reached_steps, reached_s, drops, dips, grad, ratio, masked = [], [], [], [], [], [], []
     for run in runs:
         recs = [r for r in run["records"] if r.get("reward/mean") is not None]
         ma = moving_average([r["reward/mean"] for r in recs], window)
@@ -323,6 +334,7 @@ def cell_row(runs: list[dict], threshold: float | None, window: int) -> dict[str
         reached_s.append(recs[hit]["time_s"] if hit is not None else None)
         tail = [r["reward/mean"] for r in recs[-20:]]
         drops.append(max(ma) - sum(tail) / len(tail) if tail else None)
+        dips.append(worst_dip(ma))
         grad += [r["train/grad_norm"] for r in run["records"] if r.get("train/grad_norm") is not None]
         ratio += [r["rollout/is_ratio_max"] for r in run["records"] if r.get("rollout/is_ratio_max") is not None]
         masked += [r["rollout/is_frac_masked"] for r in run["records"] if r.get("rollout/is_frac_masked") is not None]
@@ -339,6 +351,7 @@ def cell_row(runs: list[dict], threshold: float | None, window: int) -> dict[str
         "lag_at_max": lags[max(lags)] / sum(lags.values()) if lags else None,
         "grad_max": max(grad) if grad else None, "ratio_max": max(ratio) if ratio else None,
         "drop_max": max((d for d in drops if d is not None), default=None),
+        "dip_max": max((d for d in dips if d is not None), default=None),
         "masked_mean": statistics.fmean(masked) if masked else None,
     }
 
@@ -360,7 +373,7 @@ def grouped_markdown(groups: dict[tuple, list[dict]], by: str, panels: str | Non
     head = ([panels] if panels else []) + [by, "runs", "reward last 20", "eval acc",
                                            f"reached {threshold}", "steps to it", "s to it", "lag mean",
                                            "lag max (share)", "grad norm max", "IS ratio max", "reward drop max",
-                                           "tokens masked"]
+                                           "worst dip", "tokens masked"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for (panel, value), runs in groups.items():
         c = cell_row(runs, threshold, window)
@@ -368,7 +381,8 @@ def grouped_markdown(groups: dict[tuple, list[dict]], by: str, panels: str | Non
             str(value), str(c["runs"]), pm(c["reward"]), pm(c["eval"]), c["reached"], _fmt(c["steps_to"], ".0f"),
             _fmt(c["s_to"], ".1f"), _fmt(c["lag_mean"], ".2f"),
             "-" if c["lag_max"] is None else f"{c['lag_max']} ({c['lag_at_max']:.2f})", _fmt(c["grad_max"], ".2f"),
-            _fmt(c["ratio_max"], ".2f"), _fmt(c["drop_max"], ".3f"), _fmt(c["masked_mean"], ".3f")]
+            _fmt(c["ratio_max"], ".2f"), _fmt(c["drop_max"], ".3f"), _fmt(c["dip_max"], ".3f"),
+            _fmt(c["masked_mean"], ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
