@@ -116,6 +116,59 @@ def test_a_source_too_slow_for_the_fetch_deadline_is_left_for_the_next():
         origin.close()
 
 
+def test_a_relay_that_never_answers_costs_its_successor_one_timeout_not_one_per_round():
+    """A peer that fetches its snapshots honestly (so it is measured and placed like any other) but advertises a
+    relay that accepts connections and never answers: its successor in the chain left it for the next source after
+    the answer timeout, on every version, so every version reached the successor ~3 s late and every round waited
+    for it (found by benchmarks/soak.py --hostile). A source that failed a node is now tried after the others,
+    the origin included, and the node tells the learner, which plans the failing relay last: one timeout, once."""
+    got: dict[str, list[int]] = {}
+    peers = receivers(got, "a", "b", "c")  # placed in this order (equal rates and RTTs: by id); a is the hung one
+    hole = silent_server()
+    held = []  # accepted and never answered
+    bc = RelayBroadcaster(SECRET, topology="chain", chunk_mb=CHUNK / (1 << 20))
+    try:
+        for n, r in peers.items():
+            bc.add_peer(n, r.url, f"127.0.0.1:{hole.getsockname()[1]}" if n == "a" else r.relay_addr)
+        with bc.cond:
+            for p in bc.peers.values():
+                p.rate_bytes_per_s, p.rtt_s = 1e8, 1e-4  # one rate class, one RTT class: a heads the chain
+        blob = os.urandom(8 * CHUNK)
+        seconds = []
+        for v in range(1, 6):
+            t0 = time.monotonic()
+            bc.publish(v, blob if v % 2 else blob[::-1])
+            assert wait(lambda: all(v in got.get(n, []) for n in peers), timeout=15), (v, got)
+            seconds.append(time.monotonic() - t0)
+            hole.settimeout(0.01)
+            try:
+                held.append(hole.accept()[0])
+            except OSError:
+                pass
+        assert held, "b never tried a's relay: the test did not put a before b"
+        assert max(seconds[1:]) < 1.0, seconds  # after b's first timeout on a, a is not tried first again
+        # b told the learner, which now plans a last: a newcomer that would have followed a ("aa" sorts right
+        # after it) never tries a's relay
+        peers.update(receivers(got, "aa"))
+        bc.add_peer("aa", peers["aa"].url, peers["aa"].relay_addr)
+        with bc.cond:
+            bc.peers["aa"].rate_bytes_per_s, bc.peers["aa"].rtt_s = 1e8, 1e-4
+        t0 = time.monotonic()
+        bc.publish(6, blob)
+        assert wait(lambda: all(6 in got.get(n, []) for n in peers), timeout=15), got
+        assert time.monotonic() - t0 < 1.0
+        hole.settimeout(0.5)
+        with pytest.raises(OSError):
+            held.append(hole.accept()[0])
+    finally:
+        bc.close()
+        for r in peers.values():
+            r.close()
+        for c in held:
+            c.close()
+        hole.close()
+
+
 # ---------------------------------------------------------------------- 2. measured, not reported
 
 

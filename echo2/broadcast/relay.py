@@ -88,6 +88,11 @@ often (a third of ANSWER_TIMEOUT_S)."""
 CONNECT_TIMEOUT_S = 3.0
 """TCP and TLS handshakes with a source: a host that does not accept within this is skipped (two SYN retries)."""
 
+SUSPECT_S = 120.0
+"""How long a source that failed a fetch (dead, silent, refusing, too slow, or serving bad bytes) is tried after the
+others, the origin included: a relay that accepts connections and never answers otherwise cost its successor the
+answer timeout on every version, and every round waited for that successor."""
+
 SLOW_GRACE_S = 2.0
 """Time a source gets after its first byte before its rate is judged against the fetch's deadline (TCP's slow
 start, a parent still filling its own buffer)."""
@@ -305,10 +310,12 @@ class Fetcher:
         self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
         self.answer_timeout_s, self.manifest_wait_s = answer_timeout_s, manifest_wait_s
         self.conns: dict[tuple[str, int], socket.socket] = {}
+        self.suspect: dict[tuple[str, int], float] = {}  # source -> until when it is tried after the others
         self.lock = threading.Lock()  # one fetch at a time per node
         self.gen_lock = threading.Lock()
         self.generation = 0  # bumped by each fetch: a running one that sees it change stops (Superseded)
         self.last_rtt_s: float | None = None  # TCP's smoothed RTT to the source of the last fetch (diagnostics)
+        self.last_failed: list[tuple[str, int]] = []  # the sources that failed the last fetch (told to the learner)
 
     def fetch(self, version: int, sources: list[tuple[str, int]], base: int = FULL, epoch: str | None = None,
               deadline_s: float | None = None) -> Snapshot:
@@ -325,18 +332,19 @@ class Fetcher:
             if snap is not None and snap.complete:
                 return snap
             self.store.expect(version, base)
-            dead: set[tuple[str, int]] = set()
-            for i, src in enumerate(sources):
+            given, sources = sources, self._ranked(sources)
+            self.last_failed = []
+            for src in sources:
                 if snap is not None and snap.received == snap.size:
                     break
                 try:
-                    snap = self._stream(src, version, base, snap, epoch, gen,
-                                        deadline if i < len(sources) - 1 else None)
+                    snap = self._stream(src, version, base, snap, epoch, gen, deadline if src != given[-1] else None)
                     self.last_rtt_s = tcp_rtt_s(self.conns.get(src))
                 except Superseded:
                     raise
                 except (OSError, ConnectionError, BadSnapshot) as e:
-                    dead.add(src)
+                    self.suspect[src] = time.monotonic() + SUSPECT_S
+                    self.last_failed.append(src)
                     self._drop(src)
                     snap = self.store.get(version, base=base)  # what arrived is kept: resume from there
                     log.warning("v%d from %s:%d failed at byte %s: %s; next source", version, *src,
@@ -345,11 +353,18 @@ class Fetcher:
                 if snap is not None:
                     self._fail(snap)
                 raise ConnectionError(f"v{version}: no source could serve it ({len(sources)} tried)")
-            self._repair(snap, [s for s in reversed(sources) if s not in dead] + sorted(dead))
+            self._repair(snap, self._ranked(given[::-1]))  # origin first, those that failed last
             with snap.cond:
                 snap.complete = True
                 snap.cond.notify_all()
             return snap
+
+    def _ranked(self, sources: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """``sources`` with those that failed a fetch within SUSPECT_S moved after the others, otherwise in the order
+        given (the last one given, the origin, still gets no deadline wherever it lands)."""
+        now = time.monotonic()
+        self.suspect = {src: until for src, until in self.suspect.items() if until > now}
+        return [s for s in sources if s not in self.suspect] + [s for s in sources if s in self.suspect]
 
     def _held(self, version: int, base: int, epoch: str | None, gen: int) -> Snapshot | None:
         """What this node holds of (version, base) already, if it is of ``epoch`` (else it is dropped)."""
