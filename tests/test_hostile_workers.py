@@ -292,7 +292,7 @@ def test_the_planner_takes_every_valid_declaration(solver):
         assert plan.active and not math.isnan(plan.prediction.step_s)
 
 
-def test_the_online_planner_falls_back_to_greedy_when_exact_would_take_too_long():
+def test_the_online_planner_falls_back_to_a_bounded_search_when_exact_would_take_too_long():
     from echo2.activation.online import OnlineActivation
     from echo2.activation.solve import System, Worker
 
