@@ -35,11 +35,11 @@ coordinator and to an honest worker's snapshot-control port), orders to a worker
 accepts connections and never answers. A reward slow on a crafted completion is task-specific: the copy task's
 reward parses an integer, so no completion makes it slow (tests/test_reward_pool.py covers a slow reward).
 
-The rollout checks run with b = check_max_abs_log_ratio = 2 nats a token here, not the default 1: on the tiny model
+The rollout checks run with b = check_max_abs_log_ratio = 2 nats a token (the default, since this soak): on the tiny model
 (learning rate 3e-3) a large learner step (grad norm 2.7 after a stretch of zero-gradient steps) moves an honest
 worker's lagged tokens by ~1.1 nats each, and with b = 1 the first short soak retired its only honest worker as
-untrusted (mean |log-ratio| 0.05 over 28k tokens) and the run stalled. The forger's tokens are ~10 nats off: b = 2
-retires it as fast. Every honest worker is checked for it all the same (flagged, retired, struck: a failure).
+untrusted (mean |log-ratio| 0.05 over 28k tokens) and the run stalled (the default was 1 then). The forger's
+tokens are ~10 nats off: b = 2 retires it as fast. Every honest worker is checked for it all the same (flagged, retired, struck: a failure).
 
 Reported (and with --json as JSON): whether the run finished (the learner stopped by SIGTERM, summary.json
 written); the learner's steps/s in --window-s windows of the hostile phase against the calm phase's (goal: every

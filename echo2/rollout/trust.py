@@ -40,7 +40,10 @@ class Verdict:
 
 @dataclass
 class Checks:
-    max_abs_log_ratio: float = 1.0  # b: mean |log-ratio| per token an honest worker stays under, in nats
+    # b: mean |log-ratio| per token an honest worker stays under, in nats. 2, not 1: on the tiny model at learning rate
+    # 3e-3 one large learner step moved an honest worker's lagged tokens by ~1.1 nats each, and at b = 1 a soak
+    # retired its only honest worker (its mean over 28k tokens: 0.05); forged tokens sit 3-10 nats out.
+    max_abs_log_ratio: float = 2.0
     evidence_nats: float = 24.0  # E: CUSUM of excess nats at which a principal is retired (E/4: flagged)
     tokens: dict = field(default_factory=dict)  # principal -> tokens scored
     sums: dict = field(default_factory=dict)  # principal -> Σ δ (signed: the mean shows drift in metrics)
