@@ -10,7 +10,7 @@ import pytest
 
 from conftest import balanced, small_coordinator, train, wait_until
 from echo2.rollout.liveness import Liveness
-from echo2.transport import Client, RemoteError
+from echo2.transport import Client, RemoteError, worker_credential
 
 G = 2
 
@@ -104,6 +104,27 @@ def test_a_worker_hands_its_groups_back_with_a_reason(tiny_model_dir):
     finally:
         coord.close()
 
+
+
+def test_an_agent_retired_as_dead_that_comes_back_is_not_struck_for_its_old_groups(tiny_model_dir):
+    """An agent silent past the heartbeat timeout is retired and its groups re-queued; when it comes back (a new
+    id, the same worker credential) and pushes the groups it was generating, they are refused as ``worker_gone``: not
+    struck as results never in flight for it (an honest worker on a stalled link was struck, then benched)."""
+    coord = small_coordinator(tiny_model_dir, group_size=G, heartbeat_timeout_s=1.0,
+                              liveness={"floor_s": 60, "cap_s": 60})  # the heartbeat, not a deadline, takes them
+    try:
+        client = Client(coord.url, worker_credential("secret", "box3"))
+        wid = client.post("/register", {})["worker_id"]
+        work = client.post("/pull", {"worker_id": wid, "version": 0, "max_groups": 2})["work"]
+        assert len(work) == 2
+        wait_until(lambda: coord.accounting()["workers_retired"].get("worker_dead") == 1, timeout_s=15)
+        again = client.post("/register", {})["worker_id"]
+        reply = _push(client, again, work)
+        assert reply["accepted"] == [] and coord.accounting()["results_refused"] == {"worker_gone": 2}
+        assert all(p.misses == 0 for p in coord.reg.principals.values())
+        assert balanced(coord.close())
+    finally:
+        coord.close()
 
 class _FailingEngine:
     name = "failing"

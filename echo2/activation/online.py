@@ -43,7 +43,8 @@ class OnlineActivation:
         best = solve(system, workers, self.solver, incumbent=[w for w in workers if w.id in current_ids])
         if best.solver != self.solver:  # the DP refused this instance (logged by solve)
             self.fallbacks += 1
-        if self.active is not None and self.active <= ids:  # the current set is whole: joins alone keep it
+        # the current set is whole: joins alone keep it (under all_on there is no plan to keep: everyone works)
+        if self.active is not None and self.active <= ids and self.solver != "all_on":
             current = evaluate(system, [w for w in workers if w.id in self.active])
             self.last = current
             keep = current.meets_min_utilization and (

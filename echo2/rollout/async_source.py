@@ -92,7 +92,7 @@ class AsyncRolloutSource:
                  restart_window_s: float = 600.0, min_workers: int = 0, wait_log_s: float = 30.0,
                  deadline_floor_s: float = 10.0, deadline_cap_s: float = 600.0, deadline_slack: float = 4.0,
                  worker_share: float = 0.5, deadline_strikes: int = 3, tls: str = "auto", check_every_steps: int = 0,
-                 check_max_abs_log_ratio: float = 2.0, check_evidence_nats: float = 24.0, reward_processes: int = 2,
+                 check_max_abs_log_ratio: float = 2.0, check_evidence_nats: float = 12.0, reward_processes: int = 2,
                  reward_timeout_s: float = 10.0):
         """The run's parts, by name (train.py passes those this constructor names): the ``task`` and ``tokenizer``
         the coordinator scores with, the ``sampling`` workers use, the ``model_path`` and ``token`` they join with,

@@ -332,7 +332,7 @@ class Coordinator:
                 if flight is None or flight.worker_id != worker.worker_id:
                     stray += 1  # already settled (e.g. its push did arrive)
                     continue
-                self.reg.land(gid)
+                self.reg.remember(gid, self.reg.land(gid), "released")
                 self.ledger.lose(gid, req.reason)
                 released.append(gid)
             self.ledger.refuse("release_not_in_flight", stray)
@@ -361,7 +361,9 @@ class Coordinator:
         self.ledger.retire(worker_id, reason)
         self.activation.dirty = True
         for gid in self.reg.held_by(worker_id):
-            self.reg.land(gid)
+            # remembered: a result for it that arrives later (from an agent retired as dead that comes back) is
+            # refused as ``worker_gone``, not struck as a forgery
+            self.reg.remember(gid, self.reg.land(gid), "worker_gone")
             self.ledger.lose(gid, reason)
         if self.broadcaster is not None:
             self.broadcaster.remove_peer(worker_id)
@@ -551,8 +553,8 @@ class Coordinator:
             for _, group in self.buffer.groups:
                 self.ledger.drop(group.group_id, "unconsumed_at_end", requeue=False)
             self.buffer.groups.clear()
-            for gid in list(self.reg.in_flight):
-                self.reg.land(gid)
+            for gid in list(self.reg.in_flight):  # a push for it that races the shutdown is refused, not struck
+                self.reg.remember(gid, self.reg.land(gid), "in_flight_at_end")
                 self.ledger.lose(gid, "in_flight_at_end", requeue=False)
             self.lock.notify_all()
         self.server.close()

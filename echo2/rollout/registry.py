@@ -28,8 +28,10 @@ from echo2.rollout.liveness import Liveness
 log = logging.getLogger(__name__)
 
 SETTLED_MEMORY = 1 << 16
-"""Groups that left flight (claimed by a push, or lost to their deadline) remembered with their principal: a late
-result (its miss is counted already) or a repeated push (a retry after a lost reply) is refused without a strike."""
+"""Groups that left flight (claimed by a push, lost to their deadline, handed back, lost with their retired worker
+or at shutdown) remembered with their principal: a late result (its miss is counted already), a repeated push (a
+retry after a lost reply), one from an agent retired as dead that comes back, or one racing the shutdown is
+refused without a strike."""
 
 
 @dataclass
