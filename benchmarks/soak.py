@@ -144,16 +144,7 @@ class Soak:
             return None
 
     def steps(self) -> list[dict]:
-        path = self.out / "metrics.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-        return out
+        return read_jsonl(self.out / "metrics.jsonl")
 
     # ------------------------------------------------------------------ faults
 
@@ -559,9 +550,11 @@ def pace(steps: list[dict], split: tuple[int, int], window_s: float) -> dict:
             "min_ratio": min(w["ratio"] for w in windows)}
 
 
-def journal_events(path: Path) -> list[list]:
+def read_jsonl(path: Path) -> list:
+    """The file's JSON lines (none if it does not exist); a torn one (a line being written, a process killed
+    mid-write) is skipped."""
     out = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
             out.append(json.loads(line))
         except ValueError:
@@ -572,7 +565,7 @@ def journal_events(path: Path) -> list[list]:
 def trained_by_credential(out: Path, names: dict[str, str]) -> dict[str, dict]:
     """Per credential: groups received, consumed (consumed.jsonl), masked by the checks (the journal's distrusted
     groups), trained on (consumed, not masked) and trained on after the credential was retired (journal order)."""
-    events = journal_events(out / "rollouts.journal")
+    events = read_jsonl(out / "rollouts.journal")
     consumed_log = {g for row in read_jsonl(out / "consumed.jsonl") for g in row["groups"]}
     worker_of, consumed_at, masked, retired_at = {}, {}, set(), {}
     for i, (kind, *rest) in enumerate(events):
@@ -598,10 +591,6 @@ def trained_by_credential(out: Path, names: dict[str, str]) -> dict[str, dict]:
                 if name in retired_at and consumed_at.get(gid, -1) > retired_at[name]:
                     b["trained_after_retired"] += 1
     return {name: {**dict(b), "retired": name in retired_at} for name, b in by.items()}
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def coordinator_story(log: str, names: dict[str, str]) -> dict[str, Counter]:

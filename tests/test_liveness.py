@@ -9,6 +9,7 @@ import time
 import pytest
 
 from conftest import balanced, small_coordinator, train, wait_until
+from echo2.rollout.engines.hf import HFWorkerEngine
 from echo2.rollout.liveness import Liveness
 from echo2.transport import Client, RemoteError, worker_credential
 
@@ -193,7 +194,7 @@ def test_the_agent_hands_back_its_groups_when_its_push_fails(tiny_model_dir):
         coord.close()
 
 
-class _StallingEngine:
+class _StallingEngine(HFWorkerEngine):
     """A worker's engine that sits on every batch past any deadline, then answers: its agent heartbeats all along
     and applies snapshots between batches like any agent (a real transformers model scores the probe), so it claims
     only versions it was delivered and keeps being worth dispatching to, and each batch it was handed expires."""
@@ -201,9 +202,8 @@ class _StallingEngine:
     name = "stalling"
 
     def __init__(self, model_path, stall_s):
-        from echo2.rollout.engines.hf import HFWorkerEngine
-
-        self.real, self.stall_s, self.stop = HFWorkerEngine(model_path), stall_s, threading.Event()
+        super().__init__(model_path)
+        self.stall_s, self.stop = stall_s, threading.Event()
         self.batches = 0
 
     def generate(self, prompts, params):
@@ -212,15 +212,6 @@ class _StallingEngine:
         self.batches += 1
         self.stop.wait(self.stall_s)
         return [[Completion([5, 1], [-1.0, -0.2], "stop")] * params.n for _ in prompts]
-
-    def load_weights(self, version, blob):
-        return self.real.load_weights(version, blob)
-
-    def probe_logprobs(self, token_ids):
-        return self.real.probe_logprobs(token_ids)
-
-    def close(self):
-        pass
 
 
 class _Hoarder(threading.Thread):

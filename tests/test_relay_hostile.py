@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import small_coordinator
+from conftest import closed_by_server, small_coordinator
 from echo2.broadcast.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame
 from echo2.broadcast.manifest import BadSnapshot, make_manifest, signing_key, verify_key, verify_manifest
@@ -461,9 +461,9 @@ def test_silent_half_open_and_unread_connections_are_dropped_and_capped():
         assert wait(lambda: len(server.conns) == 3, 5)
         extra = socket.create_connection(server.addr, timeout=5)  # over the cap: closed at once
         conns.append(extra)
-        assert _closed(extra, 2)
+        assert closed_by_server(extra, 2)
         for s in (silent, half):  # past request_timeout_s
-            assert _closed(s, 4)
+            assert closed_by_server(s, 4)
         assert wait(lambda: not server.conns, 6), server.conns  # the unread one, past its stall timeout
         f = Fetcher(Store(), TOKEN, stall_timeout_s=2, manifest_key=KEY)
         assert bytes(f.fetch(1, [server.addr]).buf) == blob  # and it serves on
@@ -472,16 +472,3 @@ def test_silent_half_open_and_unread_connections_are_dropped_and_capped():
         for s in conns:
             s.close()
         server.close()
-
-
-def _closed(sock: socket.socket, within_s: float) -> bool:
-    """Whether the server closed ``sock`` within ``within_s`` (what it sent before closing is skipped)."""
-    sock.settimeout(within_s)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False

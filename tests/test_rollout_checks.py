@@ -10,6 +10,7 @@ import time
 import pytest
 
 from conftest import balanced, small_coordinator, train
+from echo2.rollout.engines.hf import HFWorkerEngine
 from echo2.rollout.trust import Checks, Verdict
 from echo2.transport import Client, RemoteError, worker_credential
 
@@ -87,7 +88,7 @@ def test_a_batch_found_bad_is_not_trained_on_and_honest_ones_are(tiny_model_dir)
         coord.close()
 
 
-class _ForgingEngine:
+class _ForgingEngine(HFWorkerEngine):
     """A worker's engine that skips generation: each prompt gets ``forge(rng)`` G times, with made-up logprobs. It
     applies snapshots and scores probes honestly (a real transformers model), so the worker claims only versions it
     was delivered, as a careful forger would: the rollout checks are what must catch it."""
@@ -95,22 +96,12 @@ class _ForgingEngine:
     name = "forging"
 
     def __init__(self, model_path, forge, delay_s=0.0):
-        from echo2.rollout.engines.hf import HFWorkerEngine
-
-        self.real, self.forge, self.rng, self.delay_s = HFWorkerEngine(model_path), forge, random.Random(0), delay_s
+        super().__init__(model_path)
+        self.forge, self.rng, self.delay_s = forge, random.Random(0), delay_s
 
     def generate(self, prompt_ids, params):
         time.sleep(self.delay_s)
         return [[self.forge(self.rng) for _ in range(params.n)] for _ in prompt_ids]
-
-    def load_weights(self, version, blob):
-        return self.real.load_weights(version, blob)
-
-    def probe_logprobs(self, token_ids):
-        return self.real.probe_logprobs(token_ids)
-
-    def close(self):
-        pass
 
 
 class _Forger(threading.Thread):

@@ -56,7 +56,8 @@ from typing import Any
 
 from echo2.broadcast.peer import SnapshotReceiver
 from echo2.rollout.types import SamplingParams
-from echo2.transport import LEARNER_NAME, PEER_CERT_LIFETIME_S, Client, RemoteError, Trust, is_loopback, join
+from echo2.transport import (LEARNER_NAME, PEER_CERT_LIFETIME_S, Client, RemoteError, Trust, is_loopback, join,
+                             load_certificate)
 
 log = logging.getLogger("echo2.worker")
 
@@ -324,18 +325,6 @@ class Agent:
                 pass
         self.receiver.close()
         self.engine.close()
-
-
-def load_certificate(ctx, cert_pem: bytes, key_pem: bytes) -> None:
-    """Replace the certificate a server's TLS context presents (ssl loads keys from files only: 0600, removed at
-    once)."""
-    fd, path = tempfile.mkstemp(suffix=".pem")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(cert_pem + key_pem)
-        ctx.load_cert_chain(path)
-    finally:
-        os.unlink(path)
 
 
 def build_engine(kind: str, model: str, dtype: str, max_model_len: int, stop: threading.Event,
