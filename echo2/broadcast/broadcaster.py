@@ -126,6 +126,7 @@ class RelayBroadcaster:
         self.timeout_s, self.retry_s, self.sparse_delta = timeout_s, retry_s, sparse_delta
         self.deadline_floor_s, self.deadline_slack = deadline_floor_s, deadline_slack
         self.on_delivered = None  # set by the coordinator: called (peer, version) after each delivery
+        self.on_ordered = None  # set by the coordinator: called (peer, version) before each order is sent
         self.store = Store(keep=2)
         self.server = RelayServer(self.store, self.token, host, port, link=link).start()  # link: the lab's, for tests
         # Bound to every interface (0.0.0.0), it is reached at this machine's name unless told otherwise.
@@ -290,6 +291,8 @@ class RelayBroadcaster:
             return peer, body, self._credential(peer.url, body, full_digest), order
 
     def _send(self, pid: str, peer: Peer, body: dict, credential: str, order: Order) -> None:
+        if self.on_ordered is not None:  # before the peer can hold it: it may use it before its answer lands here
+            self.on_ordered(pid, order.version)
         try:
             result = peer.client.post("/fetch", body, headers={"Authorization": f"Bearer {credential}"},
                                       timeout_s=self.timeout_s)

@@ -136,6 +136,7 @@ class Coordinator:
         self.reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
         if broadcaster is not None:
             broadcaster.on_delivered = self._snapshot_delivered
+            broadcaster.on_ordered = self._snapshot_ordered
             broadcaster.epoch = epoch  # in every manifest and order: a worker refuses another epoch's
             if trust is not None:
                 broadcaster.use_tls(trust)
@@ -172,7 +173,7 @@ class Coordinator:
         if req.version is not None and req.version > self.version:
             raise BadRequest(f"'version' {req.version} is ahead of the learner's {self.version}")
         worker.last_seen = time.monotonic()
-        if req.version is not None and req.version in worker.delivered:
+        if req.version is not None and worker.may_hold(req.version):
             worker.version = req.version  # a claim of weights it was never handed is not believed
         return worker
 
@@ -313,6 +314,15 @@ class Coordinator:
                 horizon = intake.delivery_horizon(self.version, self.S)
                 worker.delivered = {v for v in worker.delivered if v >= horizon} | {version}
                 self.lock.notify_all()
+
+    def _snapshot_ordered(self, worker_id: str, version: int) -> None:
+        """The broadcaster is about to order ``version`` to the worker: it may claim it from now on, since it may
+        apply it and push before the answer proving delivery lands (_snapshot_delivered)."""
+        with self.lock:
+            worker = self.reg.workers.get(worker_id)
+            if worker is not None:
+                horizon = intake.delivery_horizon(self.version, self.S)
+                worker.ordered = {v for v in worker.ordered if v >= horizon} | {version}
 
     def _leave(self, body: dict, headers) -> dict:
         req = schemas.parse(schemas.Leave, body)

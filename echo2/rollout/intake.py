@@ -111,7 +111,7 @@ def settle(reg: Registry, ledger: Ledger, buffer: StalenessBuffer, worker: Worke
         if o.group is not None:  # scored: received, then judged by the version it claims
             ledger.received(o.gid, worker.worker_id)
             x = o.group.version  # older than the horizon: no longer remembered, and the buffer drops it as stale
-            o.reason = ("future_version" if x > version else "undelivered_version" if x not in worker.delivered
+            o.reason = ("future_version" if x > version else "undelivered_version" if not worker.may_hold(x)
                         and x >= delivery_horizon(version, staleness) else "worker_gone" if not live else None)
         if o.reason is None:
             buffer.admit(o.group, o.group.version, version)
