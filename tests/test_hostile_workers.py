@@ -232,10 +232,11 @@ def test_a_claimed_version_must_be_one_the_worker_was_delivered(coord):
     assert coord.accounting()["dropped"] == {"undelivered_version": G}
 
 
-def test_a_version_ordered_to_the_worker_may_be_claimed_before_its_delivery_is_proven(coord):
+def test_a_version_ordered_to_the_worker_but_not_proven_costs_it_no_strike(coord):
     """An honest worker may apply a snapshot, generate and push before the broadcaster has its answer: a version
     ordered to it is believed (the honest workers of the loaded CI box's demo were all benched within seconds for
-    undelivered_version, and the run waited forever), a version ordered to another worker is not."""
+    undelivered_version, and the run waited forever): its groups are dropped and re-queued without a strike; a
+    version ordered to another worker is struck."""
     from types import SimpleNamespace
 
     from echo2.broadcast.broadcaster import RelayBroadcaster
@@ -253,9 +254,12 @@ def test_a_version_ordered_to_the_worker_may_be_claimed_before_its_delivery_is_p
     coord._snapshot_ordered(fw, 1)  # on its way to the first worker; not yet proven, not ordered to the other
     fwork = first.post("/pull", {"worker_id": fw, "version": 1, "max_groups": 1})["work"]
     owork = other.post("/pull", {"worker_id": ow, "version": 1, "max_groups": 1})["work"]
-    assert first.post("/push", {"worker_id": fw, "results": results(fwork, version=1)})["accepted"]
+    reply = first.post("/push", {"worker_id": fw, "results": results(fwork, version=1)})
+    assert reply["accepted"] == [] and reply["rejected"][0]["reason"] == "unproven_version"  # never trained on
     assert other.post("/push", {"worker_id": ow, "results": results(owork, version=1)})["accepted"] == []
-    assert coord.accounting()["dropped"] == {"undelivered_version": G}
+    assert coord.accounting()["dropped"] == {"unproven_version": G, "undelivered_version": G}
+    misses = {w: coord.reg.principals[coord.workers[w].principal].misses for w in (fw, ow)}
+    assert misses == {fw: 0, ow: 1}, misses  # a strike only for the version never ordered to it
 
 
 @pytest.mark.parametrize("declared, why", [

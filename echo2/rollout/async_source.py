@@ -169,7 +169,9 @@ class AsyncRolloutSource:
         st = self._retry(CoordinatorProcess.status)
         url = rendezvous.advertised_url(self.coordinator.url)
         where = self.pool.describe(url) if hasattr(self.pool, "describe") else ""
-        return (f"{len(st['workers'])} workers connected ({st['registered']} registered since the start, "
+        benched = st.get("benched") or []  # struck out: they get no more work (coordinator.log says why)
+        benched = f", {len(benched)} of them benched ({', '.join(benched)}: see coordinator.log)" if benched else ""
+        return (f"{len(st['workers'])} workers connected{benched} ({st['registered']} registered since the start, "
                 f"rollout.source.min_workers={self.min_workers}), {st['buffered_groups']} groups buffered, "
                 f"{st['in_flight_groups']} in flight; {where}").rstrip("; ")
 

@@ -33,7 +33,8 @@ STRIKES = frozenset({"invalid", "future_version", "undelivered_version", "reward
 claimed weights it was never given (or that do not exist yet), or made the reward hang or crash. A reward that
 raises (``reward_error``) or a pool that cannot start (``reward_unavailable``) is more likely the task's fault:
 booked, not struck, so that a broken reward cannot bench every honest worker."""
-REQUEUE = frozenset({"invalid", "future_version", "undelivered_version", "worker_gone", "coordinator_error"})
+REQUEUE = frozenset({"invalid", "future_version", "undelivered_version", "unproven_version", "worker_gone",
+                     "coordinator_error"})
 """Drops whose prompt goes back to the queue: nothing about the prompt itself was wrong. A reward that failed
 on a prompt's completions may fail on that prompt again, so its row waits for the next epoch instead."""
 RATE_EMA = 0.5
@@ -111,8 +112,12 @@ def settle(reg: Registry, ledger: Ledger, buffer: StalenessBuffer, worker: Worke
         if o.group is not None:  # scored: received, then judged by the version it claims
             ledger.received(o.gid, worker.worker_id)
             x = o.group.version  # older than the horizon: no longer remembered, and the buffer drops it as stale
-            o.reason = ("future_version" if x > version else "undelivered_version" if not worker.may_hold(x)
-                        and x >= delivery_horizon(version, staleness) else "worker_gone" if not live else None)
+            # a version not proven delivered is never trained on; one ordered to the worker (its answer may still be
+            # on its way) is dropped and re-queued without a strike (unproven_version), any other is a strike
+            o.reason = ("future_version" if x > version else None if x in worker.delivered
+                        or x < delivery_horizon(version, staleness) else "unproven_version" if worker.may_hold(x)
+                        else "undelivered_version")
+            o.reason = o.reason or ("worker_gone" if not live else None)
         if o.reason is None:
             buffer.admit(o.group, o.group.version, version)
             accepted.append(o)

@@ -47,8 +47,8 @@ class WorkerInfo:
     # intake.delivery_horizon, are forgotten: stale anyway)
     delivered: set = field(default_factory=set)
     # versions the broadcaster has ordered it to fetch: it may hold one (apply it, generate, push) before its answer
-    # proving delivery reaches the coordinator, so a claim of one is believed too (a strike for it benched honest
-    # workers of a loaded box within seconds: their tiny model's batch took less than the answer's way back)
+    # proving delivery reaches the coordinator; such a claim is dropped but not struck (a strike for it benched
+    # honest workers of a loaded box within seconds: their tiny model's batch took less than the answer's way back)
     ordered: set = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)
     rollouts_per_s: float = 0.0  # measured here, from its valid pushes (0: none yet); the planner's and deadlines'
