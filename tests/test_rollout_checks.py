@@ -175,13 +175,15 @@ def test_a_forging_worker_is_retired_and_honest_workers_are_not(tmp_path):
 
 @pytest.mark.slow
 def test_one_fabricated_answer_per_group_is_caught_within_a_short_run(tmp_path):
-    """The README's open-internet setting (every 10th batch checked) on the demo task, whose answers are a couple
+    """Every batch checked (with checks every 10th or 5th batch, whether a forger holding one group at a time has a
+    group in one of a 30-step run's few checked batches is chance: the test failed 2 runs in 3) on the demo task,
+    whose answers are a couple
     of tokens: a worker answering every group with the same fabricated completion and invented logprobs, one group
     at a time (a few of its groups in each batch), is caught within 30 steps (it used to get 132 groups in and
     never be flagged: 256 tokens of evidence were needed, 16 per group here), and the checked batch's forged groups
     are not trained on (dropped: untrusted)."""
     trainer, acc, records, forger = _run_with_forger(
-        tmp_path, lambda source: _one_answer, ["run.steps=30", "rollout.source.check_every_steps=10"],
+        tmp_path, lambda source: _one_answer, ["run.steps=30", "rollout.source.check_every_steps=1"],
         delay_s=0.05, max_groups=1)
     print(f"forger: {acc['by_worker']}, retired {acc['workers_retired']}, dropped {acc['dropped']}")
     assert trainer.state.global_step == 30, acc
