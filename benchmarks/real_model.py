@@ -13,8 +13,8 @@ temperature 1, 12 completion tokens, DAPO loss, seeds and step budget, run three
 Each run is a fresh process. Every learner gets the same compute: one core (``taskset -c 0``, one OpenMP thread,
 echo2's CPU default, set for TRL too); the async run adds what ECHO-2 adds, a rollout worker on hardware of its
 own: its vLLM worker agent and the coordinator's process are pinned to the other core (``pool.cores=[1]``,
-``rollout.source.coordinator_cores=[1]``). Checkpoints are off in every run. Per run: reward and held-out accuracy against step and
-wall-clock (``python -m echo2.report`` draws them), seconds per step split into generation and training, and
+``rollout.source.coordinator_cores=[1]``). Checkpoints are off in every run. Per run: reward and held-out
+accuracy against step and wall-clock (``python -m echo2.report`` draws them), seconds per step split into generation and training, and
 the learner's utilization (1 - time spent obtaining rollouts / wall). Wall-clock counts from the end of the
 step-0 evaluation (model loading and, for async, worker start-up are not charged).
 

@@ -233,10 +233,10 @@ def test_a_claimed_version_must_be_one_the_worker_was_delivered(coord):
 
 
 def test_a_version_ordered_to_the_worker_but_not_proven_costs_it_no_strike(coord):
-    """An honest worker may apply a snapshot, generate and push before the broadcaster has its answer: a version
-    ordered to it is believed (the honest workers of the loaded CI box's demo were all benched within seconds for
-    undelivered_version, and the run waited forever): its groups are dropped and re-queued without a strike; a
-    version ordered to another worker is struck."""
+    """An honest worker may apply a snapshot, generate and push before the broadcaster has its answer (on a loaded
+    box the demo's honest workers were all benched within seconds for undelivered_version, and the run waited
+    forever): a version ordered to it is dropped and re-queued without a strike; one ordered to another worker is
+    struck."""
     from types import SimpleNamespace
 
     from echo2.broadcast.broadcaster import RelayBroadcaster

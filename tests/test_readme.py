@@ -131,7 +131,8 @@ def worker_args(argv: list[str]) -> argparse.Namespace:
 def run_stand_in(cmd: list[str], tmp_path: Path, env: dict, curl: str | None = None) -> list[str]:
     """What ``cmd``, run in ``tmp_path``, hands launchers/join.sh (a stand-in there that prints its arguments;
     with ``curl``, a stand-in curl on the PATH that prints it)."""
-    for name, body in (("launchers/join.sh", 'printf "%s\\n" "$@"'), ("bin/curl", f"echo {curl}")):
+    stand_ins = [("launchers/join.sh", 'printf "%s\\n" "$@"')] + ([("bin/curl", f"echo {curl}")] if curl else [])
+    for name, body in stand_ins:
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
         os.chmod(tmp_path / name, 0o755)

@@ -16,7 +16,7 @@ class Broadcaster(Protocol):
 
     on_ordered: Any
     """Set by the coordinator: ``on_ordered(peer_id, version)`` before a worker is told to fetch a snapshot: it may
-    hold, apply and claim it before the answer proving delivery comes back, and its claim is believed."""
+    hold, apply and claim it before the answer proving delivery comes back: such a claim costs it no strike."""
 
     epoch: str | None
     """Set by the coordinator before the first publish: the learner process's epoch, signed into every manifest and

@@ -163,7 +163,7 @@ class Coordinator:
 
     def _worker(self, req: schemas.WorkerCall, headers) -> WorkerInfo:
         """The calling worker (its credential must be the one it registered with); notes it alive and, if it is
-        one it may hold (delivered, or initial), the version it claims. Holds the lock."""
+        one it may hold (delivered, initial or ordered), the version it claims. Holds the lock."""
         worker = self.reg.workers.get(req.worker_id)
         if worker is None:
             raise BadRequest(f"unknown worker {req.worker_id!r}: register first")
@@ -308,21 +308,22 @@ class Coordinator:
 
     def _snapshot_delivered(self, worker_id: str, version: int) -> None:
         """The broadcaster handed ``version`` to the worker: from now on it may claim it."""
-        with self.lock:
-            worker = self.reg.workers.get(worker_id)
-            if worker is not None:
-                horizon = intake.delivery_horizon(self.version, self.S)
-                worker.delivered = {v for v in worker.delivered if v >= horizon} | {version}
-                self.lock.notify_all()
+        self._note_snapshot(worker_id, "delivered", version)
 
     def _snapshot_ordered(self, worker_id: str, version: int) -> None:
-        """The broadcaster is about to order ``version`` to the worker: it may claim it from now on, since it may
-        apply it and push before the answer proving delivery lands (_snapshot_delivered)."""
+        """The broadcaster is about to order ``version`` to the worker: it may apply it and push before the answer
+        proving delivery lands (_snapshot_delivered); such a claim is dropped without a strike (intake.settle)."""
+        self._note_snapshot(worker_id, "ordered", version)
+
+    def _note_snapshot(self, worker_id: str, versions: str, version: int) -> None:
+        """Add ``version`` to the worker's ``delivered`` or ``ordered`` set, forgetting those past the horizon."""
         with self.lock:
             worker = self.reg.workers.get(worker_id)
             if worker is not None:
                 horizon = intake.delivery_horizon(self.version, self.S)
-                worker.ordered = {v for v in worker.ordered if v >= horizon} | {version}
+                setattr(worker, versions, {v for v in getattr(worker, versions) if v >= horizon} | {version})
+                if versions == "delivered":
+                    self.lock.notify_all()  # a long poll waiting with an older version is told to apply it
 
     def _leave(self, body: dict, headers) -> dict:
         req = schemas.parse(schemas.Leave, body)

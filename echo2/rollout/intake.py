@@ -114,10 +114,12 @@ def settle(reg: Registry, ledger: Ledger, buffer: StalenessBuffer, worker: Worke
             x = o.group.version  # older than the horizon: no longer remembered, and the buffer drops it as stale
             # a version not proven delivered is never trained on; one ordered to the worker (its answer may still be
             # on its way) is dropped and re-queued without a strike (unproven_version), any other is a strike
-            o.reason = ("future_version" if x > version else None if x in worker.delivered
-                        or x < delivery_horizon(version, staleness) else "unproven_version" if worker.may_hold(x)
-                        else "undelivered_version")
-            o.reason = o.reason or ("worker_gone" if not live else None)
+            if x > version:
+                o.reason = "future_version"
+            elif x not in worker.delivered and x >= delivery_horizon(version, staleness):
+                o.reason = "unproven_version" if x in worker.ordered else "undelivered_version"
+            elif not live:
+                o.reason = "worker_gone"
         if o.reason is None:
             buffer.admit(o.group, o.group.version, version)
             accepted.append(o)
