@@ -144,6 +144,19 @@ def _one_answer(rng):
     return Completion([5, 1], [-0.05, -0.05], "stop")
 
 
+def _wait_until_dispatched_to(forger, coordinator, timeout_s=180.0):
+    """Hold the learner (in its step hook) until the forger holds work: on a loaded machine a 30-step run can end
+    before a joiner has loaded its model and been delivered a snapshot (CI once saw the forger get no work at all)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        wid, status = getattr(forger.agent, "worker_id", None), coordinator.status()
+        if wid and (wid in status["held"] or wid in status["by_worker"]):
+            return
+        assert forger.is_alive(), forger.error
+        time.sleep(0.05)
+    raise AssertionError(f"the forger got no work in {timeout_s:.0f} s: {coordinator.status()}")
+
+
 def _run_with_forger(tmp_path, forge, overrides, **forger):
     ev = {}
 
@@ -151,6 +164,7 @@ def _run_with_forger(tmp_path, forge, overrides, **forger):
         if step == 1:
             ev["forger"] = _Forger(source, forge(source), **forger)
             ev["forger"].start()
+            _wait_until_dispatched_to(ev["forger"], source.coordinator)
 
     try:
         _, trainer, source, acc, records = train(tmp_path, ["pool.engine=hf", "pool.workers=1", *overrides], hook)
