@@ -54,13 +54,37 @@ def echo2_run(name: str, seed: int, steps: int, run_dir: Path, extra: list[str])
         return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
+def trl_config(cfg, run_dir: Path):
+    """TRL's own GRPOConfig for the composed echo2 config ``cfg`` (precision resolved): the same seed, steps, batch,
+    sampling, optimizer, loss and precision as echo2's learner (tests/test_real_model.py compares the two field by
+    field). Everything is stated, nothing left to GRPOConfig's defaults where they differ from echo2's: TRL's
+    defaults turn on bf16 autocast and gradient checkpointing, which once made this comparison one of precisions."""
+    import torch
+    from trl import GRPOConfig
+
+    from echo2.learner.args import master_dtype
+
+    lc, rc = cfg.learner, cfg.rollout
+    return GRPOConfig(
+        output_dir=str(run_dir / "trainer"), seed=cfg.seed, max_steps=cfg.run.steps,
+        per_device_train_batch_size=rc.group_size * rc.prompts_per_step, num_generations=rc.group_size,
+        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=cfg.task.max_completion_length,
+        temperature=rc.temperature, top_p=1.0, top_k=0, learning_rate=lc.learning_rate,
+        lr_scheduler_type=lc.lr_scheduler_type, warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay,
+        max_grad_norm=lc.max_grad_norm, loss_type=lc.loss_type, beta=lc.beta, epsilon=lc.epsilon,
+        epsilon_high=lc.epsilon_high, scale_rewards=lc.scale_rewards,
+        mask_truncated_completions=lc.mask_truncated_completions, bf16=bool(lc.bf16),
+        gradient_checkpointing=lc.gradient_checkpointing, use_cpu=not torch.cuda.is_available(),
+        model_init_kwargs={"dtype": master_dtype(cfg)}, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True)
+
+
 def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
     """Plain TRL on the experiment's settings (composed from the same config, so nothing can drift apart)."""
-    import torch
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from echo2.config import register_configs
     from echo2.env import configure_process
@@ -80,16 +104,7 @@ def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
     model_path = instantiate(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
     task = instantiate(cfg.task)
-    lc, rc = cfg.learner, cfg.rollout
-    args = GRPOConfig(
-        output_dir=str(run_dir / "trainer"), seed=seed, max_steps=steps, per_device_train_batch_size=rc.group_size *
-        rc.prompts_per_step, num_generations=rc.group_size, max_completion_length=task.max_completion_length,
-        temperature=rc.temperature, top_p=1.0, top_k=0, learning_rate=lc.learning_rate,
-        lr_scheduler_type=lc.lr_scheduler_type, warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay,
-        max_grad_norm=lc.max_grad_norm, loss_type=lc.loss_type, beta=lc.beta, epsilon=lc.epsilon,
-        scale_rewards=lc.scale_rewards, mask_truncated_completions=lc.mask_truncated_completions,
-        use_cpu=not torch.cuda.is_available(), model_init_kwargs={"dtype": cfg.model.dtype}, logging_steps=1,
-        report_to="none", save_strategy="no", disable_tqdm=True)
+    args = trl_config(cfg, run_dir)
     trainer = GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
                           args=args, train_dataset=task.train_dataset())
     generate = trainer._generate_and_score_completions
@@ -199,13 +214,13 @@ def merge(out: Path) -> list[dict]:
     runs = [per_run(d) for d in dirs if (d / "summary.json").exists()]
     if not runs:
         raise SystemExit(f"no runs in {out}")
-    trl_final = [r["evals"][max(r["evals"])] for r in runs if r["name"] == "trl"]
+    trl_final = [r["evals"][max(r["evals"])] for r in runs if r["name"] == "trl" and r["evals"]]
     target = min(trl_final) if trl_final else None
     head = ["run", "seed", "steps", "eval acc start", "eval acc end", "best", "reward first 10", "reward last 10",
             "s/step", "gen s/step", "train s/step", "learner util", f"s to acc {target}"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in runs:
-        ev = r["evals"]
+        ev = r["evals"] or {0: float("nan")}  # run.eval_every_steps=0: no held-out evaluation
         s_to = seconds_to(r, target) if target is not None else None
         lines.append("| " + " | ".join([
             r["name"], Path(r["dir"]).name.rsplit("-seed", 1)[1], str(r["steps"]), f"{ev.get(0, float('nan')):.2f}",

@@ -149,6 +149,32 @@ def test_auto_precision_is_float32_on_cpu_and_bf16_with_fp32_masters_on_gpus():
         check_launch(cfg, 1, env={})
 
 
+@pytest.mark.parametrize("overrides", [[], ["learner.bf16=true"], ["learner.gradient_checkpointing=true",
+                                                                    "learner.epsilon_high=0.28"]])
+def test_the_trl_baseline_of_the_real_model_benchmark_trains_as_echo2s_learner_does(tmp_path, overrides):
+    """benchmarks/real_model.py's plain-TRL run gets echo2's settings, field by field: left to GRPOConfig's own
+    defaults it once trained with bf16 autocast and gradient checkpointing against echo2's float32, and the
+    benchmark compared precisions, not systems."""
+    import sys
+
+    from conftest import ROOT
+    from echo2.learner.args import grpo_config, resolve_precision
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from real_model import trl_config
+
+    cfg = compose(["experiment=smollm2_arith", "rollout=sync", *overrides])
+    resolve_precision(cfg, cuda=False)
+    ours, theirs = grpo_config(cfg, tmp_path, world_size=1), trl_config(cfg, tmp_path)
+    fields = ["seed", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+              "num_iterations", "max_completion_length", "temperature", "learning_rate", "lr_scheduler_type",
+              "warmup_steps", "weight_decay", "max_grad_norm", "loss_type", "beta", "epsilon", "epsilon_high",
+              "scale_rewards", "mask_truncated_completions", "bf16", "fp16", "gradient_checkpointing",
+              "model_init_kwargs", "use_cpu"]
+    assert {f: getattr(theirs, f) for f in fields} == {f: getattr(ours, f) for f in fields}
+    assert theirs.bf16 == bool(cfg.learner.bf16)
+
+
 # ---------------------------------------------------------------------- both engines, exactly
 
 
