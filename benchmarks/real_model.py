@@ -54,31 +54,6 @@ def echo2_run(name: str, seed: int, steps: int, run_dir: Path, extra: list[str])
         return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
-def trl_config(cfg, run_dir: Path):
-    """TRL's own GRPOConfig for the composed echo2 config ``cfg`` (precision resolved): the same seed, steps, batch,
-    sampling, optimizer, loss and precision as echo2's learner (tests/test_real_model.py compares the two field by
-    field). Everything is stated, nothing left to GRPOConfig's defaults where they differ from echo2's: TRL's
-    defaults turn on bf16 autocast and gradient checkpointing, which once made this comparison one of precisions."""
-    import torch
-    from trl import GRPOConfig
-
-    from echo2.learner.args import master_dtype
-
-    lc, rc = cfg.learner, cfg.rollout
-    return GRPOConfig(
-        output_dir=str(run_dir / "trainer"), seed=cfg.seed, max_steps=cfg.run.steps,
-        per_device_train_batch_size=rc.group_size * rc.prompts_per_step, num_generations=rc.group_size,
-        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=cfg.task.max_completion_length,
-        temperature=rc.temperature, top_p=1.0, top_k=0, learning_rate=lc.learning_rate,
-        lr_scheduler_type=lc.lr_scheduler_type, warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay,
-        max_grad_norm=lc.max_grad_norm, loss_type=lc.loss_type, beta=lc.beta, epsilon=lc.epsilon,
-        epsilon_high=lc.epsilon_high, scale_rewards=lc.scale_rewards,
-        mask_truncated_completions=lc.mask_truncated_completions, bf16=bool(lc.bf16),
-        gradient_checkpointing=lc.gradient_checkpointing, use_cpu=not torch.cuda.is_available(),
-        model_init_kwargs={"dtype": master_dtype(cfg)}, logging_steps=1, report_to="none", save_strategy="no",
-        disable_tqdm=True)
-
-
 def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
     """Plain TRL on the experiment's settings (composed from the same config, so nothing can drift apart)."""
     from hydra import compose, initialize_config_dir
@@ -88,7 +63,7 @@ def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
 
     from echo2.config import register_configs
     from echo2.env import configure_process
-    from echo2.learner.args import resolve_precision
+    from echo2.learner.args import grpo_config, resolve_precision
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
     from echo2.rollout.engines.hf import HFEngine
     from echo2.rollout.evaluate import Evaluator
@@ -97,14 +72,17 @@ def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["experiment=smollm2_arith", "rollout=sync", f"seed={seed}",
-                                           f"run.steps={steps}", "run.name=trl", *extra])
+                                           f"run.steps={steps}", "run.name=trl", "run.save_every_steps=0", *extra])
     resolve_precision(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "resolved_config.yaml", resolve=True)
     model_path = instantiate(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
     task = instantiate(cfg.task)
-    args = trl_config(cfg, run_dir)
+    # The very GRPOConfig echo2's learner builds from this config (batch, sampling, optimizer, loss, precision):
+    # it states bf16 and gradient checkpointing, which GRPOConfig's own defaults turn on (left to them, TRL once
+    # computed in bf16 against echo2's float32 here, and this benchmark compared precisions, not systems).
+    args = grpo_config(cfg, run_dir, world_size=1)
     trainer = GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
                           args=args, train_dataset=task.train_dataset())
     generate = trainer._generate_and_score_completions
