@@ -12,7 +12,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import ROOT, small_coordinator, wait_until
+from conftest import ROOT, small_coordinator, train, wait_until
 from echo2.models.identity import mismatch, model_identity
 
 
@@ -195,3 +195,19 @@ def test_the_wait_line_says_why_a_local_worker_exited(tmp_path):
     finally:
         pool.procs[1].kill()
         pool.procs[1].wait()
+
+
+def test_a_run_whose_local_workers_all_exited_fails_at_once_with_their_error(tmp_path):
+    """Every local worker has exited (here: each refused for a context too short for the run), none is connected
+    and the coordinator listens on loopback, where no other worker can join: the learner fails within seconds, the
+    workers' error in its message, instead of waiting out rollout.source.take_timeout_s for nothing."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        train(tmp_path, ["pool.engine=hf", "pool.workers=1", "pool.max_model_len=1", "run.steps=3",
+                         "rollout.source.take_timeout_s=240", "rollout.source.wait_log_s=5"])
+    message = str(err.value)
+    assert "every local worker has exited and no other can join" in message, message
+    assert "exited: worker0 (exit 2: " in message and "context" in message, message
+    assert time.monotonic() - start < 200, "it waited for the take timeout"

@@ -159,10 +159,21 @@ class AsyncRolloutSource:
         if now - start > self.take_timeout_s:
             raise TimeoutError(f"waited {now - start:.0f} s for {what} (rollout.source.take_timeout_s): "
                                f"{self._waiting_on()}")
+        if self._stranded():
+            raise RuntimeError(f"waiting for {what}, but every local worker has exited and no other can join (the "
+                               f"coordinator listens on {self.kwargs['host']} only): {self._waiting_on()}")
         if now - last_log >= self.wait_log_s:
             log.warning("waiting %.0f s for %s: %s", now - start, what, self._waiting_on())
             return now
         return last_log
+
+    def _stranded(self) -> bool:
+        """Nothing can ever feed this run: every local worker has exited (none restarts by itself), none is
+        connected, and the coordinator listens on loopback only, so no worker from elsewhere can join. Waiting out
+        take_timeout_s would only hide why (their errors are in the waiting line)."""
+        if not (is_loopback(str(self.kwargs["host"])) and self.pool.all_exited()):
+            return False
+        return not self._retry(CoordinatorProcess.status)["workers"]
 
     def _waiting_on(self) -> str:
         """What the rollout plane holds now, and where workers should come from."""

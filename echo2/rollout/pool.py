@@ -64,6 +64,10 @@ class StaticPool:
                  "%s%s --model %s --listen-host 0.0.0.0 --advertise-host <its public address>",
                  coordinator_url, pin, model_path)
 
+    def all_exited(self) -> bool:
+        """Whether every worker this pool started has exited (never: it starts none)."""
+        return False
+
     def describe(self, coordinator_url: str) -> str:
         """Where this pool's workers come from (for the learner's waiting lines)."""
         return (f"pool=static starts no worker: start them elsewhere with `python -m echo2.worker --coordinator "
@@ -173,6 +177,10 @@ class LocalPool:
                  f"GPU {env['CUDA_VISIBLE_DEVICES']}" if self.gpus else
                  f"vLLM threads on core {core}{', pinned' if pin else ''}")
         return proc
+
+    def all_exited(self) -> bool:
+        """Whether every worker this pool started has exited (none restarts by itself)."""
+        return bool(self.procs) and all(p.poll() is not None for p in self.procs)
 
     def describe(self, coordinator_url: str) -> str:
         """Where this pool's workers come from, and how the started ones fare (for the learner's waiting lines)."""
