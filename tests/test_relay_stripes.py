@@ -329,3 +329,44 @@ def test_a_snapshot_laid_out_in_stripes_rejects_a_tiling_with_holes():
         Snapshot(m, bounds=[(0, 40), (50, 100)])
     with pytest.raises(ValueError, match="do not tile"):
         Snapshot(m, bounds=[(0, 40)])
+
+
+# ---------------------------------------------------------------------- the lab's link and bench
+
+
+def test_the_lab_link_paces_in_slices_of_link_time():
+    """A paced send goes out slice by slice (link.SLICE_S of link time each), as a real link delivers packets over
+    its duration: a relay hop then forwards the first bytes of a send before its last arrive, at any rate."""
+    sent: list[int] = []
+
+    class Sink:
+        def sendall(self, data):
+            sent.append(len(data))
+
+    bucket = link.TokenBucket(10, burst_bytes=0)  # 10 Mbit/s: 4 ms are 5,000 bytes
+    t0 = time.monotonic()
+    link.Paced(Sink(), bucket).sendall(b"x" * 50_000)
+    assert sum(sent) == 50_000 and max(sent) == bucket.slice_bytes == 5000
+    assert time.monotonic() - t0 >= 0.035  # 50 kB at 10 Mbit/s: 40 ms, whatever the slicing
+    assert link.TokenBucket(1000).slice_bytes == 500_000  # at 1 Gbit/s a relay piece (256 KiB) goes whole
+
+
+@pytest.mark.slow
+def test_the_bench_runs_the_layout_auto_picks_and_reports_the_model_beside_it():
+    """``python -m echo2.lab.bench --mode pipelined`` runs what broadcast=pipelined runs (topology auto): at an 80
+    ms RTT (the in-process link delays the control path too, so the learner measures it) 5 peers go in stripes,
+    the learner uploads each byte once, and the JSON holds the pipeline's own term beside the time."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "echo2.lab.bench", "--mode", "pipelined", "--workers", "5",
+                          "--size-mb", "2", "--link-mbit", "20", "--rtt-ms", "80", "--reps", "1", "--testbed",
+                          "inproc", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["layout"].startswith("stripes(") and r["origin_bytes_per_version"] == r["size_bytes"]
+    assert r["added_s"] < r["chain_added_s"] and r["mww_s"] >= 0.8
+    assert r["ratio"] > 0.99 and len(r["hops"]) == 5

@@ -1,6 +1,7 @@
 """The in-process link model: a node's emulated access link for tests and benchmarks without root.
 
-    RelayServer ── link.serve(conn) ──► Paced: every send first takes its bytes from the uplink bucket
+    RelayServer ── link.serve(conn) ──► Paced: every send, in slices of SLICE_S of link time, first takes its
+                                        bytes from the uplink bucket
     Fetcher     ── link.fetch(conn) ──► Delayed: a thread reads the connection through the downlink bucket and
                                         holds each piece for the one-way latency before the relay sees it
 
@@ -23,12 +24,22 @@ from dataclasses import dataclass, field
 from echo2.broadcast.framing import PIECE_BYTES  # the most the delay thread reads at once, as the relay does
 
 
+SLICE_S = 0.004
+"""Link time one paced send may take at most. A real link delivers a send as packets over its duration, so the
+next hop can forward the first bytes before the last arrive; a send paced whole lands at once when its time is
+up, and every relay hop would wait for the whole of it: 256 KiB (the relay's piece) is 2 ms at 1 Gbit/s but
+0.2 s at 10 Mbit/s, which made a scaled-down run (same M/B at a tenth of the rate) pay ten times the per-hop
+wait. Slices of fixed link time keep that wait the same at every rate; 4 ms keeps the sends per link at ~250/s
+(64 relaying processes on 2 cores)."""
+
+
 class TokenBucket:
     """Debt-based: charge first, then sleep off the debt, so late wake-ups lose no rate (wan-testbed.md §3)."""
 
     def __init__(self, mbit: float, burst_bytes: int | None = None):
         self.rate = mbit * 1e6 / 8
         self.burst = burst_bytes if burst_bytes is not None else max(int(self.rate * 0.02), 64 << 10)
+        self.slice_bytes = max(4096, int(self.rate * SLICE_S))
         self.tokens, self.t = float(self.burst), time.monotonic()
         self.lock = threading.Lock()
 
@@ -66,14 +77,18 @@ class Link:
 
 
 class Paced:
-    """A connection whose ``sendall`` is paced by a token bucket; everything else is the connection's own."""
+    """A connection whose ``sendall`` is paced by a token bucket, slice by slice (SLICE_S); everything else is the
+    connection's own."""
 
     def __init__(self, conn, bucket: TokenBucket):
         self._conn, self._bucket = conn, bucket
 
     def sendall(self, data) -> None:
-        self._bucket.take(len(data))
-        self._conn.sendall(data)
+        view, step = memoryview(data), self._bucket.slice_bytes
+        for lo in range(0, len(view), step):
+            part = view[lo:lo + step]
+            self._bucket.take(len(part))
+            self._conn.sendall(part)
 
     def __getattr__(self, name):
         return getattr(self._conn, name)
