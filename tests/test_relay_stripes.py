@@ -343,12 +343,12 @@ def test_the_lab_link_paces_in_slices_of_link_time():
         def sendall(self, data):
             sent.append(len(data))
 
-    bucket = link.TokenBucket(10, burst_bytes=0)  # 10 Mbit/s: 4 ms are 5,000 bytes
+    bucket = link.TokenBucket(4, burst_bytes=0)  # 4 Mbit/s: 10 ms are 5,000 bytes
     t0 = time.monotonic()
     link.Paced(Sink(), bucket).sendall(b"x" * 50_000)
     assert sum(sent) == 50_000 and max(sent) == bucket.slice_bytes == 5000
-    assert time.monotonic() - t0 >= 0.035  # 50 kB at 10 Mbit/s: 40 ms, whatever the slicing
-    assert link.TokenBucket(1000).slice_bytes == 500_000  # at 1 Gbit/s a relay piece (256 KiB) goes whole
+    assert time.monotonic() - t0 >= 0.095  # 50 kB at 4 Mbit/s: 100 ms, whatever the slicing
+    assert link.TokenBucket(1000).slice_bytes == 1_250_000  # at 1 Gbit/s a relay piece (256 KiB) goes whole
 
 
 @pytest.mark.slow

@@ -310,8 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mode", choices=sorted(MODES), default="pipelined",
                    help="pipelined (auto: chain or stripes, as broadcast=pipelined runs), chain, stripes, tree "
                         "(relay tree), one_to_many (star)")
-    p.add_argument("--fanout", type=int, default=4,
-                   help="stripes: the most stripes; tree: children per node (broadcast.sender.fanout)")
+    p.add_argument("--fanout", type=int, default=2,
+                   help="tree: children per node; stripes: the most stripes (broadcast.sender.fanout; pipelined, "
+                        "topology auto, picks its own)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--size-mb", type=float, default=50)
     p.add_argument("--link-mbit", type=float, default=100, help="every worker's uplink and downlink")
