@@ -12,7 +12,10 @@ rate alone, so where 2 cores cannot carry N links at the nominal rate, a scale r
 
 Columns: time (publish to the last worker holding the verified snapshot), bound = M/B + one one-way latency,
 ratio; over = time − bound; the model's pipeline term (topology.added_s) for the layout that ran and for a
-chain; MWW = (M/B)(1 + ⌊log₂N⌋/k), k = M / piece; learner uploads per version; the first (cold) version.
+chain; MWW = (M/B)(1 + ⌊log₂N⌋/k), k = M / piece; first done = when the first worker held it (M/B plus a few
+one-way latencies where the box held the rate: past that, the box's CPU, not the layout, set the pace); learner
+uploads per version; the first (cold) version; load = the 1-minute load average before the cell; cores = CPU
+seconds of the cell's processes over its wall time (start-up included).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -28,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCALES = ["2:10", "20:10"]  # SIZE_MB:LINK_MBIT; M/B = 1.6 s and 16 s
 HEADER = ("| M/B s | ran at | RTT ms | N | mode | layout | time s | bound s | ratio | over s | model term s | "
-          "chain term s | MWW s | learner uploads | first version s | load |")
+          "chain term s | MWW s | first done s | learner uploads | first version s | load | cores |")
 
 
 def main() -> None:
@@ -67,12 +71,15 @@ def _cell(args, size_mb: float, mbit: float, rtt: float, n: int, mode: str) -> N
     cmd = [sys.executable, "-m", "echo2.lab.bench", "--mode", mode, "--workers", str(n), "--size-mb", str(size_mb),
            "--link-mbit", str(mbit), "--rtt-ms", str(rtt), "--reps", str(args.reps), "--testbed", args.testbed,
            "--json"]
+    cpu0, t0 = _children_cpu_s(), time.monotonic()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cores = (_children_cpu_s() - cpu0) / (time.monotonic() - t0)
     if out.returncode:
         print(f"FAILED: {' '.join(cmd[3:])}\n{out.stderr[-2000:]}", flush=True)
         return
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    r["load_before"] = load
+    r["load_before"], r["cores"] = load, cores
+    r["first_done_s"] = min(h[2] for h in r["hops"])
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(r) + "\n")
@@ -80,8 +87,14 @@ def _cell(args, size_mb: float, mbit: float, rtt: float, n: int, mode: str) -> N
     print(f"| {transfer_s:g} | {r['size_bytes'] / 1e6:g} MB @ {r['link_mbit']:g} Mbit/s | {r['rtt_ms']:g} | "
           f"{r['workers']} | {r['mode']} | {r['layout']} | {r['time_s']:.3f} | {r['bound_s']:.3f} | "
           f"{r['ratio']:.3f} | {r['time_s'] - r['bound_s']:.3f} | {r['added_s']:.3f} | {r['chain_added_s']:.3f} | "
-          f"{r['mww_s']:.2f} | {r['origin_bytes_per_version'] / r['size_bytes']:.2f} x M | "
-          f"{r['first_version_s']:.2f} | {load:.2f} |", flush=True)
+          f"{r['mww_s']:.2f} | {r['first_done_s']:.3f} | {r['origin_bytes_per_version'] / r['size_bytes']:.2f} x M | "
+          f"{r['first_version_s']:.2f} | {load:.2f} | {cores:.2f} |", flush=True)
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's waited-for children and theirs."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 if __name__ == "__main__":
