@@ -131,8 +131,8 @@ def role_learner(args) -> None:
             if not done.wait_for(lambda: len(delivered.get(v, ())) == len(peers), timeout=args.timeout_s):
                 sys.exit(f"v{v}: only {len(delivered.get(v, ()))} of {len(peers)} workers got it in {args.timeout_s} s")
         informed_s = time.monotonic() - t0
-        hops = sorted((r["depth"], (r.get("first_byte_at") or t0) - t0, r["done_at"] - t0, r.get("rtt_s"))
-                      for r in bc.last_results.values())
+        hops = sorted((r["depth"], (r.get("first_byte_at") or t0) - t0, r["done_at"] - t0, r.get("rtt_s"),
+                       r["done_at"] - r["seconds"] - t0) for r in bc.last_results.values())
         layout = bc.last_layout
         rows.append({"time_s": max(h[2] for h in hops), "informed_s": informed_s, "prepare_s": bc.last_prepare_s,
                      "hops": hops, "origin_bytes": bc.server.served_bytes - origin_before,
@@ -262,7 +262,8 @@ def measure(args) -> dict:
             "ratio": med / bound, "times_s": times, "informed_s": statistics.median(r["informed_s"] for r in rows),
             "prepare_s": statistics.median(r["prepare_s"] for r in rows),
             "delta_ratio": statistics.median(r["delta_ratio"] for r in rows), "changed": args.changed,
-            "hops": median_row["hops"],  # (depth, first byte s, done s, TCP RTT to its source s) per worker
+            # per worker: depth, first byte s, done s, TCP RTT to its source s, when its order took effect s
+            "hops": median_row["hops"],
             "origin_bytes_per_version": statistics.median(r["origin_bytes"] for r in rows),
             "testbed": args.testbed, "link_mbit": args.link_mbit, "learner_uplink_mbit": uplink,
             "rtt_ms": args.rtt_ms, "reps": args.reps, "warmup": args.warmup, "first_version_s": first["time_s"],
