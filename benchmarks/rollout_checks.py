@@ -30,10 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from echo2.rollout.engines.hf import HFWorkerEngine  # noqa: E402
+from echo2.rollout.types import Completion  # noqa: E402
 from echo2.transport import Client, RemoteError, worker_credential  # noqa: E402
 
 
-class ForgingEngine:
+class ForgingEngine(HFWorkerEngine):
     """What a worker that skips generation runs: a real transformers model for applying snapshots and scoring the
     probe (so that it claims only versions it was delivered, as the coordinator requires), and random tokens
     claiming logprob -0.05 each for every completion."""
@@ -41,24 +43,12 @@ class ForgingEngine:
     name = "forging"
 
     def __init__(self, model: str, vocab: int):
-        from echo2.rollout.engines.hf import HFWorkerEngine
-
-        self.real, self.vocab, self.rng = HFWorkerEngine(model), vocab, random.Random(0)
+        super().__init__(model)
+        self.vocab, self.rng = vocab, random.Random(0)
 
     def generate(self, prompt_ids, params):
-        from echo2.rollout.types import Completion
-
         return [[Completion([self.rng.randrange(self.vocab)] * 2, [-0.05, -0.05], "length") for _ in range(params.n)]
                 for _ in prompt_ids]
-
-    def load_weights(self, version, blob):
-        return self.real.load_weights(version, blob)
-
-    def probe_logprobs(self, token_ids):
-        return self.real.probe_logprobs(token_ids)
-
-    def close(self):
-        pass
 
 
 def forge(url: str, secret: str, model: str, vocab: int, stop: threading.Event, out: dict, run_dir: Path) -> None:

@@ -20,6 +20,38 @@ reason). Recovery is measured from the coordinator's GET /status, polled every 0
     coordinator_kill  kill      -> the new coordinator answers, every agent not stopped has registered with it,
                                    and the learner has completed a step
 No new faults come in the last --drain-s seconds, so that every fault has time to recover.
+
+**--hostile**: a soak with hostile clients instead of faults (issue 27, item 4):
+
+    python benchmarks/soak.py --hostile --minutes 10 --calm-minutes 2 --engine vllm --workers 1 [--json]
+
+A real learner (train.py: tiny model, copy task, rollout=async with pool=static, TLS on over loopback, rollout
+checks every --check-every-steps steps) and --workers honest worker agents (`python -m echo2.worker`, each with its
+own credential, finding the learner through its run dir's coordinator.json). After a calm phase (--calm-minutes,
+from the first learner step: the reference pace, same run), one client of each kind in benchmarks/hostile.py
+attacks at once until the end: absurd declarations, a hoarding credential with many ids, invalid results, version
+claims never delivered, fabricated completions, an outsider's floods and ~100 half-open connections (to the
+coordinator and to an honest worker's snapshot-control port), orders to a worker from a worker, and a relay that
+accepts connections and never answers. A reward slow on a crafted completion is task-specific: the copy task's
+reward parses an integer, so no completion makes it slow (tests/test_reward_pool.py covers a slow reward).
+
+The rollout checks run with b = check_max_abs_log_ratio = 2 nats a token (the default, since this soak): on the tiny model
+(learning rate 3e-3) a large learner step (grad norm 2.7 after a stretch of zero-gradient steps) moves an honest
+worker's lagged tokens by ~1.1 nats each, and with b = 1 the first short soak retired its only honest worker as
+untrusted (mean |log-ratio| 0.05 over 28k tokens) and the run stalled (the default was 1 then). The forger's
+tokens are ~10 nats off: b = 2 retires it as fast. Every honest worker is checked for it all the same (flagged, retired, struck: a failure).
+
+Reported (and with --json as JSON): whether the run finished (the learner stopped by SIGTERM, summary.json
+written); the learner's steps/s in --window-s windows of the hostile phase against the calm phase's (goal: every
+window >= 0.5); per kind, what its client was told and what the coordinator did (its metrics, summary.json's
+rollout_accounting, coordinator.log); what was trained on, by credential (consumed.jsonl against the journal's
+received and distrusted groups: nothing of the forger after it was retired, nothing of any other hostile kind at
+all; the forger's groups consumed in the unchecked steps before its first checked batch are trained on, and
+counted); that no honest worker was flagged, retired, struck or benched; whether the books balance (dispatched =
+consumed + dropped + lost); the cores each role used per phase (everything shares this machine: on a real
+deployment the hostile clients' own CPU is not the learner host's); and any process left behind (the soak is the
+child subreaper of everything it starts, so orphans are found). ``--report-only RUN_DIR`` reports again on a
+finished run's directory.
 """
 
 from __future__ import annotations
@@ -36,7 +68,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -110,16 +144,7 @@ class Soak:
             return None
 
     def steps(self) -> list[dict]:
-        path = self.out / "metrics.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-        return out
+        return read_jsonl(self.out / "metrics.jsonl")
 
     # ------------------------------------------------------------------ faults
 
@@ -289,25 +314,521 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- --hostile: a soak with hostile clients
+
+HOSTILE_KINDS = ("absurd", "hoarder", "invalid", "liar", "forger", "outsider", "relay_orders", "hung_relay")
+SLOW_REWARD = ("skipped: the copy task's reward parses a leading integer, so no completion makes it slow; a slow "
+               "reward is task-specific (task=gsm8k's math-verify), covered by tests/test_reward_pool.py")
+JOINED = re.compile(r"worker (w\d+) joined \(.*?(?:, credential '([^']+)')?\)$")
+
+
+def become_subreaper() -> None:
+    """Orphans of everything this process starts (an engine whose agent died) become its children, so that
+    ``left_behind`` finds them (Linux: PR_SET_CHILD_SUBREAPER)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+
+
+def left_behind() -> list[dict]:
+    """Live processes under this one (orphans included, see become_subreaper), after reaping dead orphans; each
+    is killed (it is ours) and named in the result."""
+    from echo2.env import descendants
+
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    out = []
+    for pid in sorted(descendants(os.getpid())):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append({"pid": pid, "cmd": cmd})
+            os.kill(pid, signal.SIGKILL)
+    return out
+
+
+def cpu_seconds(procs: dict[str, subprocess.Popen]) -> dict[str, dict[int, float]]:
+    """CPU seconds (user + system) so far of every live process under each of ``procs`` (itself included)."""
+    from echo2.env import descendants
+
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for name, proc in procs.items():
+        out[name] = {}
+        for pid in {proc.pid, *descendants(proc.pid)}:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[name][pid] = (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def cpu_used(before: dict, after: dict, wall_s: float) -> dict[str, float]:
+    """Cores used between two cpu_seconds snapshots, by role: the learner (with its coordinator and reward
+    processes), the honest workers (with their engines), the hostile clients; and the whole machine's cores."""
+    roles = {"learner": ["learner"], "honest": [n for n in after if n.startswith("honest")],
+             "hostile": [n for n in after if n in HOSTILE_KINDS]}
+    used = {role: round(sum(cpu - before.get(n, {}).get(pid, 0.0)
+                            for n in names for pid, cpu in after.get(n, {}).items()) / wall_s, 2)
+            for role, names in roles.items()}
+    return {**used, "machine_cores": os.cpu_count()}
+
+
+class HostileSoak:
+    def __init__(self, args):
+        from echo2.transport import worker_credential
+
+        self.args = args
+        self.out = Path(args.out or tempfile.mkdtemp(prefix="echo2-hostile-soak-"))
+        (self.out / "hostile").mkdir(parents=True, exist_ok=True)
+        self.secret = "soak-" + os.urandom(8).hex()
+        self.credential = lambda name: worker_credential(self.secret, name)
+        self.env = dict(os.environ, ECHO2_TOKEN=self.secret, OMP_NUM_THREADS="1")
+        self.go = self.out / "hostile" / "go"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.victim_port = free_port()
+        self.samples: list[dict] = []  # GET /status, every second: latency, held groups, benched ids
+        self.t_go = None
+
+    def _start(self, name: str, cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+        from echo2.rollout.pool import _child_setup
+
+        self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                            preexec_fn=_child_setup(None))
+        return self.procs[name]
+
+    def start(self) -> None:
+        from echo2.models.tiny import build_tiny
+        from echo2.rollout.pool import engine_core
+
+        a = self.args
+        model = build_tiny()
+        self._start("learner", [
+            sys.executable, "train.py", "pool=static", "rollout.source.tls=on",
+            f"rollout.source.check_every_steps={a.check_every_steps}",
+            f"rollout.source.check_max_abs_log_ratio={a.check_max_abs_log_ratio}",
+            f"rollout.source.heartbeat_timeout_s={a.heartbeat_s}",
+            f"rollout.source.deadline_floor_s={a.deadline_floor_s}", f"rollout.source.min_workers={a.workers}",
+            "run.steps=1000000", "run.save_every_steps=0", "run.eval_every_steps=0", "run.progress=false",
+            "run.wandb=disabled", f"hydra.run.dir={self.out}", *a.override], self.env, self.out / "learner.out")
+        for i in range(a.workers):  # honest agents, as launchers start them, each with its own credential
+            env = dict(self.env, ECHO2_TOKEN=self.credential(f"honest{i}"),
+                       VLLM_CPU_OMP_THREADS_BIND=str(engine_core(i)))
+            port = self.victim_port if i == 0 else 0
+            self._start(f"honest{i}", [
+                sys.executable, "-m", "echo2.worker", "--coordinator", str(self.out / "coordinator.json"), "--model",
+                model, "--engine", a.engine, "--dtype", "float32", "--max-groups", "4", "--snapshot-port", str(port),
+                "--reconnect-timeout-s", "300", "--engine-log", str(self.out / f"honest{i}.engine.log")],
+                env, self.out / f"honest{i}.log")
+        victim = f"https://127.0.0.1:{self.victim_port}"  # honest0's snapshot-control port
+        for kind in HOSTILE_KINDS:  # started now (imports and all), attacking once --go appears
+            env = dict(self.env, ECHO2_TOKEN=self.credential(kind))
+            if kind == "outsider":
+                env.pop("ECHO2_TOKEN")
+            self._start(kind, [sys.executable, "benchmarks/hostile.py", kind, "--run-dir", str(self.out), "--report",
+                               str(self.out / "hostile" / f"{kind}.json"), "--go", str(self.go), "--victim", victim,
+                               "--half-open", str(a.half_open), "--silent-every-s", str(a.silent_every_s)],
+                        env, self.out / "hostile" / f"{kind}.log")
+
+    def poll_status(self, phase: str) -> None:
+        from echo2.transport import LEARNER_NAME, Client
+
+        if not hasattr(self, "client"):
+            info = json.loads((self.out / "coordinator.json").read_text())
+            self.client = Client(info["url"], self.secret, timeout_s=10, ca_file=str(self.out / "tls" / "ca.pem"),
+                                 server_name=LEARNER_NAME)
+        t0 = time.perf_counter()
+        try:
+            st = self.client.session.get(self.client.base_url + "/status", timeout=10, verify=self.client.verify).json()
+        except Exception as e:  # noqa: BLE001 (a sample that failed is a result)
+            self.samples.append({"t": time.time(), "phase": phase, "error": type(e).__name__})
+            return
+        self.samples.append({"t": time.time(), "phase": phase, "latency_s": time.perf_counter() - t0,
+                             "held": st["held"], "benched": st["benched"], "by_worker": st["by_worker"],
+                             "workers": len(st["workers"])})
+
+    def run(self) -> dict:
+        a = self.args
+        become_subreaper()
+        t_start = time.monotonic()
+        self.start()
+        while not steps_of(self.out):
+            if self.procs["learner"].poll() is not None:
+                raise SystemExit(f"learner exited: see {self.out / 'learner.out'}")
+            if time.monotonic() - t_start > a.start_timeout_s:
+                raise SystemExit(f"no learner step within {a.start_timeout_s} s: see {self.out}")
+            time.sleep(0.5)
+        phases = [("calm", a.calm_minutes * 60), ("hostile", (a.minutes - a.calm_minutes) * 60)]
+        split, self.cpu = 0, {}
+        for phase, seconds in phases:
+            if phase == "hostile":
+                split = len(steps_of(self.out))
+                self.t_go = time.time()
+                self.go.touch()
+            cpu0, t0 = cpu_seconds(self.procs), time.monotonic()
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                if self.procs["learner"].poll() is not None:
+                    raise SystemExit(f"learner exited during the soak: see {self.out / 'learner.out'}")
+                self.poll_status(phase)
+                time.sleep(max(0.0, 1.0 - (time.monotonic() % 1.0)))
+            self.cpu[phase] = cpu_used(cpu0, cpu_seconds(self.procs), time.monotonic() - t0)
+        from echo2.rollout.pool import terminate
+
+        end_split = len(steps_of(self.out))  # the steps after this one come after the hostile clients
+        terminate([self.procs[k] for k in HOSTILE_KINDS], timeout_s=30)  # first: each writes its report
+        learner = self.procs["learner"]
+        learner.send_signal(signal.SIGTERM)  # it finishes its step, closes the coordinator, writes summary.json
+        try:
+            learner.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            pass
+        terminate([p for name, p in self.procs.items() if name.startswith("honest")])
+        terminate(list(self.procs.values()), timeout_s=10)
+        time.sleep(1.0)  # an engine orphaned by its agent's exit has a moment to go
+        state = {"split": [split, end_split], "t_go": self.t_go, "samples": self.samples, "args": vars(a),
+                 "cpu": self.cpu}
+        (self.out / "hostile" / "soak_state.json").write_text(json.dumps(state) + "\n")  # --report-only reads it
+        result = hostile_report(self.out, (split, end_split), self.t_go, self.samples, a)
+        result.update(wall_s=time.monotonic() - t_start, learner_rc=learner.returncode, left_behind=left_behind(),
+                      cpu_cores=self.cpu)
+        result["finished"] = learner.returncode == 0 and result["finished"]
+        result["ok"] = bool(result["ok"] and result["finished"] and not result["left_behind"])
+        return result
+
+    def cleanup(self) -> None:
+        from echo2.rollout.pool import terminate
+
+        terminate([p for p in self.procs.values() if p.poll() is None], timeout_s=30)
+
+
+def steps_of(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
+def pace(steps: list[dict], split: tuple[int, int], window_s: float) -> dict:
+    """Steps/s of the calm phase (its first step, a warm-up, left out) and of each full ``window_s`` window of the
+    hostile phase (from the last calm step's time; ``split``: the steps taken when it began and ended), each with its
+    ratio to the calm pace."""
+    split, end = split
+    steps = steps[:end]
+    calm = steps[1:split]
+    out: dict[str, Any] = {"calm": {"steps": len(calm)}}
+    if len(calm) < 2 or len(steps) <= split:
+        return {**out, "windows": [], "min_ratio": None}
+    rate = (len(calm) - 1) / (calm[-1]["time_s"] - calm[0]["time_s"])
+    out["calm"]["steps_per_s"] = rate
+    c0 = calm[0]["time_s"]  # the calm phase's own windows: how much the pace varies with nobody hostile
+    out["calm"]["window_ratios"] = [round(sum(c0 + k * window_s <= r["time_s"] < c0 + (k + 1) * window_s
+                                              for r in calm) / window_s / rate, 2)
+                                    for k in range(int((calm[-1]["time_s"] - c0) // window_s))]
+    t0, t_end = steps[split - 1]["time_s"], steps[-1]["time_s"]
+    n = max(1, int((t_end - t0) // window_s))
+    width = min(window_s, t_end - t0)
+    times = [s["time_s"] for s in steps[split:]]
+    windows = []
+    for k in range(n):
+        lo, hi = t0 + k * width, t0 + (k + 1) * width
+        count = sum(lo <= t < hi for t in times)
+        windows.append({"from_s": lo - t0, "steps": count, "steps_per_s": count / width,
+                        "ratio": count / width / rate})
+    return {**out, "hostile_steps": len(times), "windows": windows,
+            "min_ratio": min(w["ratio"] for w in windows)}
+
+
+def read_jsonl(path: Path) -> list:
+    """The file's JSON lines (none if it does not exist); a torn one (a line being written, a process killed
+    mid-write) is skipped."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def trained_by_credential(out: Path, names: dict[str, str]) -> dict[str, dict]:
+    """Per credential: groups received, consumed (consumed.jsonl), masked by the checks (the journal's distrusted
+    groups), trained on (consumed, not masked) and trained on after the credential was retired (journal order)."""
+    events = read_jsonl(out / "rollouts.journal")
+    consumed_log = {g for row in read_jsonl(out / "consumed.jsonl") for g in row["groups"]}
+    worker_of, consumed_at, masked, retired_at = {}, {}, set(), {}
+    for i, (kind, *rest) in enumerate(events):
+        if kind == "r":
+            worker_of[rest[0]] = rest[1]
+        elif kind == "c":
+            consumed_at.update((g, i) for g in rest[0])
+        elif kind == "u":
+            masked.update(rest[0])
+        elif kind == "t" and rest[1] in ("untrusted", "revoked"):
+            retired_at.setdefault(names.get(rest[0], "?"), i)
+    by: dict[str, dict] = {}
+    for gid, wid in worker_of.items():
+        name = names.get(wid, "?")
+        b = by.setdefault(name, Counter())
+        b["received"] += 1
+        if gid in consumed_log:
+            b["consumed"] += 1
+            if gid in masked:
+                b["masked"] += 1
+            else:
+                b["trained"] += 1
+                if name in retired_at and consumed_at.get(gid, -1) > retired_at[name]:
+                    b["trained_after_retired"] += 1
+    return {name: {**dict(b), "retired": name in retired_at} for name, b in by.items()}
+
+
+def coordinator_story(log: str, names: dict[str, str]) -> dict[str, Counter]:
+    """What coordinator.log says the coordinator did to each credential's workers."""
+    story: dict[str, Counter] = {}
+    patterns = [
+        (re.compile(r"worker ([\w,]+): \d+ groups past their deadline"), lambda m: "deadline pass (miss)"),
+        (re.compile(r"worker (w\d+) \(.*?\): a strike for (.*?) \(miss"), lambda m: f"strike: {m.group(2)[:50]}"),
+        (re.compile(r"worker (w\d+): group g\d+ dropped: ([\w ]+)"), lambda m: f"dropped: {m.group(2)[:40]}"),
+        (re.compile(r"worker (w\d+): (\d+) results refused: (\w+)"), lambda m: f"refused: {m.group(3)}"),
+        (re.compile(r"worker (w\d+) retired: (\w+)"), lambda m: f"retired: {m.group(2)}"),
+        (re.compile(r"worker ([\w,]+) flagged:"), lambda m: "flagged by the checks"),
+        (re.compile(r"worker credential '(\S+)' revoked"), lambda m: "revoked"),
+        (re.compile(r"peer w\d+ says (w\d+)'s relay failed it"), lambda m: "its relay reported silent: planned last"),
+        (re.compile(r"the credential '(\S+)' was benched"), lambda m: "register refused: benched"),
+        (re.compile(r"the credential '(\S+)' already has \d+ live workers"), lambda m: "register refused: id cap")]
+    for line in log.splitlines():
+        for pattern, what in patterns:
+            m = pattern.search(line)
+            if m:
+                who = m.group(1).split(",")[0]
+                story.setdefault(names.get(who, who), Counter())[what(m)] += 1
+    return story
+
+
+def snapshot_applies(log: Path, t_go: float) -> dict:
+    """An honest worker's snapshot applies before and after the hostile phase began, and the longest gap after."""
+    import datetime
+
+    times = []
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if "applied snapshot v" in line:
+            stamp = line[1:24]
+            try:
+                times.append(datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp())
+            except ValueError:
+                pass
+    after = [t for t in times if t >= t_go]
+    gaps = [b - a for a, b in zip(after, after[1:])]
+    return {"calm": len(times) - len(after), "hostile": len(after), "max_gap_s": max(gaps, default=None)}
+
+
+def hostile_report(out: Path, split: tuple[int, int], t_go: float, samples: list[dict], args) -> dict:
+    """Everything the soak reports (see the module doc), with one verdict per kind."""
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    acc = summary.get("rollout_accounting", {})
+    steps = steps_of(out)
+    metrics = steps[-1] if steps else {}
+    log = (out / "coordinator.log").read_text(errors="replace") if (out / "coordinator.log").exists() else ""
+    names = {}
+    for line in log.splitlines():
+        m = JOINED.search(line)
+        if m:
+            names[m.group(1)] = m.group(2) or "run secret"
+    clients = {k: json.loads(p.read_text()) if (p := out / "hostile" / f"{k}.json").exists() else {"error": "no report"}
+               for k in HOSTILE_KINDS}
+    trained = trained_by_credential(out, names) if (out / "rollouts.journal").exists() else {}
+    story = coordinator_story(log, names)
+    p = pace(steps, split, args.window_s)
+    settled = acc.get("consumed", 0) + sum(acc.get("dropped", {}).values()) + sum(acc.get("lost", {}).values())
+    books = {k: acc.get(k) for k in ("dispatched", "consumed", "dropped", "lost", "in_flight", "buffered")}
+    books["balanced"] = bool(acc) and acc["dispatched"] == settled and acc["in_flight"] == acc["buffered"] == 0
+    held = Counter()  # most groups each credential held at once (GET /status)
+    for s in samples:
+        per = Counter()
+        for wid, n in s.get("held", {}).items():
+            per[names.get(wid, wid)] += n
+        for name, n in per.items():
+            held[name] = max(held[name], n)
+    latency = {ph: sorted(s["latency_s"] for s in samples if s["phase"] == ph and "latency_s" in s)
+               for ph in ("calm", "hostile")}
+    kinds = {k: {"client": clients[k], "coordinator": dict(story.get(k, {})), "trained": trained.get(k, {}),
+                 "max_held": held.get(k, 0)} for k in HOSTILE_KINDS}
+    verdicts = hostile_verdicts(kinds, metrics, acc, names, log, t_go, args)
+    for k, v in verdicts.items():
+        kinds[k]["verdict"] = v
+    honest = {n: {"trained": trained.get(n, {}), "coordinator": dict(story.get(n, {})),
+                  "snapshots": snapshot_applies(out / f"{n}.log", t_go)}
+              for n in sorted({n for n in names.values() if n.startswith("honest")})}
+    honest_ok = honest_verdict(story, names, {names.get(w, w) for s in samples for w in s.get("benched", [])})
+    ok = all(all(v.values()) for v in verdicts.values()) and all(honest_ok.values()) and books["balanced"] \
+        and p["min_ratio"] is not None and p["min_ratio"] >= 0.5
+    return {"out": str(out), "finished": bool(summary) and summary.get("stopped_by") == "SIGTERM",
+            "steps": summary.get("steps"), "pace": p,
+            "pace_goal_met": p["min_ratio"] is not None and p["min_ratio"] >= 0.5,
+            "kinds": kinds, "slow_reward": SLOW_REWARD, "books": books, "honest": honest, "honest_verdict": honest_ok,
+            "status_latency_s": {ph: {"p50": v[len(v) // 2], "max": v[-1]} if v else {} for ph, v in latency.items()},
+            "coordinator": {k: metrics.get(k) for k in sorted(metrics) if k.startswith(("rollout/", "broadcast/"))
+                            and "/throughput/" not in k and "/check_" not in k},
+            "accounting": acc, "ok": ok}
+
+
+def hostile_verdicts(kinds: dict, metrics: dict, acc: dict, names: dict, log: str, t_go: float, args) -> dict:
+    """Per kind, the properties the soak requires of the coordinator's answer to it (each True when it held)."""
+    def untrained(k):
+        return kinds[k]["trained"].get("trained", 0) == 0
+
+    def refused_all(statuses: dict) -> bool:
+        return bool(statuses) and all(s != "200" for per in statuses.values() for s in per)
+
+    c = {k: kinds[k]["client"] for k in kinds}
+    story = {k: kinds[k]["coordinator"] for k in kinds}
+    retired_dead = set(re.findall(r"worker (w\d+) retired: worker_dead", log))
+    ended = c["absurd"].get("stopped_at", 0)  # a silent id registered within a heartbeat timeout of that: not yet due
+    due = [s for s in c["absurd"].get("silent_ids", []) if "worker_id" in s and s["at"] < ended - args.heartbeat_s - 5]
+    hoarder_later = c["hoarder"].get("register_later", {})
+    outsider = c["outsider"]
+    v = {
+        "absurd": {"every absurd declaration refused": refused_all(c["absurd"].get("statuses", {})),
+                   "the reaper never failed": metrics.get("rollout/reaper_errors", 1) == 0,
+                   "its silent ids retired as dead": all(s["worker_id"] in retired_dead for s in due)},
+        "hoarder": {"its ids capped": str(c["hoarder"].get("first_refusal", "")).startswith("400"),
+                    "it held at most one pull's worth": kinds["hoarder"]["max_held"] <= 4,
+                    "its groups lost to deadlines": story["hoarder"].get("deadline pass (miss)", 0) > 0,
+                    "benched, and registering again refused": hoarder_later.get("409", 0) > 0,
+                    "nothing of it trained on": untrained("hoarder")},
+        "invalid": {"its results refused as invalid": any("strike" in k for k in story["invalid"]),
+                    "benched, and registering again refused": any("409" in k for k in c["invalid"].get("counts", {})),
+                    "nothing of it trained on": untrained("invalid")
+                    and not c["invalid"].get("pushed", {}).get("accepted")},
+        "liar": {"its claims refused": any(k.startswith("dropped: ") and ("version" in k) for k in story["liar"]),
+                 "benched, and registering again refused": any("409" in k for k in c["liar"].get("counts", {})),
+                 "nothing of it trained on": untrained("liar") and not c["liar"].get("pushed", {}).get("accepted")},
+        "forger": {"retired as untrusted": kinds["forger"]["trained"].get("retired", False),
+                   "its credential revoked for good": any("403" in k for k in c["forger"].get("counts", {})),
+                   "nothing of it trained on after it was retired":
+                       kinds["forger"]["trained"].get("trained_after_retired", 0) == 0},
+        "outsider": {"no request without a credential accepted": all(
+                         s != "200" for t in outsider.values() if isinstance(t, dict)
+                         for per in t.get("flood", {}).values() for s in per),
+                     "answered at once": all(t.get("max_answer_s") is not None and t["max_answer_s"] < 5
+                                             for t in outsider.values() if isinstance(t, dict) and "flood" in t),
+                     "half-open connections dropped": all(
+                         t.get("half_open_dropped", 0) > 0
+                         for t in outsider.values() if isinstance(t, dict) and "flood" in t)},
+        "relay_orders": {"every order from a worker refused": refused_all(c["relay_orders"].get("statuses", {})),
+                         "nothing of it trained on": untrained("relay_orders")},
+        "hung_relay": {"planned last once a successor found its relay silent": c["hung_relay"].get(
+                           "relay_connections", 0) == 0 or story["hung_relay"].get(
+                           "its relay reported silent: planned last", 0) > 0,
+                       "nothing of it trained on": untrained("hung_relay")},
+    }
+    for k in v:
+        if c[k].get("error"):
+            v[k]["its client ran"] = False
+    return v
+
+
+def honest_verdict(story: dict[str, Counter], names: dict[str, str], benched: set[str]) -> dict[str, bool]:
+    """What must never happen to an honest worker: flagged or retired by the rollout checks, struck, benched
+    (``benched``: the credentials GET /status ever listed as benched)."""
+    honest = {n for n in names.values() if n.startswith("honest")}
+    seen = Counter()
+    for n in honest:
+        for what, count in story.get(n, {}).items():
+            seen[what.split(":")[0]] += count if what.startswith(("retired: untrusted", "flagged", "strike",
+                                                                  "register refused")) or what == "revoked" else 0
+    return {"no honest worker flagged by the checks": not seen["flagged by the checks"],
+            "no honest worker retired as untrusted": not seen["retired"],
+            "no honest worker struck or benched": not (seen["strike"] or seen["register refused"] or honest & benched)}
+
+
+def hostile_table(r: dict) -> str:
+    p = r["pace"]
+    calm = p["calm"].get("steps_per_s")
+    lines = [f"hostile soak: {r['wall_s'] / 60:.1f} min, {r['steps']} learner steps, finished: {r['finished']}; "
+             f"run dir {r['out']}", "",
+             f"calm: {p['calm']['steps']} steps, {calm or 0:.2f} steps/s (the reference)", "",
+             "| hostile window from (s) | steps | steps/s | / calm |", "|---|---|---|---|"]
+    for w in p["windows"]:
+        lines.append(f"| {w['from_s']:.0f} | {w['steps']} | {w['steps_per_s']:.2f} | {w['ratio']:.2f} |")
+    lines += ["", f"slowest window / calm: {p['min_ratio'] if p['min_ratio'] is None else round(p['min_ratio'], 2)} "
+              f"(goal >= 0.5: {r['pace_goal_met']})", "", "| kind | what the coordinator did | trained on | verdict |",
+              "|---|---|---|---|"]
+    for k, d in r["kinds"].items():
+        did = "; ".join(f"{what} x{n}" for what, n in sorted(d["coordinator"].items())) or "-"
+        t = d["trained"]
+        tr = f"{t.get('trained', 0)} of {t.get('received', 0)} received" + (
+            f", {t.get('trained_after_retired', 0)} after retired" if t.get("retired") else "")
+        bad = [name for name, held in d["verdict"].items() if not held]
+        lines.append(f"| {k} | {did} | {tr} | {'ok' if not bad else 'FAILED: ' + ', '.join(bad)} |")
+    bad = [name for name, held in r["honest_verdict"].items() if not held]
+    lines += ["", f"honest workers: {'ok' if not bad else 'FAILED: ' + ', '.join(bad)}; {r['honest']}",
+              f"calm windows / calm: {p['calm'].get('window_ratios')}",
+              f"cores used (calm, hostile): {r.get('cpu_cores')}", "", f"slow reward: {r['slow_reward']}", "",
+              f"books: {r['books']}", f"GET /status latency: {r['status_latency_s']}",
+              f"processes left behind: {r['left_behind'] or 'none'}", f"all properties held: {r['ok']}"]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--minutes", type=float, default=12, help="whole run, calm phase included")
+    p.add_argument("--minutes", type=float, default=None, help="whole run, calm phase included (default: 12; "
+                   "--hostile: 10)")
     p.add_argument("--calm-minutes", type=float, default=2, help="the fault-free baseline at the start")
-    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--workers", type=int, default=None, help="worker agents (default: 3; --hostile: 1 honest one)")
     p.add_argument("--every-s", type=float, nargs=2, default=(3.0, 8.0), help="gap between faults, uniform")
     p.add_argument("--coordinator-every-s", type=float, default=60.0, help="at most one coordinator kill per")
     p.add_argument("--drain-s", type=float, default=30.0, help="no new faults in the last this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="run dir (default: a temp dir)")
     p.add_argument("--json", action="store_true")
+    h = p.add_argument_group("--hostile")
+    h.add_argument("--hostile", action="store_true", help="hostile clients instead of faults (see above)")
+    h.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="the honest workers' engine")
+    h.add_argument("--window-s", type=float, default=30.0, help="the hostile phase's pace is judged per window")
+    h.add_argument("--check-every-steps", type=int, default=5, help="rollout.source.check_every_steps")
+    h.add_argument("--check-max-abs-log-ratio", type=float, default=2.0,
+                   help="rollout.source.check_max_abs_log_ratio, b (nats a token; see above why 2, not 1)")
+    h.add_argument("--heartbeat-s", type=float, default=10.0, help="rollout.source.heartbeat_timeout_s")
+    h.add_argument("--deadline-floor-s", type=float, default=10.0, help="rollout.source.deadline_floor_s")
+    h.add_argument("--half-open", type=int, default=100, help="the outsider's half-open connections per target")
+    h.add_argument("--silent-every-s", type=float, default=30.0, help="a silent registration this often (absurd)")
+    h.add_argument("--start-timeout-s", type=float, default=600.0, help="give up if no learner step by then")
+    h.add_argument("--override", action="append", default=[], help="one more train.py override (repeatable)")
+    h.add_argument("--report-only", metavar="RUN_DIR", default=None,
+                   help="report again on a finished --hostile run's directory (no process is started)")
     args = p.parse_args()
-    soak = Soak(args)
+    if args.report_only:
+        out = Path(args.report_only)
+        state = json.loads((out / "hostile" / "soak_state.json").read_text())
+        saved = argparse.Namespace(**state["args"])
+        result = hostile_report(out, tuple(state["split"]), state["t_go"], state["samples"], saved)
+        result.update(wall_s=0.0, learner_rc=None, left_behind=[], cpu_cores=state.get("cpu", {}))
+        print(json.dumps(result, indent=2) if args.json else hostile_table(result))
+        return
+    args.minutes = args.minutes or (10.0 if args.hostile else 12.0)
+    args.workers = args.workers or (1 if args.hostile else 3)
+    soak = HostileSoak(args) if args.hostile else Soak(args)
     try:
         result = soak.run()
     finally:
         soak.cleanup()
-    print(json.dumps(result, indent=2) if args.json else table(result))
-    if not result["books_balance"]:
+    print(json.dumps(result, indent=2) if args.json else (hostile_table if args.hostile else table)(result))
+    if args.hostile and not result["ok"]:
+        sys.exit("a property of the hostile soak did not hold (see above)")
+    if not args.hostile and not result["books_balance"]:
         sys.exit("the rollout books do not balance")
 
 

@@ -3,6 +3,8 @@
     python -m echo2.sim                                           # demo pool x 2, 4B-like numbers, S = 2
     python -m echo2.sim --workers 256 --staleness 4 --broadcast one_to_many --solver all_on --json
     python -m echo2.sim --scenario claims --plot sim.png          # the paper's three qualitative claims
+    python -m echo2.sim --scenario cost --plot cost.png           # colocated cluster against echo2, in dollars
+    python -m echo2.sim --scenario cost --inputs my_inputs.yaml   # the same question of your own numbers
 
 It reuses the system's own rules and models rather than re-stating them: admission and the dispatch cap
 (echo2/rollout/buffer.py: ``admissible``, ``worth_dispatching``), dissemination time per broadcast mode
@@ -13,7 +15,8 @@ join (churn; a leaver's in-flight groups are lost and re-queued), and the learne
 per step, oldest first, as the coordinator does.
 
 Outputs: learner utilization, the staleness of consumed groups, groups dropped stale or lost, and cost
-(learner and active workers' $/h over the simulated time).
+(learner and active workers' $/h over the simulated time). ``--scenario cost`` (echo2/cost.py) puts these to
+the paper's question: what a run costs against a colocated cluster, from a YAML of dated, sourced inputs.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class SimConfig:
     staleness: int = 2
     interval: int = 1
     snapshot_bytes: float = 8e9
+    delta_ratio: float = 1.0  # bytes a broadcast round carries / snapshot bytes (sparse deltas); joiners get it all
     learner_uplink_mbit: float = 10000.0
     learner_usd_per_hour: float = 20.0
     broadcast: str = "pipelined"
@@ -99,7 +103,7 @@ class Simulation:
         self.cfg, self.workers = cfg, workers
         self.rng = random.Random(cfg.seed)
         self.pool = [SimWorker(w) for w in workers]
-        self.bcast_s = capacity.bcast_time_s(cfg.broadcast, cfg.snapshot_bytes, cfg.learner_uplink_mbit, len(workers),
+        self.bcast_s = capacity.bcast_time_s(cfg.broadcast, round_bytes(cfg), cfg.learner_uplink_mbit, len(workers),
                                              min(w.down_mbit for w in workers), min(w.up_mbit for w in workers),
                                              max(w.rtt_ms for w in workers))
         self.events: list = []
@@ -251,9 +255,14 @@ def residual_batch_s(cfg: SimConfig, workers: list[Worker]) -> float:
     return len(workers) * cfg.groups_per_pull * cfg.group_size / (2 * sum(w.rollouts_per_s for w in workers))
 
 
+def round_bytes(cfg: SimConfig) -> float:
+    """Bytes one broadcast round carries: the snapshot, or its sparse delta against the version peers hold."""
+    return cfg.snapshot_bytes * cfg.delta_ratio
+
+
 def system_of(cfg: SimConfig, workers: list[Worker]) -> System:
     return System(cfg.prompts_per_step * cfg.group_size, cfg.train_step_s, cfg.staleness, cfg.interval,
-                  cfg.snapshot_bytes, cfg.learner_usd_per_hour, cfg.learner_uplink_mbit, cfg.broadcast, cfg.load_s,
+                  round_bytes(cfg), cfg.learner_usd_per_hour, cfg.learner_uplink_mbit, cfg.broadcast, cfg.load_s,
                   residual_batch_s(cfg, workers))
 
 
@@ -341,7 +350,9 @@ def plot_claims(c: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m echo2.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenario", choices=["run", "claims", "validate"], default="run")
+    p.add_argument("--scenario", choices=["run", "claims", "validate", "cost"], default="run")
+    p.add_argument("--inputs", default=None, help="cost scenario: the inputs YAML (default: "
+                                                   "echo2/sim_inputs/cost.yaml; every number with a date and a source)")
     p.add_argument("--pool", default=None, help="pool YAML (default: conf/pool/demo_market.yaml)")
     p.add_argument("--copies", type=int, default=2, help="replicate the pool this many times")
     p.add_argument("--workers", type=int, default=None, help="instead: this many identical 2 rollouts/s workers")
@@ -349,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     for f in SimConfig.__dataclass_fields__.values():
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", help="PNG for the claims scenario")
+    p.add_argument("--plot", help="PNG for the claims and cost scenarios")
     a = p.parse_args(argv)
     if a.scenario == "validate":
         rows = validate(a.seed)
@@ -359,6 +370,14 @@ def main(argv: list[str] | None = None) -> None:
               "\n".join(f"S={r['S']} κ={r['kappa']} μ={r['rollouts_per_s']:.0f}/s bcast={r['bcast_s']:.0f}s: "
                         f"sim {r['sim']:.3f} model {r['model']:.3f}" for r in rows) +
               f"\n{len(rows)} cells: utilization |sim - model| max {max(diff):.3f}, mean {statistics.fmean(diff):.3f}")
+        return
+    if a.scenario == "cost":
+        from echo2 import cost
+
+        out = cost.scenario(cost.load_inputs(a.inputs), seed=a.seed)
+        if a.plot:
+            cost.plot(out, a.plot)
+        print(json.dumps(out, default=str) if a.json else cost.tables(out))
         return
     if a.scenario == "claims":
         c = claims(a.seed)

@@ -421,14 +421,20 @@ class Trust:
 def server_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    fd, path = tempfile.mkstemp(suffix=".pem")  # ssl loads keys from files only; 0600, removed at once
+    load_certificate(ctx, cert_pem, key_pem)
+    return ctx
+
+
+def load_certificate(ctx: ssl.SSLContext, cert_pem: bytes, key_pem: bytes) -> None:
+    """Set (or replace: a renewed certificate) what a server's TLS context presents. ssl loads keys from files only:
+    0600, removed at once."""
+    fd, path = tempfile.mkstemp(suffix=".pem")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(cert_pem + key_pem)
         ctx.load_cert_chain(path)
     finally:
         os.unlink(path)
-    return ctx
 
 
 PEER_CERT_LIFETIME_S = 6 * 3600

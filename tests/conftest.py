@@ -76,6 +76,19 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def closed_by_server(sock, timeout_s: float) -> bool:
+    """Whether the server closed ``sock`` within ``timeout_s`` (what it sent before closing is skipped)."""
+    sock.settimeout(timeout_s)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
 def build_run(tmp_path, overrides: list[str]):
     """Compose and build a run in this process, as train.py would; returns (cfg, trainer, source, callback)."""
     import train

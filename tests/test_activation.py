@@ -168,6 +168,20 @@ def test_online_replanning_has_hysteresis():
     assert online2.update(system, [replace(workers[0], rollouts_per_s=4.0), *workers[1:]]) is None
 
 
+
+def test_under_all_on_every_joiner_works():
+    """all_on (the default) keeps no plan to protect: a worker that joins is switched on at the next re-plan,
+    whatever it costs (the hysteresis is for the cost-aware solvers; with it, joiners got no work at all)."""
+    from echo2.activation.online import OnlineActivation
+
+    system = System(512, 30.0, 2, 1, 1e9, learner_usd_per_hour=10.0, learner_uplink_mbit=10000)
+    workers = [Worker("a", 1.0, 10.0), Worker("b", 1.0, 10.0)]
+    online = OnlineActivation("all_on", hysteresis=0.1)
+    assert online.update(system, workers) == frozenset({"a", "b"})
+    assert online.update(system, workers + [Worker("c", 9.0, 1.0)]) == frozenset({"a", "b", "c"})
+    assert online.update(system, workers + [Worker("c", 9.0, 1.0)]) is None
+
+
 # ---------------------------------------------------------------------- the coordinator's planner
 
 

@@ -168,3 +168,30 @@ def test_an_engine_failure_is_not_taken_for_an_unreachable_coordinator(tiny_mode
     finally:
         agent.receiver.close()
         coord.close()
+
+
+def test_the_wait_line_says_why_a_local_worker_exited(tmp_path):
+    """A local agent that exits with an error (here: its engine did not serve a snapshot) is named in the learner's
+    waiting lines with its exit code and the last error of its log, not only 'exited'."""
+    import subprocess
+    import sys
+
+    from echo2.rollout.pool import LocalPool
+
+    pool = LocalPool(workers=2, gpus=[])
+    pool.log_dir = tmp_path
+    (tmp_path / "worker0.log").write_text(
+        "[2026-12-03 12:37:26,786][echo2.worker][WARNING] - v67: after apply 2 the probe differs\n"
+        "[2026-12-03 12:37:26,787][echo2.worker][ERROR] - the engine does not serve snapshot v67 after two applies\n"
+        "[2026-12-03 12:37:27,759][echo2.worker][INFO] - worker stopped\n")
+    (tmp_path / "worker1.log").write_text("[2026-12-03 12:37:27,759][echo2.worker][INFO] - still working\n")
+    pool.procs = [subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]),
+                  subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
+    try:
+        pool.procs[0].wait(timeout=30)
+        line = pool.describe("http://127.0.0.1:1")
+        assert "exited: worker0 (exit 3: the engine does not serve snapshot v67 after two applies)" in line, line
+        assert "worker1" not in line.split("; logs")[0], line
+    finally:
+        pool.procs[1].kill()
+        pool.procs[1].wait()

@@ -279,6 +279,30 @@ def test_bf16_keeps_fp32_master_weights_and_publishes_bf16(tmp_path):
     for name, p in trainer.model.named_parameters():
         assert published[name].dtype == torch.bfloat16 and torch.equal(published[name], p.detach().to(torch.bfloat16))
 
+    # The probe is the fp32 weights' own logprobs, not bf16 autocast's (a worker serving the snapshot in float32
+    # drifted past its tolerance from an autocast probe), and the training forward keeps its autocast.
+    from echo2.rollout.engines.hf import probe_logprobs
+
+    ids = list(range(1, 17))
+    wrapped = trainer.model.forward
+    with torch.no_grad():
+        autocast = torch.tensor(probe_logprobs(trainer.model, ids))
+        plain = torch.tensor(probe_logprobs(_plain_copy(trainer.model), ids))
+    probe = torch.tensor(weights.probe_logprobs(ids))
+    assert (autocast - plain).abs().max() > 1e-4  # autocast does round: the check below can fail
+    assert torch.allclose(probe, plain, atol=1e-6, rtol=0), (probe - plain).abs().max()
+    assert trainer.model.forward == wrapped
+    assert torch.equal(torch.tensor(probe_logprobs(trainer.model, ids)), autocast)
+
+
+def _plain_copy(model):
+    """The model in float32 without accelerate's autocast wrapper."""
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    return plain.eval()
+
 
 # Hand-made log-ratios log w = log pi_learner - log pi_behaviour: 3 sequences of up to 3 tokens; the last token of
 # sequence 1 is padding (its w of 1 must not count anywhere). Squared logs of the 8 real tokens: 0, 1.21, 1.92 |

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from conftest import balanced, small_coordinator, train, wait_until
+from echo2.rollout.engines.hf import HFWorkerEngine
 from echo2.rollout.liveness import Liveness
-from echo2.transport import Client, RemoteError
+from echo2.transport import Client, RemoteError, worker_credential
 
 G = 2
 
@@ -105,6 +106,27 @@ def test_a_worker_hands_its_groups_back_with_a_reason(tiny_model_dir):
         coord.close()
 
 
+
+def test_an_agent_retired_as_dead_that_comes_back_is_not_struck_for_its_old_groups(tiny_model_dir):
+    """An agent silent past the heartbeat timeout is retired and its groups re-queued; when it comes back (a new
+    id, the same worker credential) and pushes the groups it was generating, they are refused as ``worker_gone``: not
+    struck as results never in flight for it (an honest worker on a stalled link was struck, then benched)."""
+    coord = small_coordinator(tiny_model_dir, group_size=G, heartbeat_timeout_s=1.0,
+                              liveness={"floor_s": 60, "cap_s": 60})  # the heartbeat, not a deadline, takes them
+    try:
+        client = Client(coord.url, worker_credential("secret", "box3"))
+        wid = client.post("/register", {})["worker_id"]
+        work = client.post("/pull", {"worker_id": wid, "version": 0, "max_groups": 2})["work"]
+        assert len(work) == 2
+        wait_until(lambda: coord.accounting()["workers_retired"].get("worker_dead") == 1, timeout_s=15)
+        again = client.post("/register", {})["worker_id"]
+        reply = _push(client, again, work)
+        assert reply["accepted"] == [] and coord.accounting()["results_refused"] == {"worker_gone": 2}
+        assert all(p.misses == 0 for p in coord.reg.principals.values())
+        assert balanced(coord.close())
+    finally:
+        coord.close()
+
 class _FailingEngine:
     name = "failing"
 
@@ -172,7 +194,7 @@ def test_the_agent_hands_back_its_groups_when_its_push_fails(tiny_model_dir):
         coord.close()
 
 
-class _StallingEngine:
+class _StallingEngine(HFWorkerEngine):
     """A worker's engine that sits on every batch past any deadline, then answers: its agent heartbeats all along
     and applies snapshots between batches like any agent (a real transformers model scores the probe), so it claims
     only versions it was delivered and keeps being worth dispatching to, and each batch it was handed expires."""
@@ -180,9 +202,8 @@ class _StallingEngine:
     name = "stalling"
 
     def __init__(self, model_path, stall_s):
-        from echo2.rollout.engines.hf import HFWorkerEngine
-
-        self.real, self.stall_s, self.stop = HFWorkerEngine(model_path), stall_s, threading.Event()
+        super().__init__(model_path)
+        self.stall_s, self.stop = stall_s, threading.Event()
         self.batches = 0
 
     def generate(self, prompts, params):
@@ -191,15 +212,6 @@ class _StallingEngine:
         self.batches += 1
         self.stop.wait(self.stall_s)
         return [[Completion([5, 1], [-1.0, -0.2], "stop")] * params.n for _ in prompts]
-
-    def load_weights(self, version, blob):
-        return self.real.load_weights(version, blob)
-
-    def probe_logprobs(self, token_ids):
-        return self.real.probe_logprobs(token_ids)
-
-    def close(self):
-        pass
 
 
 class _Hoarder(threading.Thread):

@@ -15,10 +15,13 @@ each; the rented-box worker's context holds the task's prompts and completions.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,15 +128,25 @@ def worker_args(argv: list[str]) -> argparse.Namespace:
     return parse_with(main, argv)
 
 
-def run_workers_sbatch(args: list[str], tmp_path: Path) -> list[str]:
-    """What launchers/workers.sbatch hands launchers/join.sh (a stand-in that prints its arguments)."""
-    (tmp_path / "launchers").mkdir(exist_ok=True)
-    (tmp_path / "launchers" / "join.sh").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
-    os.chmod(tmp_path / "launchers" / "join.sh", 0o755)
-    out = subprocess.run(["bash", str(ROOT / "launchers" / "workers.sbatch"), *args], capture_output=True,
-                         text=True, timeout=60, env=dict(os.environ, SLURM_SUBMIT_DIR=str(tmp_path)))
+def run_stand_in(cmd: list[str], tmp_path: Path, env: dict, curl: str | None = None) -> list[str]:
+    """What ``cmd``, run in ``tmp_path``, hands launchers/join.sh (a stand-in there that prints its arguments;
+    with ``curl``, a stand-in curl on the PATH that prints it)."""
+    stand_ins = [("launchers/join.sh", 'printf "%s\\n" "$@"')] + ([("bin/curl", f"echo {curl}")] if curl else [])
+    for name, body in stand_ins:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        os.chmod(tmp_path / name, 0o755)
+    path = f"{tmp_path / 'bin'}:{os.environ['PATH']}" if curl else os.environ["PATH"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, **env, PATH=path))
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
+
+
+def run_workers_sbatch(args: list[str], tmp_path: Path) -> list[str]:
+    """What launchers/workers.sbatch hands launchers/join.sh."""
+    return run_stand_in(["bash", str(ROOT / "launchers" / "workers.sbatch"), *args], tmp_path,
+                        {"SLURM_SUBMIT_DIR": str(tmp_path)})
 
 
 def check(where: str, line: str, tmp_path: Path) -> str:
@@ -214,6 +227,13 @@ def check(where: str, line: str, tmp_path: Path) -> str:
         joined = run_workers_sbatch(argv[script + 1:], tmp_path)
         worker_args(["--coordinator", *joined])
         return "parses"
+    if len(argv) == 1 and argv[0].startswith("launchers/") and argv[0].endswith(".yaml"):  # a file named in prose
+        assert (ROOT / argv[0]).is_file(), line
+        return "setup"
+    if argv[:3] == ["sky", "jobs", "launch"]:
+        assert prefix.startswith("ECHO2_TOKEN=$(python -m echo2.credential "), line  # a credential, never the secret
+        check_sky_worker(argv[3:], tmp_path)
+        return "parses"
     if argv[0].endswith("launchers/wan.py"):
         sys.path.insert(0, str(ROOT / "launchers"))
         try:
@@ -224,6 +244,55 @@ def check(where: str, line: str, tmp_path: Path) -> str:
         check_train(["pool=static", *ns.train_args])
         return "parses"
     raise AssertionError(f"README command {line!r} ({where}): no check knows it; add one to tests/test_readme.py")
+
+
+def sky_python() -> str:
+    """An interpreter with SkyPilot (requirements-sky.txt) in a virtual environment of its own under the echo2
+    cache (SkyPilot's pins clash with vLLM's), built once per version of that file (~1 minute)."""
+    from echo2.models.tiny import default_cache_dir
+
+    req = ROOT / "requirements-sky.txt"
+    venv = default_cache_dir() / f"sky-venv-{hashlib.sha256(req.read_bytes()).hexdigest()[:12]}"
+    python = venv / "bin" / "python"
+    if not (venv / ".complete").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        out = subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(req)], capture_output=True,
+                             text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        (venv / ".complete").touch()
+    return str(python)
+
+
+def check_sky_worker(args: list[str], tmp_path: Path) -> None:
+    """``sky jobs launch [options] TASK.yaml --env K=V ... --secret ECHO2_TOKEN``: SkyPilot's own loader reads the
+    task with these values (its schema checked); a managed spot job with recovery; its run script, run by bash
+    with a stand-in join.sh that prints its arguments (and a stand-in curl for the public address), joins the
+    README's coordinator with its CA fingerprint and model, as launchers/join.sh's worker options parse them."""
+    path = next(a for a in args if a.endswith(".sky.yaml"))
+    envs = [args[i + 1] for i, a in enumerate(args) if a == "--env"]
+    secrets = [args[i + 1] for i, a in enumerate(args) if a == "--secret"]
+    assert secrets == ["ECHO2_TOKEN"], args  # the credential goes as a secret, not an --env (kept out of logs)
+    out = subprocess.run([sky_python(), str(ROOT / "tests" / "scripts" / "sky_task.py"), str(ROOT / path),
+                          *[f"--env={e}" for e in envs], "--secret=ECHO2_TOKEN=box:0"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    task = json.loads(out.stdout.strip().splitlines()[-1])
+    assert task["secrets"] == ["ECHO2_TOKEN"] and task["resources"], task
+    for r in task["resources"]:
+        assert r["use_spot"] and r["job_recovery"]["strategy"] and r["accelerators"], r
+    assert task["setup"].strip() == "./install.sh --gpu"
+    joined = run_stand_in(["bash", "-c", task["run"]], tmp_path, dict(task["envs"], ECHO2_TOKEN="box:0"),
+                          curl="203.0.113.7")
+    ns = worker_args(["--coordinator", *joined])
+    given = dict(e.split("=", 1) for e in envs)
+    assert ns.coordinator == given["ECHO2_COORDINATOR"] and ns.ca_hash == given["ECHO2_CA_HASH"], ns
+    assert ns.model == given["ECHO2_MODEL"] and ns.engine == "vllm" and ns.dtype == "bfloat16", ns
+    assert ns.listen_host == "0.0.0.0" and ns.advertise_host == "203.0.113.7", ns
+    for r in task["resources"]:  # the ports the learner and the other workers dial are open: "8702-8703" or "8702"
+        spans = [spec.partition("-") for spec in map(str, r["ports"])]
+        opened = {p for lo, _, hi in spans for p in range(int(lo), int(hi or lo) + 1)}
+        assert {ns.snapshot_port, ns.relay_port} <= opened, (r["ports"], ns)
 
 
 def _help(argv: list[str]) -> str:
@@ -247,7 +316,7 @@ COMMANDS = readme_commands()
 
 def test_the_readme_has_the_recipes_we_check():
     kinds = {env_prefix(argv)[1].split()[0] for _, argv in COMMANDS}
-    assert {"python", "launchers/learner.sh", "launchers/local.sh", "launchers/join.sh", "sbatch", "sudo",
+    assert {"python", "launchers/learner.sh", "launchers/local.sh", "launchers/join.sh", "sbatch", "sky", "sudo",
             "export", "./install.sh"} <= kinds, kinds
     assert len(COMMANDS) >= 30
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose, read_jsonl, run_train
+from conftest import ROOT, compose, read_jsonl, run_train
 from echo2.models.packaged import ModelFileMissing, from_gguf_wheel
 from echo2.models.tokenizer import load_tokenizer, stop_token_ids
 from echo2.rollout.scoring import Scorer, encode_prompt
@@ -147,6 +147,26 @@ def test_auto_precision_is_float32_on_cpu_and_bf16_with_fp32_masters_on_gpus():
     resolve_precision(cfg, cuda=False)  # an explicit choice is kept, and still refused as before
     with pytest.raises(ValueError, match=r"learner\.bf16=true"):
         check_launch(cfg, 1, env={})
+
+
+@pytest.mark.parametrize("overrides", [[], ["learner.bf16=true"], ["learner.gradient_checkpointing=true",
+                                                                    "learner.epsilon_high=0.28"]])
+def test_the_learners_grpo_config_states_precision_and_checkpointing(tmp_path, overrides):
+    """echo2's GRPOConfig (which benchmarks/real_model.py also hands to its plain-TRL run) says what the config says,
+    never GRPOConfig's own defaults (bf16 autocast and gradient checkpointing on): left to them, the benchmark's
+    TRL once computed in bf16 against echo2's float32, and compared precisions, not systems."""
+    from echo2.learner.args import grpo_config, master_dtype, resolve_precision
+
+    cfg = compose(["experiment=smollm2_arith", "rollout=sync", *overrides])
+    resolve_precision(cfg, cuda=False)
+    args = grpo_config(cfg, tmp_path, world_size=1)
+    lc = cfg.learner
+    assert (args.bf16, args.fp16, args.gradient_checkpointing) == (bool(lc.bf16), False, lc.gradient_checkpointing)
+    assert (args.epsilon, args.epsilon_high, args.learning_rate) == (lc.epsilon, lc.epsilon_high, lc.learning_rate)
+    assert args.model_init_kwargs == {"dtype": master_dtype(cfg)}
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_generations) == (
+        cfg.rollout.group_size * cfg.rollout.prompts_per_step, 1, cfg.rollout.group_size)
+    assert "grpo_config(cfg, run_dir, world_size=1)" in (ROOT / "benchmarks" / "real_model.py").read_text()
 
 
 # ---------------------------------------------------------------------- both engines, exactly

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from conftest import balanced, small_coordinator, train
+from echo2.rollout.engines.hf import HFWorkerEngine
 from echo2.rollout.trust import Checks, Verdict
 from echo2.transport import Client, RemoteError, worker_credential
 
@@ -87,7 +88,7 @@ def test_a_batch_found_bad_is_not_trained_on_and_honest_ones_are(tiny_model_dir)
         coord.close()
 
 
-class _ForgingEngine:
+class _ForgingEngine(HFWorkerEngine):
     """A worker's engine that skips generation: each prompt gets ``forge(rng)`` G times, with made-up logprobs. It
     applies snapshots and scores probes honestly (a real transformers model), so the worker claims only versions it
     was delivered, as a careful forger would: the rollout checks are what must catch it."""
@@ -95,22 +96,12 @@ class _ForgingEngine:
     name = "forging"
 
     def __init__(self, model_path, forge, delay_s=0.0):
-        from echo2.rollout.engines.hf import HFWorkerEngine
-
-        self.real, self.forge, self.rng, self.delay_s = HFWorkerEngine(model_path), forge, random.Random(0), delay_s
+        super().__init__(model_path)
+        self.forge, self.rng, self.delay_s = forge, random.Random(0), delay_s
 
     def generate(self, prompt_ids, params):
         time.sleep(self.delay_s)
         return [[self.forge(self.rng) for _ in range(params.n)] for _ in prompt_ids]
-
-    def load_weights(self, version, blob):
-        return self.real.load_weights(version, blob)
-
-    def probe_logprobs(self, token_ids):
-        return self.real.probe_logprobs(token_ids)
-
-    def close(self):
-        pass
 
 
 class _Forger(threading.Thread):
@@ -153,6 +144,19 @@ def _one_answer(rng):
     return Completion([5, 1], [-0.05, -0.05], "stop")
 
 
+def _wait_until_dispatched_to(forger, coordinator, timeout_s=180.0):
+    """Hold the learner (in its step hook) until the forger holds work: on a loaded machine a 30-step run can end
+    before a joiner has loaded its model and been delivered a snapshot (CI once saw the forger get no work at all)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        wid, status = getattr(forger.agent, "worker_id", None), coordinator.status()
+        if wid and (wid in status["held"] or wid in status["by_worker"]):
+            return
+        assert forger.is_alive(), forger.error
+        time.sleep(0.05)
+    raise AssertionError(f"the forger got no work in {timeout_s:.0f} s: {coordinator.status()}")
+
+
 def _run_with_forger(tmp_path, forge, overrides, **forger):
     ev = {}
 
@@ -160,6 +164,7 @@ def _run_with_forger(tmp_path, forge, overrides, **forger):
         if step == 1:
             ev["forger"] = _Forger(source, forge(source), **forger)
             ev["forger"].start()
+            _wait_until_dispatched_to(ev["forger"], source.coordinator)
 
     try:
         _, trainer, source, acc, records = train(tmp_path, ["pool.engine=hf", "pool.workers=1", *overrides], hook)
@@ -184,13 +189,15 @@ def test_a_forging_worker_is_retired_and_honest_workers_are_not(tmp_path):
 
 @pytest.mark.slow
 def test_one_fabricated_answer_per_group_is_caught_within_a_short_run(tmp_path):
-    """The README's open-internet setting (every 10th batch checked) on the demo task, whose answers are a couple
+    """Every batch checked (with checks every 10th or 5th batch, whether a forger holding one group at a time has a
+    group in one of a 30-step run's few checked batches is chance: the test failed 2 runs in 3) on the demo task,
+    whose answers are a couple
     of tokens: a worker answering every group with the same fabricated completion and invented logprobs, one group
     at a time (a few of its groups in each batch), is caught within 30 steps (it used to get 132 groups in and
     never be flagged: 256 tokens of evidence were needed, 16 per group here), and the checked batch's forged groups
     are not trained on (dropped: untrusted)."""
     trainer, acc, records, forger = _run_with_forger(
-        tmp_path, lambda source: _one_answer, ["run.steps=30", "rollout.source.check_every_steps=10"],
+        tmp_path, lambda source: _one_answer, ["run.steps=30", "rollout.source.check_every_steps=1"],
         delay_s=0.05, max_groups=1)
     print(f"forger: {acc['by_worker']}, retired {acc['workers_retired']}, dropped {acc['dropped']}")
     assert trainer.state.global_step == 30, acc

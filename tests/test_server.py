@@ -16,7 +16,7 @@ import pydantic
 import pytest
 import requests
 
-from conftest import wait_until
+from conftest import closed_by_server, wait_until
 from echo2.httpd import Limits
 from echo2.transport import LEARNER_NAME, Client, JsonServer, RunCA
 
@@ -79,18 +79,6 @@ def status_of(sock: socket.socket, timeout_s: float = 2.0) -> tuple[int, bytes]:
     while len(body) < length:
         body += sock.recv(65536)
     return int(head.split()[1]), body
-
-
-def closed_by_server(sock: socket.socket, timeout_s: float) -> bool:
-    sock.settimeout(timeout_s)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 @pytest.mark.parametrize("length", [-1, 400 << 20])

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from echo2.activation.solve import Worker
 from echo2.sim import SimConfig, claims, simulate, validate
@@ -61,3 +63,18 @@ def test_the_staleness_bound_holds_when_groups_arrive_out_of_version_order():
     workers = [Worker(f"w{i}", 1.0, mu, 1000, 1000, 40) for i, mu in enumerate([2.0, 1.5, 1.0, 0.75] * 4)]
     r = simulate(SimConfig(staleness=2, snapshot_bytes=1e9, steps=150, learner_uplink_mbit=1000, load_s=3.0), workers)
     assert max(r.staleness) <= 2 and r.dropped_stale_groups > 0, r.staleness
+
+
+def test_sparse_deltas_shrink_each_round_and_activation_plans_with_them():
+    """``delta_ratio``: a round carries that share of the snapshot (the relay's time for fewer bytes); activation
+    plans around the same bytes (system_of); a joiner still downloads the whole snapshot."""
+    from echo2 import capacity
+    from echo2.sim import round_bytes, system_of
+
+    workers = [Worker(f"w{i}", 0.5, 3.0, 100, 100, 40) for i in range(6)]
+    full = SimConfig(staleness=1, snapshot_bytes=8e9, steps=30, learner_uplink_mbit=100)
+    delta = SimConfig(staleness=1, snapshot_bytes=8e9, steps=30, learner_uplink_mbit=100, delta_ratio=0.05)
+    r_full, r_delta = simulate(full, workers), simulate(delta, workers)
+    assert r_delta.bcast_s == pytest.approx(capacity.bcast_time_s("pipelined", 4e8, 100, 6, 100, 100, 40))
+    assert r_delta.bcast_s < r_full.bcast_s / 10 and r_delta.utilization > r_full.utilization
+    assert round_bytes(delta) == system_of(delta, workers).snapshot_bytes == 4e8

@@ -2,7 +2,8 @@
 
     take() returns ─► took(t)          } the learner's compute per step, T_train = set_version − take
     set_version    ─► step_done(t)     } and the dollars of that step: (learner + active workers' $/h) × Δt
-    reaper loop    ─► replan(workers)  every ``replan_every_s``, and at once after a join or a leave (``dirty``):
+    reaper loop    ─► replan(workers)  every ``replan_every_s``; at once when an active worker left; within
+                      JOIN_COALESCE_S of a join or another leave (``dirty``):
                       System from measurements (T_train, μ_i from pushes, the snapshot's size from the
                       broadcaster) and the broadcast's shape → OnlineActivation (online.py) → active set
 
@@ -28,6 +29,13 @@ TRAIN_STEP_EMA = 0.2
 checkpoint, an eval) moves the plan little, while a lasting change shows within ~5 steps."""
 
 
+JOIN_COALESCE_S = 5.0
+"""After a join, re-plan within this many seconds rather than at the next reaper tick: a crowd joining is planned
+every few seconds, not every second. Each solve holds the coordinator's lock (at 2,000 workers the bounded search
+takes ~0.8 s: benchmarks/activation_scale.py), and a join replaces a whole plan only past the hysteresis
+(online.py) anyway. An active worker leaving breaks the plan and re-plans at the next tick."""
+
+
 @dataclass(frozen=True)
 class Change:
     """A new active set, and who was switched on and off by it (a worker that left is in neither)."""
@@ -47,6 +55,7 @@ class OnlinePlanner:
         self.active: frozenset[str] | None = None  # None: everyone (before the first plan)
         self.dirty = False  # a worker joined or left: re-plan at the next call, whatever the timer says
         self.next_at = 0.0
+        self.planned_at = -JOIN_COALESCE_S  # when the last re-plan ran
         self.train_step_s: float | None = None  # running estimate of the learner's compute per step
         self.taken_at: float | None = None
         self.last_step_at: float | None = None
@@ -85,14 +94,19 @@ class OnlinePlanner:
                       min_utilization=s.min_utilization)
 
     def replan(self, workers: list[Any], snapshot_bytes: float, now: float) -> Change | None:
-        """Re-plan if due (the timer, or ``dirty``) and T_train has been measured; the change, if the set changed."""
-        if not workers or self.train_step_s is None or (now < self.next_at and not self.dirty):
+        """Re-plan if due (the timer; an active worker gone; a join or leave JOIN_COALESCE_S ago) and T_train has
+        been measured; the change, if the set changed."""
+        if not workers or self.train_step_s is None:
             return None
-        self.next_at, self.dirty = now + self.settings.replan_every_s, False
+        live = frozenset(w.worker_id for w in workers)
+        broken = self.active is not None and not self.active <= live
+        joined = self.dirty and (self.active is None or now >= self.planned_at + JOIN_COALESCE_S)
+        if now < self.next_at and not (broken or joined):
+            return None
+        self.next_at, self.dirty, self.planned_at = now + self.settings.replan_every_s, False, now
         new = self.online.update(self.system(snapshot_bytes), specs(workers))
         if new is None:
             return None
-        live = frozenset(w.worker_id for w in workers)
         before = self.active if self.active is not None else live  # before a first plan, everyone works
         self.active = new
         return Change(new, new - before, (before & live) - new, self.online.replans)
@@ -101,7 +115,10 @@ class OnlinePlanner:
         return {"cost/usd": self.usd, "cost/usd_per_step": self.step_usd,
                 "cost/usd_per_hour": self.usd_per_hour(workers),
                 "activation/active_workers": float(sum(self.is_active(w) for w in workers)),
-                "activation/replans": float(self.online.replans)}
+                "activation/replans": float(self.online.replans),
+                # how far the plan may be from the optimum (0: the exact DP's; the bounded search states its own)
+                **({"activation/optimality_gap": float(self.online.last.gap)}
+                   if self.online.last is not None and self.online.last.gap is not None else {})}
 
 
 def specs(workers: Iterable[Any]) -> list[Worker]:

@@ -13,30 +13,41 @@ time, subject to ``min_utilization`` (default 0: the cheapest training per step,
   cell is then priced exactly. The true optimum is found in its own structure, so the minimum over all cells
   is the optimum, for prices in whole cents (keeping only the largest μ per cell relies on T_step being
   non-increasing in μ: true of the closed form, and of the round map up to its ~0.05 % averaging noise).
-  Only each set size's (price, μ) frontier is priced, all at once. Cost O(structures × N² × total cents):
-  fine up to a few dozen workers or a few distinct link classes (the simulator's pools); it refuses bigger
-  instances by name.
-- ``greedy``: the baseline of ECHO-2 as reconstructed: sort by price per rollout/s, take the best prefix.
+  Only each set size's (price, μ) frontier is priced, all at once. Cost O(structures × N² × total cents) in
+  time and N² × total cents bytes for the winner's choice table: fine up to a few dozen workers or a few
+  distinct link classes. Past ``MAX_EXACT_OPS`` or ``MAX_EXACT_CHOICE_BYTES`` ``exact()`` refuses by name, and
+  ``solve(..., "exact")`` does not refuse a real pool: it logs the refusal and answers with the bounded search
+  of milp.py (HiGHS, a time limit, and a proven optimality gap on the plan: ``Plan.gap``); greedy is the last
+  resort, where scipy is missing.
+- ``greedy``: the baseline of ECHO-2 as reconstructed: sort by price per rollout/s, take the best prefix (every
+  prefix priced at once: thousands of workers take milliseconds).
 - ``all_on``: everything.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from echo2 import capacity
 
+log = logging.getLogger(__name__)
+
 SOLVERS = ("exact", "greedy", "all_on")
 MAX_EXACT_OPS = 3e9  # numpy element-operations the exact DP may take before it refuses (≈ seconds)
+MAX_EXACT_CHOICE_BYTES = 256e6  # the winner's choice table (one bool per worker × size × cent): its memory bound
+MILP_TIME_LIMIT_S = 2.0
+"""Seconds the bounded search (milp.py) may take when the DP refuses: the online planner runs it with the
+coordinator's lock held, so it is kept short; the plan states the gap it proved in that time."""
 
 
 class TooLarge(ValueError):
-    """The exact solver refuses an instance that would take too long (MAX_EXACT_OPS); the online planner then
-    plans with ``greedy``."""
+    """The exact DP refuses an instance that would take too long (MAX_EXACT_OPS) or too much memory
+    (MAX_EXACT_CHOICE_BYTES); ``solve`` then answers with the bounded search of milp.py."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,8 @@ class Plan:
     solver: str = ""
     meets_min_utilization: bool = True
     notes: tuple[str, ...] = field(default=())
+    gap: float | None = None  # proven: usd_per_step / lower bound − 1 (0: optimal; None: not known, greedy/all_on)
+    lower_bound_usd_per_step: float | None = None
 
 
 def evaluate(system: System, workers: list[Worker], solver: str = "") -> Plan:
@@ -113,14 +126,28 @@ def all_on(system: System, workers: list[Worker]) -> Plan:
 
 
 def greedy(system: System, workers: list[Worker]) -> Plan:
-    """Cheapest price per rollout/s first; the best prefix."""
+    """Cheapest price per rollout/s first; the best prefix. Every prefix is priced at once (the same numbers as
+    ``evaluate`` of each, and ``_better``'s order: meets the floor, cheaper per step, shorter)."""
     ranked = sorted(workers, key=lambda w: (w.usd_per_hour / max(w.rollouts_per_s, 1e-12), w.id))
-    best = None
-    for k in range(1, len(ranked) + 1):
-        plan = evaluate(system, ranked[:k], "greedy")
-        if _better(plan, best):
-            best = plan
-    return best or evaluate(system, [], "greedy")
+    if not ranked:
+        return evaluate(system, [], "greedy")
+    usd_h = system.learner_usd_per_hour + np.cumsum([w.usd_per_hour for w in ranked])
+    mu = np.cumsum([w.rollouts_per_s for w in ranked])
+    down = np.minimum.accumulate([w.down_mbit for w in ranked])
+    up = np.minimum.accumulate([w.up_mbit for w in ranked])
+    rtt = np.maximum.accumulate([w.rtt_ms for w in ranked])
+    bcast = np.array([capacity.bcast_time_s(system.broadcast, system.snapshot_bytes, system.learner_uplink_mbit, k + 1,
+                                            down[k], up[k], rtt[k], system.fanout) for k in range(len(ranked))])
+    step = np.full(len(ranked), math.inf)
+    live = mu > 0
+    if live.any():
+        step[live] = capacity.mean_step_s(system.rollouts_per_step, system.train_step_s, system.staleness,
+                                          system.interval, bcast[live], system.load_s + system.batch_s, mu[live])
+    usd_step = usd_h / 3600 * step
+    with np.errstate(divide="ignore"):
+        misses = system.train_step_s / step < system.min_utilization - 1e-9
+    k = int(np.lexsort((np.arange(len(ranked)), usd_step, misses))[0])
+    return evaluate(system, ranked[: k + 1], "greedy")
 
 
 def exact(system: System, workers: list[Worker]) -> Plan:
@@ -134,10 +161,12 @@ def exact(system: System, workers: list[Worker]) -> Plan:
     rtts = sorted({w.rtt_ms for w in workers})
     n = len(workers)
     ops = len(downs) * len(ups) * len(rtts) * n * n * (total + 1)
-    if ops > MAX_EXACT_OPS:
+    choice_bytes = n * (n + 1) * (total + 1)
+    if ops > MAX_EXACT_OPS or choice_bytes > MAX_EXACT_CHOICE_BYTES:
         raise TooLarge(f"activation.solver=exact: {n} workers with {len(downs)}x{len(ups)}x{len(rtts)} distinct "
-                         f"link values and ${total / 100:.2f}/h in all would take ~{ops:.1e} operations; use "
-                         f"greedy, or group workers into link classes")
+                       f"link values and ${total / 100:.2f}/h in all would take ~{ops:.1e} operations and "
+                       f"{choice_bytes / 1e6:.0f} MB; solve() uses the bounded MILP search instead (or use "
+                       f"greedy, or group workers into link classes)")
     # Pass 1: for every structure and set size k, the cells (price, μ) that can win, with the structure's T_bcast.
     cells: list[tuple] = []  # (structure, k, cents, μ, T_bcast) as arrays per (structure, k)
     structures = list(itertools.product(downs, ups, rtts))
@@ -177,7 +206,7 @@ def exact(system: System, workers: list[Worker]) -> Plan:
             i = allowed[j]
             chosen.append(workers[i])
             k, c = k - 1, c - cents[i]
-    return evaluate(system, sorted(chosen, key=lambda w: w.id), "exact")
+    return replace(evaluate(system, sorted(chosen, key=lambda w: w.id), "exact"), gap=0.0)
 
 
 def _allowed(workers: list[Worker], d: float, u: float, r: float) -> list[int]:
@@ -201,7 +230,34 @@ def _dp(workers: list[Worker], cents: list[int], allowed: list[int], keep_choice
     return dp, took
 
 
-def solve(system: System, workers: list[Worker], solver: str = "exact") -> Plan:
+def solve(system: System, workers: list[Worker], solver: str = "exact", *, time_limit_s: float = MILP_TIME_LIMIT_S,
+          incumbent: list[Worker] | None = None) -> Plan:
+    """The plan ``solver`` makes. ``exact`` never refuses: past the DP's size it logs why and runs the bounded MILP
+    search (milp.py: at most ``time_limit_s``, seeded with ``incumbent``, e.g. the set now active), whose plan
+    states its optimality gap; greedy only where scipy is missing."""
     if solver not in SOLVERS:
         raise ValueError(f"activation.solver={solver!r}: expected one of {SOLVERS}")
-    return {"exact": exact, "greedy": greedy, "all_on": all_on}[solver](system, workers)
+    if solver != "exact":
+        return {"greedy": greedy, "all_on": all_on}[solver](system, workers)
+    try:
+        return exact(system, workers)
+    except TooLarge as e:
+        refusal = str(e)
+    try:
+        from echo2.activation.milp import solve_large
+    except ImportError as e:  # scipy absent: the last resort
+        _log_fallback(f"{refusal}; scipy is not installed ({e}): greedy")
+        return replace(greedy(system, workers), notes=(refusal, "scipy missing: greedy"))
+    plan = solve_large(system, workers, time_limit_s=time_limit_s, incumbent=incumbent)
+    _log_fallback(f"{len(workers)} workers: past the exact DP's size; bounded MILP search: {plan.notes[-1]}")
+    return plan
+
+
+_fallbacks_logged = 0
+
+
+def _log_fallback(message: str) -> None:
+    """The first fallback of a process is a warning; later ones (the online planner re-plans often) are debug."""
+    global _fallbacks_logged
+    _fallbacks_logged += 1
+    log.log(logging.WARNING if _fallbacks_logged == 1 else logging.DEBUG, "activation: %s", message)

@@ -14,6 +14,10 @@ class Broadcaster(Protocol):
     """Set by the coordinator: ``on_delivered(peer_id, version)`` after a worker holds a verified snapshot,
     so a worker long-polling with an old version is told at once to apply it."""
 
+    on_ordered: Any
+    """Set by the coordinator: ``on_ordered(peer_id, version)`` before a worker is told to fetch a snapshot: it may
+    hold, apply and claim it before the answer proving delivery comes back: such a claim costs it no strike."""
+
     epoch: str | None
     """Set by the coordinator before the first publish: the learner process's epoch, signed into every manifest and
     order (a worker takes nothing of an older epoch)."""

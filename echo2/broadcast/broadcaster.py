@@ -32,9 +32,12 @@ peer does not hold up its successors.
 
 Who goes where. Peers are ordered by the rates measured here and the RTT of their quickest answer to a key order
 (topology.py), never by what a peer reports of itself; a new or failed peer has no rate and goes last, where it
-has no successor in a chain and none but leaves below it in a tree. In stripes (``auto`` at large N or RTT), every
-stripe has its own tree and each peer is an inner node of one of them: an order names per stripe its byte range and
-its ancestors in that stripe's tree, then the holders and the origin, and the peer pulls all stripes at once.
+has no successor in a chain and none but leaves below it in a tree. So does, for a while (relay.SUSPECT_S), a peer
+whose relay a successor says failed it (a peer may only blame the sources its order named): one that fetches well
+but never serves would otherwise keep its place, and cost each new successor a timeout. In stripes (``auto`` at
+large N or RTT), every stripe has its own tree and each peer is an inner node of one of them: an order names per
+stripe its byte range and its ancestors in that stripe's tree, then the holders and the origin, and the peer pulls
+all stripes at once.
 
 Keys. It is built from the run secret (``secret``), from which it derives the manifest-signing key, which never
 leaves the learner's processes. The relay key is random: made at start, handed to each peer when it joins and in
@@ -58,7 +61,7 @@ from echo2.broadcast import topology as topo
 from echo2.broadcast.manifest import (FULL, make_manifest, manifest_digest, new_relay_key, order_credential,
                                       possession_proof, signing_key)
 from echo2.broadcast.peer import MAX_SOURCES
-from echo2.broadcast.relay import MAX_CONNS, RelayServer
+from echo2.broadcast.relay import MAX_CONNS, SUSPECT_S, RelayServer
 from echo2.broadcast.store import Snapshot, Store
 from echo2.transport import PEER_NAME, Client, reachable_host
 
@@ -99,6 +102,7 @@ class Order:
     deadline_s: float  # the peer's own: bytes over its measured rate (its fetcher judges sources by it)
     proof: str  # the answer that proves it holds the snapshot
     depth: int
+    sources: tuple = ()  # the relay addresses it was told to pull from
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Peer:
     retry_at: float = 0.0
     needs_full: bool = False  # its last delta failed (e.g. it no longer holds the base)
     busy: Order | None = None  # the order it is carrying out
+    relay_failed_until: float = 0.0  # a peer it was a source for says its relay failed it: planned last until then
 
 
 class RelayBroadcaster:
@@ -130,6 +135,7 @@ class RelayBroadcaster:
         self.timeout_s, self.retry_s, self.sparse_delta = timeout_s, retry_s, sparse_delta
         self.deadline_floor_s, self.deadline_slack = deadline_floor_s, deadline_slack
         self.on_delivered = None  # set by the coordinator: called (peer, version) after each delivery
+        self.on_ordered = None  # set by the coordinator: called (peer, version) before each order is sent
         self.store = Store(keep=2)
         self.server = RelayServer(self.store, self.token, host, port, link=link).start()  # link: the lab's, for tests
         # Bound to every interface (0.0.0.0), it is reached at this machine's name unless told otherwise.
@@ -302,11 +308,14 @@ class RelayBroadcaster:
             if base != FULL:
                 body["full_manifest"] = full.manifest
             order = Order(version, base, wire_bytes, time.monotonic(), deadline_s,
-                          possession_proof(challenge, full.buf), max(len(a) for a in lanes))
+                          possession_proof(challenge, full.buf), max(len(a) for a in lanes),
+                          tuple(dict.fromkeys(tuple(a) for lane in [sources, *per_lane] for a in lane)))
             peer.busy = order
             return peer, body, self._credential(peer.url, body, full_digest), order
 
     def _send(self, pid: str, peer: Peer, body: dict, credential: str, order: Order) -> None:
+        if self.on_ordered is not None:  # before the peer can hold it: it may use it before its answer lands here
+            self.on_ordered(pid, order.version)
         try:
             result = peer.client.post("/fetch", body, headers={"Authorization": f"Bearer {credential}"},
                                       timeout_s=self.timeout_s)
@@ -334,11 +343,28 @@ class RelayBroadcaster:
                 return
             peer.delivered = max(peer.delivered, order.version)
             peer.needs_full = False
+            self._blame(pid, order, result.get("failed_sources"), now)
             if order.wire_bytes >= RATE_MIN_BYTES or not peer.rate_bytes_per_s:
                 peer.rate_bytes_per_s = order.wire_bytes / max(now - order.sent_at, 1e-3)
             self.last_results[pid] = {**result, "base": order.base, "depth": order.depth}
         if self.on_delivered is not None:
             self.on_delivered(pid, order.version)
+
+    def _blame(self, pid: str, order: Order, failed: Any, now: float) -> None:
+        """Peers whose relay failed ``pid`` (as it says; believed only of sources its order named) go last in the
+        plans for SUSPECT_S: a peer that fetches its own snapshots well but never serves them (its relay silent)
+        otherwise kept its place, and each new successor lost a timeout on it. Holds the lock."""
+        if not isinstance(failed, list):
+            return
+        named = set(order.sources)
+        blamed = {(s[0], s[1]) for s in failed[:64] if isinstance(s, list) and len(s) == 2
+                  and isinstance(s[0], str) and type(s[1]) is int} & named
+        for other_id, other in self.peers.items():
+            if other_id != pid and other.relay in blamed:
+                if other.relay_failed_until <= now:
+                    log.warning("peer %s says %s's relay failed it: %s goes last for %.0f s", pid, other_id,
+                                other_id, SUSPECT_S)
+                other.relay_failed_until = now + SUSPECT_S
 
     # ------------------------------------------------------------------ rounds
 
@@ -376,13 +402,15 @@ class RelayBroadcaster:
             with self.cond:
                 if self.latest is None or not self._due():
                     continue
-                version, base = self.latest, self.delta_base
-                holders = [p.relay for p in self.peers.values() if p.delivered == version]
+                version, base, now = self.latest, self.delta_base, time.monotonic()
+                holders = [p.relay for p in self.peers.values()
+                           if p.delivered == version and p.relay_failed_until <= now]
                 groups: dict[int, list[topo.PeerLink]] = {}
                 for pid in self._due():
                     p = self.peers[pid]
                     kind = base if base is not None and p.delivered == base and not p.needs_full else FULL
-                    groups.setdefault(kind, []).append(topo.PeerLink(pid, p.rate_bytes_per_s, p.rtt_s))
+                    rate = p.rate_bytes_per_s if p.relay_failed_until <= now else 0.0  # 0: placed last
+                    groups.setdefault(kind, []).append(topo.PeerLink(pid, rate, p.rtt_s))
                 self.store.pin(version)  # a newer publish must not collect what this round is sending
             try:
                 self._round(version, {b: self._plan(version, b, links) for b, links in groups.items()}, holders)

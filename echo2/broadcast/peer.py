@@ -170,7 +170,8 @@ class SnapshotReceiver:
         return {"ok": True, "version": version, "proof": possession_proof(challenge, snap.buf), "seconds": seconds,
                 "bytes_per_s": wire_bytes / max(seconds, 1e-9), "first_byte_at": snap.first_byte_at,
                 "done_at": time.monotonic(),  # monotonic: same host only
-                "rtt_s": self.fetcher.last_rtt_s}
+                "rtt_s": self.fetcher.last_rtt_s,
+                "failed_sources": [list(src) for src in self.fetcher.last_failed]}  # the learner plans around them
 
     def _fetch_delta(self, version: int, base: int, sources, full_manifest, epoch: str | None,
                      deadline_s: float | None, stripes=None) -> tuple[Snapshot, int]:

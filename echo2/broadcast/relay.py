@@ -94,6 +94,11 @@ often (a third of ANSWER_TIMEOUT_S)."""
 CONNECT_TIMEOUT_S = 3.0
 """TCP and TLS handshakes with a source: a host that does not accept within this is skipped (two SYN retries)."""
 
+SUSPECT_S = 120.0
+"""How long a source that failed a fetch (dead, silent, refusing, too slow, or serving bad bytes) is tried after the
+others, the origin included: a relay that accepts connections and never answers otherwise cost its successor the
+answer timeout on every version, and every round waited for that successor."""
+
 SLOW_GRACE_S = 2.0
 """Time a source gets after its first byte before its rate is judged against the fetch's deadline (TCP's slow
 start, a parent still filling its own buffer)."""
@@ -318,11 +323,13 @@ class Fetcher:
         self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
         self.answer_timeout_s, self.manifest_wait_s = answer_timeout_s, manifest_wait_s
         self.conns: dict[tuple[tuple[str, int], int], socket.socket] = {}  # (source, lane) -> connection
+        self.suspect: dict[tuple[str, int], float] = {}  # source -> until when it is tried after the others
         self.lock = threading.Lock()  # one fetch at a time per node
         self.made = threading.Lock()  # one lane makes a fetch's buffer; its siblings take that one
         self.gen_lock = threading.Lock()
         self.generation = 0  # bumped by each fetch: a running one that sees it change stops (Superseded)
         self.last_rtt_s: float | None = None  # TCP's smoothed RTT to the source of the last fetch (diagnostics)
+        self.last_failed: list[tuple[str, int]] = []  # the sources that failed the last fetch (told to the learner)
 
     def fetch(self, version: int, sources: list[tuple[str, int]], base: int = FULL, epoch: str | None = None,
               deadline_s: float | None = None, stripes: list[Lane] | None = None) -> Snapshot:
@@ -345,8 +352,8 @@ class Fetcher:
             lanes = [(lo, hi, list(srcs)) for lo, hi, srcs in stripes] if stripes else [(0, -1, list(sources))]
             if snap is not None and len(snap.spans) != len(lanes):  # a partial copy laid out otherwise: keep it
                 lanes = [(lo, hi, lanes[j % len(lanes)][2]) for j, (lo, hi, _) in enumerate(snap.spans)]
-            dead: set[tuple[str, int]] = set()
-            errors = self._lanes(lanes, version, base, epoch, gen, deadline, dead)
+            self.last_failed = []
+            errors = self._lanes(lanes, version, base, epoch, gen, deadline)
             snap = self.store.get(version, base=base)
             superseded = [e for e in errors if isinstance(e, Superseded)]
             if superseded:
@@ -356,14 +363,14 @@ class Fetcher:
                     self._fail(snap)
                 tried = len({src for _, _, srcs in lanes for src in srcs})
                 raise ConnectionError(f"v{version}: no source could serve it ({tried} tried)")
-            self._repair(snap, [s for s in reversed(sources) if s not in dead] + sorted(dead))
+            self._repair(snap, self._ranked(sources[::-1]))  # origin first, those that failed last
             with snap.cond:
                 snap.complete = True
                 snap.cond.notify_all()
             return snap
 
     def _lanes(self, lanes: list[Lane], version: int, base: int, epoch: str | None, gen: int,
-               deadline: float | None, dead: set) -> list[BaseException]:
+               deadline: float | None) -> list[BaseException]:
         """Run every lane (one stripe each) to its end, the first in this thread; the errors they ended with. A lane
         that no source could serve stops the others (the fetch has failed)."""
         errors: list[BaseException] = []
@@ -372,7 +379,7 @@ class Fetcher:
 
         def run(j: int) -> None:
             try:
-                self._lane(j, lanes[j][2], version, base, epoch, gen, deadline, bounds, dead, stop)
+                self._lane(j, lanes[j][2], version, base, epoch, gen, deadline, bounds, stop)
             except (OSError, ConnectionError, BadSnapshot) as e:
                 errors.append(e)
                 stop.set()
@@ -387,23 +394,26 @@ class Fetcher:
         return errors
 
     def _lane(self, j: int, sources: list[tuple[str, int]], version: int, base: int, epoch: str | None, gen: int,
-              deadline: float | None, bounds: list[tuple[int, int]] | None, dead: set, stop: threading.Event) -> None:
-        """Fill span ``j`` from ``sources`` in order, moving on (and resuming at the byte held) when one fails."""
-        for i, src in enumerate(sources):
+              deadline: float | None, bounds: list[tuple[int, int]] | None, stop: threading.Event) -> None:
+        """Fill span ``j`` from ``sources`` in order (those that failed lately last), moving on (and resuming at the
+        byte held) when one fails."""
+        for src in self._ranked(sources):
             snap = self.store.get(version, base=base)
             if snap is not None and snap.spans[j][2] >= snap.spans[j][1]:
                 return
             if stop.is_set():
                 raise Stopped(f"v{version}: another stripe failed")
             try:
-                self._stream(src, j, bounds, version, base, epoch, gen, deadline if i < len(sources) - 1 else None,
+                self._stream(src, j, bounds, version, base, epoch, gen, deadline if src != sources[-1] else None,
                              stop)
                 self.last_rtt_s = tcp_rtt_s(self.conns.get((src, j)))
                 return
             except (Superseded, Stopped):
                 raise
             except (OSError, ConnectionError, BadSnapshot) as e:
-                dead.add(src)
+                self.suspect[src] = time.monotonic() + SUSPECT_S
+                if src not in self.last_failed:
+                    self.last_failed.append(src)
                 self._drop((src, j))
                 snap = self.store.get(version, base=base)  # what arrived is kept: resume from there
                 log.warning("v%d%s from %s:%d failed at byte %s: %s; next source", version,
@@ -411,6 +421,13 @@ class Fetcher:
         snap = self.store.get(version, base=base)
         if snap is None or snap.spans[j][2] < snap.spans[j][1]:
             raise ConnectionError(f"v{version}: no source could serve {f'stripe {j}' if bounds else 'it'}")
+
+    def _ranked(self, sources: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """``sources`` with those that failed a fetch within SUSPECT_S moved after the others, otherwise in the order
+        given (the last one given, the origin, still gets no deadline wherever it lands)."""
+        now = time.monotonic()
+        self.suspect = {src: until for src, until in self.suspect.items() if until > now}
+        return [s for s in sources if s not in self.suspect] + [s for s in sources if s in self.suspect]
 
     def _held(self, version: int, base: int, epoch: str | None, gen: int) -> Snapshot | None:
         """What this node holds of (version, base) already, if it is of ``epoch`` (else it is dropped)."""

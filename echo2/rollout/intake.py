@@ -33,7 +33,8 @@ STRIKES = frozenset({"invalid", "future_version", "undelivered_version", "reward
 claimed weights it was never given (or that do not exist yet), or made the reward hang or crash. A reward that
 raises (``reward_error``) or a pool that cannot start (``reward_unavailable``) is more likely the task's fault:
 booked, not struck, so that a broken reward cannot bench every honest worker."""
-REQUEUE = frozenset({"invalid", "future_version", "undelivered_version", "worker_gone", "coordinator_error"})
+REQUEUE = frozenset({"invalid", "future_version", "undelivered_version", "unproven_version", "worker_gone",
+                     "coordinator_error"})
 """Drops whose prompt goes back to the queue: nothing about the prompt itself was wrong. A reward that failed
 on a prompt's completions may fail on that prompt again, so its row waits for the next epoch instead."""
 RATE_EMA = 0.5
@@ -111,8 +112,14 @@ def settle(reg: Registry, ledger: Ledger, buffer: StalenessBuffer, worker: Worke
         if o.group is not None:  # scored: received, then judged by the version it claims
             ledger.received(o.gid, worker.worker_id)
             x = o.group.version  # older than the horizon: no longer remembered, and the buffer drops it as stale
-            o.reason = ("future_version" if x > version else "undelivered_version" if x not in worker.delivered
-                        and x >= delivery_horizon(version, staleness) else "worker_gone" if not live else None)
+            # a version not proven delivered is never trained on; one ordered to the worker (its answer may still be
+            # on its way) is dropped and re-queued without a strike (unproven_version), any other is a strike
+            if x > version:
+                o.reason = "future_version"
+            elif x not in worker.delivered and x >= delivery_horizon(version, staleness):
+                o.reason = "unproven_version" if x in worker.ordered else "undelivered_version"
+            elif not live:
+                o.reason = "worker_gone"
         if o.reason is None:
             buffer.admit(o.group, o.group.version, version)
             accepted.append(o)

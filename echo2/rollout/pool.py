@@ -178,10 +178,24 @@ class LocalPool:
         """Where this pool's workers come from, and how the started ones fare (for the learner's waiting lines)."""
         if self.n == 0:
             return "pool=local with pool.workers=0 starts no worker: set pool.workers=N, or join workers yourself"
-        dead = [f"worker{i} (exit {p.returncode})" for i, p in enumerate(self.procs) if p.poll() is not None]
+        dead = [f"worker{i} (exit {p.returncode}{self._last_error(i)})" for i, p in enumerate(self.procs)
+                if p.poll() is not None]
         logs = f"; logs in {self.log_dir}/worker*.log" if self.log_dir else ""
         return (f"pool=local started pool.workers={self.n}" + (f", exited: {', '.join(dead)}" if dead else "")
                 + logs)
+
+    def _last_error(self, i: int) -> str:
+        """The last ERROR line of agent i's log (why it exited), for the learner's waiting lines; '' if none."""
+        if not self.log_dir:
+            return ""
+        try:
+            with open(self.log_dir / f"worker{i}.log", "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        errors = [line for line in lines if "[ERROR]" in line or line.startswith(("ERROR", "Error"))]
+        return f": {errors[-1].split('] - ', 1)[-1].strip()}" if errors else ""
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM every agent (each stops its own engine), wait, then SIGKILL stragglers."""

@@ -28,8 +28,10 @@ from echo2.rollout.liveness import Liveness
 log = logging.getLogger(__name__)
 
 SETTLED_MEMORY = 1 << 16
-"""Groups that left flight (claimed by a push, or lost to their deadline) remembered with their principal: a late
-result (its miss is counted already) or a repeated push (a retry after a lost reply) is refused without a strike."""
+"""Groups that left flight (claimed by a push, lost to their deadline, handed back, lost with their retired worker
+or at shutdown) remembered with their principal: a late result (its miss is counted already), a repeated push (a
+retry after a lost reply), one from an agent retired as dead that comes back, or one racing the shutdown is
+refused without a strike."""
 
 
 @dataclass
@@ -44,6 +46,10 @@ class WorkerInfo:
     # versions the broadcaster handed it, and the run's initial ones (those older than the delivery horizon,
     # intake.delivery_horizon, are forgotten: stale anyway)
     delivered: set = field(default_factory=set)
+    # versions the broadcaster has ordered it to fetch: it may hold one (apply it, generate, push) before its answer
+    # proving delivery reaches the coordinator; such a claim is dropped but not struck (a strike for it benched
+    # honest workers of a loaded box within seconds: their tiny model's batch took less than the answer's way back)
+    ordered: set = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)
     rollouts_per_s: float = 0.0  # measured here, from its valid pushes (0: none yet); the planner's and deadlines'
     reported_rollouts_per_s: float = 0.0  # what it says of itself: diagnostics only
@@ -52,6 +58,10 @@ class WorkerInfo:
     up_mbit: float = 1000.0
     rtt_ms: float = 0.0
     held: int = 0  # groups in flight at it
+
+    def may_hold(self, version: int) -> bool:
+        """Whether it may hold ``version``: delivered, initial, or ordered to it."""
+        return version in self.delivered or version in self.ordered
 
     @property
     def delivered_version(self) -> int:

@@ -1,0 +1,144 @@
+"""The cost scenario (echo2/cost.py, ``python -m echo2.sim --scenario cost``): its inputs are complete, a pool
+whose numbers give a known cost gives it, and the CLI prints every part of its table."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from echo2 import cost
+
+
+def test_every_input_has_a_date_and_a_source():
+    tree = yaml.safe_load(cost.DEFAULT_INPUTS.read_text())
+    assert cost.check_inputs(tree) == []
+    inputs = list(_inputs(tree))
+    assert len(inputs) > 40
+    for where, node in inputs:
+        source = node["source"]
+        assert len(source) > 20, where  # says where the figure comes from, or why it is ours
+        assert isinstance(node["date"], datetime.date) and node["date"] <= datetime.date(2026, 12, 3), where
+        if "range" in node:  # a sensitivity range brackets the value
+            lo, hi = node["range"]
+            assert lo <= node["value"] <= hi, where
+    ours = [w for w, n in inputs if n["source"].startswith("assumption:")]
+    assert ours and len(ours) < len(inputs)  # some figures are ours, and say so; most are public
+
+
+def _inputs(tree, where=""):
+    if isinstance(tree, dict) and "value" in tree:
+        yield where, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _inputs(v, f"{where}.{k}".lstrip("."))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"x": 3}, "the number 3 has no date or source"),
+    ({"x": {"value": 3, "source": "a page"}}, "no date"),
+    ({"x": {"value": 3, "date": "2026-01-02"}}, "no source"),
+    ({"x": {"value": "4.0e9", "date": "2026-01-02", "source": "model card"}}, "is text, not a number"),
+    ({"x": {"value": 3, "date": "2026-01-02", "source": "a page", "range": [1]}}, "range must be"),
+    ({"x": {"value": {"a": 1, "b": "2e9"}, "date": "2026-01-02", "source": "a page"}}, "is text, not a number"),
+])
+def test_an_undated_or_unsourced_number_is_refused_by_name(bad, message, tmp_path):
+    assert any(message in e for e in cost.check_inputs(bad))
+    path = tmp_path / "inputs.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ValueError, match="x"):
+        cost.load_inputs(path)
+
+
+def hand_checkable() -> dict:
+    """Round numbers: a 0.1B-parameter model, R = 8 x 4 = 32 rollouts of 100 + 900 tokens, one learner GPU of
+    1 TFLOPS at MFU 0.192 and $3.60/h; an H100 generates 1,000 tokens/s, an RTX 4090 (1,008 / 3,350 of its
+    bandwidth) 300.9; both at rollout efficiency 0.8; four $0.36/h 4090 workers to rent; no churn."""
+    tree = copy.deepcopy(cost.load_inputs())
+    tree["models"] = {"qwen3_4b": {k: {"value": v, "date": "2026-12-03", "source": "test"}
+                                   for k, v in (("params", 1e8), ("layers", 0), ("hidden", 0))}}
+    v = lambda node, x: node.update(value=x)  # noqa: E731
+    v(tree["shape"]["prompts_per_step"], 8)
+    v(tree["shape"]["group_size"], 4)
+    v(tree["shape"]["prompt_tokens"], 100)
+    v(tree["shape"]["completion_tokens"], 900)
+    v(tree["learner"]["gpus"], {"qwen3_4b": 1})
+    v(tree["learner"]["mfu"], 0.192)
+    v(tree["gpus"]["h100_sxm"]["bf16_tflops"], 1)
+    v(tree["gpus"]["h100_sxm"]["usd_per_hour"], 3.6)
+    v(tree["gpus"]["rtx4090"]["usd_per_hour"], 0.36)
+    v(tree["generation"]["h100_anchor_tokens_per_s"], {"qwen3_4b": 1000})
+    v(tree["generation"]["rollout_efficiency"], 0.8)
+    v(tree["colocated"]["switch_s_per_gb"], 0.0)
+    v(tree["workers"]["gpus_per_worker"], {"qwen3_4b": {"rtx4090": 1}})
+    v(tree["workers"]["available_per_type"], 4)
+    v(tree["workers"]["churn_per_worker_hour"], 0.0)
+    v(tree["network"]["links_mbit"], [10000])
+    v(tree["network"]["staleness"], [6])
+    return tree
+
+
+def test_a_pool_whose_numbers_give_a_known_cost():
+    v = cost.values(hand_checkable())
+    # T_train = 32 x 1,000 tokens x 6 x 1e8 FLOPs / (1e12 x 0.192) = 100 s; the log-prob pass a third of it.
+    assert cost.train_step_s(v, "qwen3_4b") == pytest.approx(100.0)
+    base = cost.colocated(v, "qwen3_4b")
+    # generation: 32 x 900 tokens at 1,000 x 0.8 tokens/s = 36 s; 36 + 33.3 + 100 + 0 = 169.3 s at $3.60/h
+    assert base["tp"] == 1 and base["gen_s"] == pytest.approx(36.0)
+    assert base["step_s"] == pytest.approx(36 + 100 / 3 + 100)
+    assert base["usd_per_step"] == pytest.approx(3.6 * base["step_s"] / 3600)
+    assert base["usd_per_run"] == pytest.approx(base["usd_per_step"] * v["run"]["steps"])
+    # echo2: a 4090 makes 1,000 x 1,008/3,350 x 0.8 = 240.7 tokens/s = 0.267 rollouts/s; the learner needs
+    # 32 / 100 s = 0.32, so activation takes two ($0.72/h) and the learner never waits (S = 6, 10 Gbit/s):
+    # (3.60 + 0.72) x 100 s / 3600 = $0.120 per step, 0.709 of the colocated step's cost.
+    cell = cost.echo2_cell(v, "qwen3_4b", 10000, 6, delta=True)
+    assert cell["workers"] == 2 and cell["usd_per_hour"] == pytest.approx(4.32)
+    assert cell["utilization"] == pytest.approx(1.0, abs=0.03)  # the first step waits for the first batch
+    assert cell["usd_per_step"] == pytest.approx(0.12, rel=0.03)
+    assert cell["ratio"] == pytest.approx(0.12 / (3.6 * (36 + 100 / 3 + 100) / 3600), rel=0.03)
+    assert cell["mean_lag"] > 0 and cell["solver"] in ("exact", "milp")
+
+
+def test_the_scenario_prints_its_table_and_plot(tmp_path):
+    """The CLI on a small grid (one model, one link, S = 2 and 6, two ranged inputs): every part of the table."""
+    tree = hand_checkable()
+    tree["network"]["staleness"]["value"] = [2, 6]
+    for node in _walk(tree):
+        if node is not tree["learner"]["mfu"] and node is not tree["workers"]["price_scale"]:
+            node.pop("range", None)
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    out = subprocess.run([sys.executable, "-m", "echo2.sim", "--scenario", "cost", "--inputs", str(path), "--plot",
+                          str(tmp_path / "cost.png")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "Colocated baseline" in text and "| qwen3_4b | $3.60/h | 1 |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| qwen3_4b | 10 Gbit/s |")]
+    assert [r.split("|")[3].strip() for r in rows] == ["2", "6"]
+    assert "Sensitivity" in text and "| learner.mfu |" in text and "| workers.price_scale |" in text
+    assert (tmp_path / "cost.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    js = subprocess.run([sys.executable, "-m", "echo2.sim", "--scenario", "cost", "--inputs", str(path), "--json"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    data = json.loads(js.stdout)
+    assert {c["staleness"] for c in data["cells"]} == {2, 6} and {c["delta"] for c in data["cells"]} == {False, True}
+    assert all({"ratio", "utilization", "mean_lag", "usd_per_run"} <= set(c) for c in data["cells"])
+
+
+def _walk(tree):
+    if isinstance(tree, dict) and "value" in tree:
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _walk(v)
+
+
+def test_the_baseline_holds_against_a_published_colocated_step():
+    """NeMo RL's Qwen3-32B GRPO on 32 H100s (376 s a step, 2026-01-20): the time model within 15 %."""
+    check = cost.nemo_rl_check(cost.values(cost.load_inputs()))
+    assert check["ratio"] == pytest.approx(1.0, abs=0.15)
