@@ -231,6 +231,90 @@ def test_a_newer_fetch_supersedes_every_stripe_of_an_older_one():
         origin.close()
 
 
+class Mute(RelayServer):
+    """A parent that answers with the manifest, then sends nothing (until the test releases it)."""
+
+    release = threading.Event()
+    asked = 0
+
+    def _answer(self, conn, req):
+        type(self).asked += 1
+        snap = self.store.get(req["version"])
+        send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(self.token, req["mac"])})
+        self.release.wait(30)
+        raise ConnectionError("released")
+
+
+class Dier(RelayServer):
+    """A parent that sends one piece of the range asked of it, then hangs up."""
+
+    def _answer(self, conn, req):
+        snap = self.store.get(req["version"])
+        send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(self.token, req["mac"])})
+        conn.sendall(memoryview(snap.buf)[req["start"]:req["start"] + 4096])
+        time.sleep(0.5)  # the sibling stripe is blocked reading its mute parent by now
+        raise ConnectionError("hung up")
+
+
+def test_a_failed_stripe_stops_its_siblings_at_once_and_blames_only_its_own_source():
+    """Stripe 0's only source hangs up mid-stream: the fetch fails within a second or so, not after the other
+    stripe's stall timeout (its parent is mute, 10 s here), and only the source that failed is reported (the mute
+    one was cut off by this node, not by its own fault)."""
+    blob = os.urandom(16 * CHUNK)
+    dier, mute = origin_with(blob, cls=Dier), origin_with(blob, cls=Mute)
+    node = Node(stall_timeout_s=10)
+    half = len(blob) // 2
+    Mute.release.clear()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="no source"):
+            node.fetcher.fetch(1, [mute.addr], stripes=[(0, half, [dier.addr]), (half, len(blob), [mute.addr])])
+        assert time.monotonic() - t0 < 4, "the sibling stripe waited out its stall timeout"
+        assert node.fetcher.last_failed == [dier.addr]
+        assert node.fetcher._ranked([mute.addr, dier.addr]) == [mute.addr, dier.addr]  # the mute one not suspect
+    finally:
+        Mute.release.set()
+        node.close()
+        dier.close()
+        mute.close()
+
+
+def test_a_partial_copy_laid_out_otherwise_is_finished_from_the_origin_alone():
+    """A node holds part of v1 from an unstriped fetch that a newer one superseded; v1's next order comes in two
+    stripes, whose parents were planned for that layout (one of them might wait for this node's own bytes): the
+    held bytes are kept and the rest comes from the origin, not from the stripes' parents."""
+    blob = os.urandom(32 * CHUNK)
+    origin = origin_with(blob, link_=link.Link(up_mbit=10))  # 2 MiB at 10 Mbit/s: 1.7 s
+    other = origin_with(os.urandom(CHUNK), version=2)
+    mute = origin_with(blob, cls=Mute)
+    Mute.release.clear()
+    Mute.asked = 0
+    node = Node(stall_timeout_s=10)
+    half = len(blob) // 2
+    try:
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.setdefault("v1", fetch_all({"x": lambda: node.fetcher.fetch(
+            1, [origin.addr])})["x"]))
+        t.start()
+        assert wait(lambda: node.store.get(1) is not None and node.store.get(1).received > CHUNK, 10)
+        node.fetcher.fetch(2, [other.addr])
+        t.join(timeout=10)
+        assert isinstance(out["v1"], Superseded), out
+        held, served = node.store.get(1).received, origin.served_bytes
+        t0 = time.monotonic()
+        snap = node.fetcher.fetch(1, [mute.addr, origin.addr], stripes=[(0, half, [mute.addr, origin.addr]),
+                                                                        (half, len(blob), [mute.addr, origin.addr])])
+        assert bytes(snap.buf) == blob and time.monotonic() - t0 < 8
+        assert Mute.asked == 0 and not node.fetcher.last_failed
+        assert origin.served_bytes - served <= len(blob) - held + CHUNK  # the held bytes were not fetched again
+    finally:
+        Mute.release.set()
+        node.close()
+        other.close()
+        mute.close()
+        origin.close()
+
+
 # ---------------------------------------------------------------------- the broadcaster's rounds
 
 

@@ -175,3 +175,23 @@ def test_the_capacity_model_knows_auto_and_stripes():
     assert t["auto"][63] - transfer_s < 0.15 and math.isfinite(t["auto"][-1])
     assert capacity.bcast_time_s("stripes", workers=64, fanout=4, **args) < capacity.bcast_time_s(
         "tree", workers=64, fanout=4, **args)  # same depth, but a tree's inner nodes upload 4 copies
+
+
+@pytest.mark.parametrize("n, unknown, s", [(4, 1, 2), (8, 2, 2), (9, 3, 3), (17, 4, 4), (64, 5, 4)])
+def test_no_unmeasured_peer_is_an_ancestor_of_a_measured_one_in_any_stripe(n, unknown, s):
+    """A peer without a measured rate (new, or planned last because a successor said its relay failed) closes
+    every stripe's tree: a measured peer never pulls a stripe from it (N mod s == 0 had put the last-ranked peer
+    in an inner position of its group's tree)."""
+    links = [PeerLink(f"w{i}", 0.0 if i < unknown else 1e6 * (1 + i % 3), 0.01) for i in range(n)]
+    plan = topo.plan_stripes(links, s)
+    unmeasured = {f"w{i}" for i in range(unknown)}
+    for pid, lanes in plan.items():
+        if pid not in unmeasured:
+            assert not unmeasured & {a for lane in lanes for a in lane}, (pid, lanes)
+    assert all(len(lanes) == s for lanes in plan.values())
+
+
+def test_stripes_over_peers_none_of_them_measured_yet_are_laid_out_as_if_all_were_equal():
+    """The first round (no rate measured): all peers make the groups, as peers of one measured rate would."""
+    assert (topo.plan_stripes([PeerLink(f"w{i}") for i in range(9)], 2)
+            == topo.plan_stripes([PeerLink(f"w{i}", 1e6) for i in range(9)], 2))

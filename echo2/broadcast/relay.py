@@ -324,6 +324,7 @@ class Fetcher:
         self.answer_timeout_s, self.manifest_wait_s = answer_timeout_s, manifest_wait_s
         self.conns: dict[tuple[tuple[str, int], int], socket.socket] = {}  # (source, lane) -> connection
         self.suspect: dict[tuple[str, int], float] = {}  # source -> until when it is tried after the others
+        self.failed_lock = threading.Lock()  # suspect and last_failed, which every lane of a fetch updates
         self.lock = threading.Lock()  # one fetch at a time per node
         self.made = threading.Lock()  # one lane makes a fetch's buffer; its siblings take that one
         self.gen_lock = threading.Lock()
@@ -350,14 +351,18 @@ class Fetcher:
                 return snap
             self.store.expect(version, base)
             lanes = [(lo, hi, list(srcs)) for lo, hi, srcs in stripes] if stripes else [(0, -1, list(sources))]
-            if snap is not None and len(snap.spans) != len(lanes):  # a partial copy laid out otherwise: keep it
-                lanes = [(lo, hi, lanes[j % len(lanes)][2]) for j, (lo, hi, _) in enumerate(snap.spans)]
+            if snap is not None and len(snap.spans) != len(lanes):
+                # a partial copy laid out otherwise (an earlier order of this version): keep its bytes, and fill its
+                # spans from the origin only, which holds all of it (this order's parents were planned for other
+                # byte ranges, and one of them may be waiting for this node's own bytes)
+                lanes = [(lo, hi, list(sources[-1:])) for lo, hi, _ in snap.spans]
             self.last_failed = []
             errors = self._lanes(lanes, version, base, epoch, gen, deadline)
             snap = self.store.get(version, base=base)
+            unexpected = [e for e in errors if not isinstance(e, (OSError, BadSnapshot))]
             superseded = [e for e in errors if isinstance(e, Superseded)]
-            if superseded:
-                raise superseded[0]
+            if unexpected or superseded:
+                raise (unexpected or superseded)[0]
             if errors or snap is None or snap.received < snap.size:
                 if snap is not None:
                     self._fail(snap)
@@ -380,9 +385,11 @@ class Fetcher:
         def run(j: int) -> None:
             try:
                 self._lane(j, lanes[j][2], version, base, epoch, gen, deadline, bounds, stop)
-            except (OSError, ConnectionError, BadSnapshot) as e:
+            except BaseException as e:  # anything: the fetch must not return while a sibling lane still writes
                 errors.append(e)
-                stop.set()
+                if not stop.is_set() and not isinstance(e, Stopped):
+                    stop.set()
+                    self._interrupt(j)
 
         threads = [threading.Thread(target=run, args=(j,), name=f"fetch-stripe-{j}", daemon=True)
                    for j in range(1, len(lanes))]
@@ -392,6 +399,16 @@ class Fetcher:
         for t in threads:
             t.join()
         return errors
+
+    def _interrupt(self, j: int) -> None:
+        """Wake the lanes other than ``j`` from a blocking read (a failed fetch's siblings stop at once, not after a
+        stall timeout): their connections are shut down, and they end Stopped."""
+        for (_, k), conn in list(self.conns.items()):
+            if k != j:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _lane(self, j: int, sources: list[tuple[str, int]], version: int, base: int, epoch: str | None, gen: int,
               deadline: float | None, bounds: list[tuple[int, int]] | None, stop: threading.Event) -> None:
@@ -409,12 +426,16 @@ class Fetcher:
                 self.last_rtt_s = tcp_rtt_s(self.conns.get((src, j)))
                 return
             except (Superseded, Stopped):
+                self._drop((src, j))  # its stream stopped mid-range: the connection cannot carry another request
                 raise
             except (OSError, ConnectionError, BadSnapshot) as e:
-                self.suspect[src] = time.monotonic() + SUSPECT_S
-                if src not in self.last_failed:
-                    self.last_failed.append(src)
                 self._drop((src, j))
+                if stop.is_set():  # a sibling lane failed and shut this one's connection: not this source's fault
+                    raise Stopped(f"v{version}: another stripe failed") from None
+                with self.failed_lock:
+                    self.suspect[src] = time.monotonic() + SUSPECT_S
+                    if src not in self.last_failed:
+                        self.last_failed.append(src)
                 snap = self.store.get(version, base=base)  # what arrived is kept: resume from there
                 log.warning("v%d%s from %s:%d failed at byte %s: %s; next source", version,
                             f" stripe {j}" if bounds else "", *src, snap.spans[j][2] if snap else 0, e)
@@ -426,8 +447,10 @@ class Fetcher:
         """``sources`` with those that failed a fetch within SUSPECT_S moved after the others, otherwise in the order
         given (the last one given, the origin, still gets no deadline wherever it lands)."""
         now = time.monotonic()
-        self.suspect = {src: until for src, until in self.suspect.items() if until > now}
-        return [s for s in sources if s not in self.suspect] + [s for s in sources if s in self.suspect]
+        with self.failed_lock:
+            self.suspect = {src: until for src, until in self.suspect.items() if until > now}
+            suspect = set(self.suspect)
+        return [s for s in sources if s not in suspect] + [s for s in sources if s in suspect]
 
     def _held(self, version: int, base: int, epoch: str | None, gen: int) -> Snapshot | None:
         """What this node holds of (version, base) already, if it is of ``epoch`` (else it is dropped)."""

@@ -137,15 +137,22 @@ def plan_stripes(peers: list[PeerLink], stripes: int) -> dict[str, list[list[str
     from the j-th: each group holds fast and slow peers alike) followed by everyone else in rank order. A heap of
     N nodes has ⌈(N − 1)/s⌉ inner positions, which group j fills alone when N mod s ≤ 1 (``stripes_fit``): then
     every peer is an inner node of one tree only, and uploads s · M/s = M. Otherwise some peers of other groups
-    also fill inner positions, and upload up to (1 + 1/s)·M."""
+    also fill inner positions, and upload up to (1 + 1/s)·M.
+
+    Peers without a measured rate (new, or planned last after a failure) are not in any group: they close every
+    tree, so none of them is an ancestor of a measured peer in any stripe (as in a chain, where they go last);
+    when no peer is measured yet (the first round), all of them make the groups."""
     if stripes < 1:
         raise ValueError(f"stripes={stripes}: must be >= 1")
-    ranked = [p.peer_id for p in order(peers)]
-    out: dict[str, list[list[str]]] = {pid: [] for pid in ranked}
+    ranked = order(peers)
+    known = [p.peer_id for p in ranked if p.rate_bytes_per_s > 0]
+    unknown = [p.peer_id for p in ranked if p.rate_bytes_per_s <= 0]
+    grouped, tail = (known, unknown) if known else (unknown, [])
+    out: dict[str, list[list[str]]] = {p.peer_id: [] for p in ranked}
     for j in range(stripes):
-        group = ranked[j::stripes]
+        group = grouped[j::stripes]
         members = set(group)
-        for pid, ancestors in _heap(group + [p for p in ranked if p not in members], stripes).items():
+        for pid, ancestors in _heap(group + [p for p in grouped if p not in members] + tail, stripes).items():
             out[pid].append(ancestors)
     return out
 
