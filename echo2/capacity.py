@@ -81,8 +81,13 @@ the broadcast options' names ``one_to_many`` and ``pipelined`` are accepted for 
 over links with per-worker downlink/uplink B_i and learner uplink B_L, one-way latency ℓ and ``piece`` bytes
 forwarded at a time (broadcast/relay.py):
   star:     max(N·M / B_L, max_i M / B_i) + ℓ                 (one-to-many: the learner's uplink carries N copies)
-  chain:    M / min(B_L, B_i, up_i) + N·(ℓ + piece / B)      (pipelined: each byte crosses each link once)
+  chain:    M / min(B_L, B_i, up_i) + N·(ℓ + piece / B)      (each byte crosses each link once)
   tree(f):  M / min(B_L / f, B_i, up_i / f) + depth·(ℓ + piece / B)   (f = fanout: inner nodes upload f copies)
+  stripes(s): M / min(B_L, B_i, up_i) + depth_s·(ℓ + s·piece / B)   (s stripes, each down its own tree of
+            fanout s; every peer uploads each byte once: broadcast/topology.py)
+  auto:     the least of chain and stripes(s) for s = 2..4: what broadcast.sender.topology=auto (pipelined's
+            default) picks from (topology.choose, which keeps the chain unless stripes save 5 % of M/B: this
+            envelope is optimistic by at most that)
 with a goodput factor (0.956: TCP over MTU 1500 on a wire-rate shaper) on every rate.
 """
 
@@ -95,8 +100,10 @@ import numpy as np
 
 GOODPUT = 1448 / 1514  # TCP payload per wire byte at MTU 1500: what an HTB-shaped link (or a real one) carries
 PIECE_BYTES = 256 << 10  # echo2.broadcast.framing.PIECE_BYTES: the cut-through granularity
+MAX_STRIPES = 4  # echo2.broadcast.topology.MAX_STRIPES: the most stripes ``auto`` plans
 # The relay's topology names (broadcast.sender.topology), and the broadcast options' names for two of them.
-TOPOLOGIES = {"chain": "chain", "tree": "tree", "star": "star", "pipelined": "chain", "one_to_many": "star"}
+TOPOLOGIES = {"chain": "chain", "tree": "tree", "star": "star", "stripes": "stripes", "auto": "auto",
+              "pipelined": "auto", "one_to_many": "star"}
 
 
 @dataclass(frozen=True)
@@ -125,16 +132,31 @@ def bcast_time_s(mode: str, snapshot_bytes: float, learner_uplink_mbit: float, w
     latency_s = rtt_ms / 2e3
     if topology == "star":
         return max(workers * snapshot_bytes / rate(learner_uplink_mbit), snapshot_bytes / rate(down_mbit)) + latency_s
-    if topology == "chain":  # every relay's uplink counts (conservative: the chain's last uploads nothing)
-        bottleneck = min(learner_uplink_mbit, down_mbit, up_mbit if workers > 1 else math.inf)
-        return snapshot_bytes / rate(bottleneck) + workers * (latency_s + PIECE_BYTES / rate(bottleneck))
-    depth = math.ceil(math.log(workers * (fanout - 1) + 1, fanout)) if fanout > 1 else workers
+    # every relay's uplink counts (conservative: the chain's last uploads nothing)
+    relay_mbit = min(learner_uplink_mbit, down_mbit, up_mbit if workers > 1 else math.inf)
+    chain_s = snapshot_bytes / rate(relay_mbit) + workers * (latency_s + PIECE_BYTES / rate(relay_mbit))
+    if topology == "chain":
+        return chain_s
+
+    def striped_s(s: int) -> float:  # s stripes at 1/s of the rate each: every hop waits s pieces
+        hop_s = latency_s + s * PIECE_BYTES / rate(relay_mbit)
+        return snapshot_bytes / rate(relay_mbit) + _depth(workers, s) * hop_s
+
+    if topology == "stripes":
+        return striped_s(max(2, fanout))
+    if topology == "auto":  # each term is monotone in N, the rates and the RTT, so their least is too
+        return min([chain_s] + [striped_s(s) for s in range(2, MAX_STRIPES + 1)])
     bottleneck = min(learner_uplink_mbit / fanout, down_mbit, up_mbit / fanout if workers > 1 else math.inf)
-    return snapshot_bytes / rate(bottleneck) + depth * (latency_s + PIECE_BYTES / rate(bottleneck))
+    return snapshot_bytes / rate(bottleneck) + _depth(workers, fanout) * (latency_s + PIECE_BYTES / rate(bottleneck))
+
+
+def _depth(workers: int, fanout: int) -> int:
+    """Levels of a heap of ``workers`` nodes with ``fanout`` children each (a chain's: workers)."""
+    return math.ceil(math.log(workers * (fanout - 1) + 1, fanout)) if fanout > 1 else workers
 
 
 def topology_of(mode: str) -> str:
-    """The relay topology (chain, tree, star) a broadcast mode names; raises on anything else."""
+    """The relay topology (auto, chain, tree, stripes, star) a broadcast mode names; raises on anything else."""
     if mode not in TOPOLOGIES:
         raise ValueError(f"broadcast topology {mode!r}: expected one of {sorted(TOPOLOGIES)}")
     return TOPOLOGIES[mode]

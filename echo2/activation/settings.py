@@ -31,8 +31,8 @@ class ActivationSettings:
 class BroadcastShape:
     """How snapshots travel, as the capacity model needs it. Defaults: RelayBroadcaster's."""
 
-    topology: str = "chain"  # chain, tree or star (broadcast.sender.topology)
-    fanout: int = 2  # children per relaying peer in a tree (broadcast.sender.fanout)
+    topology: str = "auto"  # auto, chain, tree, stripes or star (broadcast.sender.topology)
+    fanout: int = 2  # children per relaying peer in a tree, stripes (broadcast.sender.fanout)
     interval: int = 1  # κ: a snapshot every this many learner steps (broadcast.interval)
 
     @classmethod

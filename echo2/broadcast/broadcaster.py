@@ -2,16 +2,18 @@
 
     publish(v, bytes) ─► (its thread) signed manifest; sparse delta against v' if smaller (delta.py)
                       ─► round: plan (topology.py) over the idle peers lacking v: those holding v' get the delta,
-                         the rest the full snapshot, each group along its own tree
-                      ─► POST /fetch {epoch, key, v, base, sources, deadline_s, challenge} to each, in parallel,
-                         each signed for that peer alone (manifest.order_credential)
+                         the rest the full snapshot, each group along its own layout (chain, tree, stripes)
+                      ─► POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge} to each, in
+                         parallel, each signed for that peer alone (manifest.order_credential)
                       ◄─ each answers once it holds v, verified (a delta is applied, then checked against the full
                          snapshot's signed chunk digests), with a proof that it does (manifest.possession_proof)
                       └─ on_delivered(peer, v)  (the coordinator wakes it)
 
-``topology=chain|tree`` is the peer-assisted pipelined broadcast (``broadcast=pipelined``); ``topology=star`` is
-one-to-many (``broadcast=one_to_many``), the baseline: every peer pulls from the learner. Same code, same
-protocol, so the two are compared on equal terms.
+``topology=auto|chain|tree|stripes`` is the peer-assisted pipelined broadcast (``broadcast=pipelined`` runs
+``auto``: each round the chain, or the snapshot cut into stripes that travel down trees of depth log N, whichever
+topology.choose predicts faster for that round's peers, their RTT and rate); ``topology=star`` is one-to-many
+(``broadcast=one_to_many``), the baseline: every peer pulls from the learner. Same code, same protocol, so they
+are compared on equal terms.
 
 It runs in a background thread of the coordinator's process: ``publish`` only hands the bytes over (digesting
 and delta-encoding happen in the thread, never in the caller); a version published while a round is running is
@@ -32,7 +34,10 @@ Who goes where. Peers are ordered by the rates measured here and the RTT of thei
 (topology.py), never by what a peer reports of itself; a new or failed peer has no rate and goes last, where it
 has no successor in a chain and none but leaves below it in a tree. So does, for a while (relay.SUSPECT_S), a peer
 whose relay a successor says failed it (a peer may only blame the sources its order named): one that fetches well
-but never serves would otherwise keep its place, and cost each new successor a timeout.
+but never serves would otherwise keep its place, and cost each new successor a timeout. In stripes (``auto`` at
+large N or RTT), every stripe has its own tree and each peer is an inner node of one of them: an order names per
+stripe its byte range and its ancestors in that stripe's tree, then the holders and the origin, and the peer pulls
+all stripes at once.
 
 Keys. It is built from the run secret (``secret``), from which it derives the manifest-signing key, which never
 leaves the learner's processes. The relay key is random: made at start, handed to each peer when it joins and in
@@ -55,6 +60,7 @@ from echo2.broadcast import delta
 from echo2.broadcast import topology as topo
 from echo2.broadcast.manifest import (FULL, make_manifest, manifest_digest, new_relay_key, order_credential,
                                       possession_proof, signing_key)
+from echo2.broadcast.peer import MAX_SOURCES
 from echo2.broadcast.relay import MAX_CONNS, SUSPECT_S, RelayServer
 from echo2.broadcast.store import Snapshot, Store
 from echo2.transport import PEER_NAME, Client, reachable_host
@@ -76,6 +82,9 @@ than a few hops up gains nothing over the origin, and every dead source costs th
 RATE_MIN_BYTES = 1 << 20
 """A transfer smaller than this measures round trips and handshakes more than bandwidth (a small delta): it leaves
 the peer's measured rate as it was."""
+
+MIN_ALIGNED_CHUNKS = 8
+"""Chunks per stripe from which stripes are cut on chunk boundaries (at worst one chunk, 1/8, longer than another)."""
 
 KEY_TIMEOUT_S = 10.0
 """A key order (a small request answered at once) that takes longer has failed; the peer's next order carries
@@ -111,7 +120,7 @@ class Peer:
 
 
 class RelayBroadcaster:
-    def __init__(self, secret: str, topology: str = "chain", fanout: int = 2, chunk_mb: float = 4.0,
+    def __init__(self, secret: str, topology: str = "auto", fanout: int = 2, chunk_mb: float = 4.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, timeout_s: float = 600.0,
                  retry_s: float = 5.0, sparse_delta: bool = True, link: Any = None,
                  deadline_floor_s: float = DEADLINE_FLOOR_S, deadline_slack: float = DEADLINE_SLACK):
@@ -144,6 +153,7 @@ class RelayBroadcaster:
         self.last_bytes = 0
         self.last_prepare_s = 0.0
         self.last_delta_ratio = 1.0
+        self.last_layout: topo.Layout | None = None  # the last round's (logged when it changes; metrics)
         self.failures = 0
         self.late = 0  # peers a round closed without (past their deadline)
         self.rounds = 0
@@ -221,7 +231,8 @@ class RelayBroadcaster:
                 "broadcast/late": float(self.late),
                 "broadcast/origin_bytes": float(self.server.served_bytes),
                 "broadcast/refused": float(self.server.refused),
-                "broadcast/delta_ratio": self.last_delta_ratio, "broadcast/prepare_s": self.last_prepare_s}
+                "broadcast/delta_ratio": self.last_delta_ratio, "broadcast/prepare_s": self.last_prepare_s,
+                "broadcast/stripes": float(self.last_layout.stripes if self.last_layout else 1)}
 
     def close(self) -> None:
         with self.cond:
@@ -267,26 +278,38 @@ class RelayBroadcaster:
         except RuntimeError:  # closed meanwhile
             pass
 
-    def _order(self, pid: str, version: int, base: int, ancestors: list[str], holders: list[tuple[str, int]],
+    def _order(self, pid: str, version: int, base: int, lanes: list[list[str]], holders: list[tuple[str, int]],
                full: Snapshot, full_digest: str) -> tuple[Peer, dict, str, Order] | None:
-        """The order for peer ``pid`` (None if it left), marking it busy with it."""
+        """The order for peer ``pid`` (None if it left), marking it busy with it. ``lanes``: its ancestors per
+        stripe (one lane: not striped)."""
         with self.cond:
             peer = self.peers.get(pid)
             if peer is None:
                 return None
-            ups = [self.peers[a].relay for a in ancestors[:MAX_ANCESTORS] if a in self.peers]
             # a full snapshot can also come from peers that already hold it; a delta only along its own plan
-            sources = ups + (holders[:2] if base == FULL else []) + [self.origin]
+            extra = (holders[:2] if base == FULL else []) + [self.origin]
+            per_lane = [[self.peers[a].relay for a in ancestors[:MAX_ANCESTORS] if a in self.peers] + extra
+                        for ancestors in lanes]
             obj = self.store.get(version, base=base)
             wire_bytes = obj.size if obj is not None else full.size
             deadline_s = self._deadline_s(wire_bytes, peer.rate_bytes_per_s)
             challenge = secrets.token_hex(16)
+            if len(lanes) == 1:
+                sources, stripes = per_lane[0], None
+            else:  # every stripe's parent, then the holders and the origin: the sources of repairs
+                parents = list(dict.fromkeys(lane[0] for lane in per_lane if lane[0] not in extra))
+                sources = parents[:MAX_SOURCES - len(extra)] + extra
+                bounds = topo.stripe_bounds(wire_bytes, len(lanes), _align(wire_bytes, self.chunk_bytes, len(lanes)))
+                stripes = [[lo, hi, [list(a) for a in lane]] for (lo, hi), lane in zip(bounds, per_lane)]
             body = {"epoch": self.epoch, "key": self.token, "version": version, "base": base,
                     "sources": [list(a) for a in sources], "deadline_s": deadline_s, "challenge": challenge}
+            if stripes is not None:
+                body["stripes"] = stripes
             if base != FULL:
                 body["full_manifest"] = full.manifest
             order = Order(version, base, wire_bytes, time.monotonic(), deadline_s,
-                          possession_proof(challenge, full.buf), len(ancestors), tuple(sources))
+                          possession_proof(challenge, full.buf), max(len(a) for a in lanes),
+                          tuple(dict.fromkeys(tuple(a) for lane in [sources, *per_lane] for a in lane)))
             peer.busy = order
             return peer, body, self._credential(peer.url, body, full_digest), order
 
@@ -390,24 +413,40 @@ class RelayBroadcaster:
                     groups.setdefault(kind, []).append(topo.PeerLink(pid, rate, p.rtt_s))
                 self.store.pin(version)  # a newer publish must not collect what this round is sending
             try:
-                self._round(version, {b: topo.plan(links, self.kind, self.fanout) for b, links in groups.items()},
-                            holders)
+                self._round(version, {b: self._plan(version, b, links) for b, links in groups.items()}, holders)
             finally:
                 self.store.pin(version, False)
 
-    def _round(self, version: int, plans: dict[int, dict[str, list[str]]], holders: list[tuple[str, int]]) -> None:
+    def _plan(self, version: int, base: int, links: list[topo.PeerLink]) -> dict[str, list[list[str]]]:
+        """Who pulls (version, base) from whom in this round, per stripe (topology.plan_lanes), in the layout the
+        topology names; for ``auto``, topology.choose's pick from the peers' median RTT (halved: the one-way
+        latency; the learner's RTT to them stands for theirs to each other) and median measured rate."""
+        obj = self.store.get(version, base=base)
+        size = obj.size if obj is not None else 0
+        rtts = [p.rtt_s for p in links if p.rtt_s > 0]
+        rates = [p.rate_bytes_per_s for p in links if p.rate_bytes_per_s > 0]
+        layout = topo.layout(self.kind, self.fanout, len(links), statistics.median(rtts) / 2 if rtts else 0.0,
+                             statistics.median(rates) if rates else 0.0, size)
+        if layout != self.last_layout:
+            log.info("v%d: %d peers by %s%s", version, len(links), layout.kind,
+                     f" ({layout.fanout} stripes)" if layout.kind == "stripes" else "")
+            self.last_layout = layout
+        return topo.plan_lanes(links, layout)
+
+    def _round(self, version: int, plans: dict[int, dict[str, list[list[str]]]],
+               holders: list[tuple[str, int]]) -> None:
         """One version to every due peer: per object (full, or delta against a base) its own plan. Returns once
         every peer answered or is past its deadline."""
         full = self.store.get(version)
         if full is None:
             return
         started = self.published_at.get(version, time.monotonic())
-        jobs = [(pid, base, ancestors) for base, plan in plans.items() for pid, ancestors in plan.items()]
+        jobs = [(pid, base, lanes) for base, plan in plans.items() for pid, lanes in plan.items()]
         pool = ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="broadcast-order")
         sent: list[tuple[str, Peer, Order]] = []
         full_digest = manifest_digest(full.manifest)  # once, not once per delta order
-        for pid, base, ancestors in jobs:
-            ordered = self._order(pid, version, base, ancestors, holders, full, full_digest)
+        for pid, base, lanes in jobs:
+            ordered = self._order(pid, version, base, lanes, holders, full, full_digest)
             if ordered is not None:
                 pool.submit(self._send, pid, *ordered)
                 sent.append((pid, ordered[0], ordered[3]))
@@ -430,3 +469,10 @@ class RelayBroadcaster:
         self.rounds += 1
         self.last_time_s, self.last_bytes = time.monotonic() - started, sent_bytes
         log.debug("v%d: round over %d peers (%s) in %.3f s", version, len(jobs), self.kind, self.last_time_s)
+
+
+def _align(size_bytes: int, chunk_bytes: int, stripes: int) -> int:
+    """Stripe boundaries on chunk boundaries where each stripe then spans MIN_ALIGNED_CHUNKS chunks or more (a
+    chunk is checked as soon as its one stripe has it, and the stripes stay within a chunk of equal); else on
+    4 KiB, and the chunks across a boundary are checked once both stripes have them (store.Snapshot)."""
+    return chunk_bytes if size_bytes >= MIN_ALIGNED_CHUNKS * stripes * chunk_bytes else 4096

@@ -1,8 +1,9 @@
 """A worker's end of the broadcast: a relay node (store, server, fetcher) and the routes the broadcaster calls.
 
-    broadcaster ──POST /fetch {epoch, key, v, base, sources, deadline_s, challenge}──► SnapshotReceiver
+    broadcaster ──POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge}──► SnapshotReceiver
                   (signed by the learner, for this node)      │  pull v (or its delta vs base) from sources[0],
-                                                              │  else the next ──► ...
+                                                              │  else the next ──► ... (with stripes: each byte
+                                                              │  range from its own sources, all at once)
                                                               │  serves its own children from the same buffer
                                                               └─ on_snapshot(v, buffer, manifest) once every chunk
                                                                  of the full snapshot checks; answers {proof, ...}
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 MAX_SOURCES = 16
 """Sources one order may name: the broadcaster names a few ancestors, two holders and the origin."""
+
+MAX_STRIPES = 16
+"""Stripes one order may name (topology.MAX_STRIPES is what the broadcaster plans; a few more are accepted)."""
 
 
 class SnapshotReceiver:
@@ -138,9 +142,9 @@ class SnapshotReceiver:
         deadline_s, challenge = body.get("deadline_s"), body.get("challenge")
         if type(version) is not int or version < 0 or type(base) is not int or base >= version:
             raise BadRequest("'version' must be a non-negative integer and 'base' an older one (or -1)")
-        if not isinstance(sources, list) or not 0 < len(sources) <= MAX_SOURCES or not all(
-                isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and type(s[1]) is int for s in sources):
+        if not _addresses(sources):
             raise BadRequest(f"'sources' must be a list of 1 to {MAX_SOURCES} [host, port]")
+        stripes = _stripes(body.get("stripes"))
         if not (deadline_s is None or isinstance(deadline_s, (int, float)) and deadline_s > 0):
             raise BadRequest("'deadline_s' must be a positive number")
         if not (isinstance(challenge, str) and len(challenge) == 32):
@@ -149,11 +153,11 @@ class SnapshotReceiver:
         t0 = time.perf_counter()
         try:
             if base == FULL:
-                snap = self.fetcher.fetch(version, sources, epoch=epoch, deadline_s=deadline_s)
+                snap = self.fetcher.fetch(version, sources, epoch=epoch, deadline_s=deadline_s, stripes=stripes)
                 wire_bytes = snap.size
             else:
                 snap, wire_bytes = self._fetch_delta(version, base, sources, body.get("full_manifest"), epoch,
-                                                     deadline_s)
+                                                     deadline_s, stripes)
         except (ConnectionError, OSError, BadSnapshot, ValueError) as e:
             if not isinstance(e, Superseded):  # a newer order goes on with it: children may still wait for it
                 self.store.abandon(version, base)
@@ -170,7 +174,7 @@ class SnapshotReceiver:
                 "failed_sources": [list(src) for src in self.fetcher.last_failed]}  # the learner plans around them
 
     def _fetch_delta(self, version: int, base: int, sources, full_manifest, epoch: str | None,
-                     deadline_s: float | None) -> tuple[Snapshot, int]:
+                     deadline_s: float | None, stripes=None) -> tuple[Snapshot, int]:
         """Pull the delta of ``version`` against ``base`` (held here), apply it, and check the result against the
         full snapshot's signed chunk digests before anyone may use or relay it as ``version``."""
         held = self.store.get(base)
@@ -179,10 +183,10 @@ class SnapshotReceiver:
         manifest = verify_manifest(self.fetcher.manifest_key, full_manifest)
         if (manifest["version"], manifest["base"], manifest.get("epoch")) != (version, FULL, epoch):
             raise BadSnapshot("full_manifest is not the full snapshot of this version and epoch")
-        d = self.fetcher.fetch(version, sources, base=base, epoch=epoch, deadline_s=deadline_s)
+        d = self.fetcher.fetch(version, sources, base=base, epoch=epoch, deadline_s=deadline_s, stripes=stripes)
         full = Snapshot(manifest)
         full.buf[:] = delta.apply(held.buf, d.buf)
-        full.received = full.size
+        full.fill()
         if full.check_chunks() or full.checked != len(manifest["chunks"]):
             raise BadSnapshot(f"v{version} rebuilt from the delta against v{base} fails its digests")
         full.complete = True
@@ -193,3 +197,23 @@ class SnapshotReceiver:
         self.control.close()
         self.relay_server.close()
         self.fetcher.close()
+
+
+def _addresses(sources) -> bool:
+    """Whether ``sources`` is a list of 1 to MAX_SOURCES [host, port]."""
+    return isinstance(sources, list) and 0 < len(sources) <= MAX_SOURCES and all(
+        isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and type(s[1]) is int for s in sources)
+
+
+def _stripes(stripes) -> list | None:
+    """An order's stripes as the fetcher takes them ([(lo, hi, sources)], contiguous from byte 0; whether they end
+    at the snapshot's size is checked against its manifest), or None for an order without."""
+    if stripes is None:
+        return None
+    ok = isinstance(stripes, list) and 0 < len(stripes) <= MAX_STRIPES and all(
+        isinstance(s, list) and len(s) == 3 and type(s[0]) is int and type(s[1]) is int and _addresses(s[2])
+        for s in stripes)
+    if not ok or stripes[0][0] != 0 or any(lo > hi for lo, hi, _ in stripes) or any(
+            a[1] != b[0] for a, b in zip(stripes, stripes[1:])):
+        raise BadRequest(f"'stripes' must be a list of 1 to {MAX_STRIPES} [lo, hi, sources], contiguous from 0")
+    return [(lo, hi, [tuple(a) for a in srcs]) for lo, hi, srcs in stripes]

@@ -18,6 +18,12 @@ A source that stalls (no byte for ``stall_timeout_s``), or, when the fetch has a
 finish it past that deadline, is dropped for this fetch (the last source, the origin, only for stalling), so a
 dead or slow relay peer is routed around and nothing already received is fetched twice.
 
+Stripes. An order may cut the snapshot into byte ranges, each with its own sources (topology.plan_stripes: each
+stripe down its own tree). The fetcher then runs one lane per stripe, at once, each a thread with its own
+connection per source and its own failover, all filling one buffer (a span each, store.py); a parent serves a
+child's range as its own span fills, and a chunk across two stripes is checked once both hold it. A lane that no
+source can serve fails the fetch and stops the others.
+
 Keys. A request carries a MAC under the relay key (manifest.request_mac) and the key's id; the answer carries
 ``serve_proof`` under the same key, which the fetcher checks: a node that lost the key (a revoked worker) can
 neither pull nor pass for a source. The key is replaced while nodes run (``use_key``): a request under a key this
@@ -111,6 +117,13 @@ class Superseded(ConnectionError):
 
 class SlowSource(ConnectionError):
     """A source whose rate would finish the fetch past its deadline."""
+
+
+class Stopped(ConnectionError):
+    """Another stripe of the same fetch failed from every source: this one stops too (the fetch has failed)."""
+
+
+Lane = tuple[int, int, list[tuple[str, int]]]  # a stripe's [lo, hi) bytes (hi -1: to the end) and its sources
 
 
 class RelayServer:
@@ -220,10 +233,10 @@ class RelayServer:
         send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(token, req["mac"])})
         pos, mv = start, memoryview(snap.buf)
         while pos < end:
-            received = snap.wait_received(pos, self.stall_timeout_s)
-            if snap.failed or received <= pos:
-                raise ConnectionError(f"v{v}: this node's own download stopped at {received}")
-            hi = min(received, end, pos + PIECE_BYTES)
+            filled = snap.wait_filled(pos, self.stall_timeout_s)  # in a striped fetch, the stripe's own bytes
+            if snap.failed or filled <= pos:
+                raise ConnectionError(f"v{v}: this node's own download stopped at {filled}")
+            hi = min(filled, end, pos + PIECE_BYTES)
             self.served_bytes += hi - pos  # counted as handed to the socket (before, so a reader never lags)
             conn.sendall(mv[pos:hi])
             pos = hi
@@ -309,20 +322,25 @@ class Fetcher:
         self.manifest_key = manifest_key
         self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
         self.answer_timeout_s, self.manifest_wait_s = answer_timeout_s, manifest_wait_s
-        self.conns: dict[tuple[str, int], socket.socket] = {}
+        self.conns: dict[tuple[tuple[str, int], int], socket.socket] = {}  # (source, lane) -> connection
         self.suspect: dict[tuple[str, int], float] = {}  # source -> until when it is tried after the others
+        self.failed_lock = threading.Lock()  # suspect and last_failed, which every lane of a fetch updates
         self.lock = threading.Lock()  # one fetch at a time per node
+        self.made = threading.Lock()  # one lane makes a fetch's buffer; its siblings take that one
         self.gen_lock = threading.Lock()
         self.generation = 0  # bumped by each fetch: a running one that sees it change stops (Superseded)
         self.last_rtt_s: float | None = None  # TCP's smoothed RTT to the source of the last fetch (diagnostics)
         self.last_failed: list[tuple[str, int]] = []  # the sources that failed the last fetch (told to the learner)
 
     def fetch(self, version: int, sources: list[tuple[str, int]], base: int = FULL, epoch: str | None = None,
-              deadline_s: float | None = None) -> Snapshot:
+              deadline_s: float | None = None, stripes: list[Lane] | None = None) -> Snapshot:
         """Fetch ``version`` (or its delta against ``base``) of learner epoch ``epoch`` completely and verified,
-        trying ``sources`` in order; raises if none can serve it. With ``deadline_s``, a source (but the last) whose
-        rate would finish past that many seconds from now is left for the next. A fetch started meanwhile on this
-        node supersedes this one (it raises Superseded, keeping what arrived, from which the newer one resumes)."""
+        trying ``sources`` in order; raises if none can serve it. With ``stripes`` ([(lo, hi, sources)], byte ranges
+        tiling the snapshot: topology.plan_stripes), each range is pulled at once from its own sources, in a thread
+        of its own, and ``sources`` serve only repairs. With ``deadline_s``, a source (but a list's last) whose rate
+        would finish its range past that many seconds from now is left for the next. A fetch started meanwhile on
+        this node supersedes this one (it raises Superseded, keeping what arrived, from which the newer one
+        resumes)."""
         with self.gen_lock:
             self.generation += 1
             gen = self.generation
@@ -332,39 +350,107 @@ class Fetcher:
             if snap is not None and snap.complete:
                 return snap
             self.store.expect(version, base)
-            given, sources = sources, self._ranked(sources)
+            lanes = [(lo, hi, list(srcs)) for lo, hi, srcs in stripes] if stripes else [(0, -1, list(sources))]
+            if snap is not None and len(snap.spans) != len(lanes):
+                # a partial copy laid out otherwise (an earlier order of this version): keep its bytes, and fill its
+                # spans from the origin only, which holds all of it (this order's parents were planned for other
+                # byte ranges, and one of them may be waiting for this node's own bytes)
+                lanes = [(lo, hi, list(sources[-1:])) for lo, hi, _ in snap.spans]
             self.last_failed = []
-            for src in sources:
-                if snap is not None and snap.received == snap.size:
-                    break
-                try:
-                    snap = self._stream(src, version, base, snap, epoch, gen, deadline if src != given[-1] else None)
-                    self.last_rtt_s = tcp_rtt_s(self.conns.get(src))
-                except Superseded:
-                    raise
-                except (OSError, ConnectionError, BadSnapshot) as e:
-                    self.suspect[src] = time.monotonic() + SUSPECT_S
-                    self.last_failed.append(src)
-                    self._drop(src)
-                    snap = self.store.get(version, base=base)  # what arrived is kept: resume from there
-                    log.warning("v%d from %s:%d failed at byte %s: %s; next source", version, *src,
-                                snap.received if snap else 0, e)
-            if snap is None or snap.received < snap.size:
+            errors = self._lanes(lanes, version, base, epoch, gen, deadline)
+            snap = self.store.get(version, base=base)
+            unexpected = [e for e in errors if not isinstance(e, (OSError, BadSnapshot))]
+            superseded = [e for e in errors if isinstance(e, Superseded)]
+            if unexpected or superseded:
+                raise (unexpected or superseded)[0]
+            if errors or snap is None or snap.received < snap.size:
                 if snap is not None:
                     self._fail(snap)
-                raise ConnectionError(f"v{version}: no source could serve it ({len(sources)} tried)")
-            self._repair(snap, self._ranked(given[::-1]))  # origin first, those that failed last
+                tried = len({src for _, _, srcs in lanes for src in srcs})
+                raise ConnectionError(f"v{version}: no source could serve it ({tried} tried)")
+            self._repair(snap, self._ranked(sources[::-1]))  # origin first, those that failed last
             with snap.cond:
                 snap.complete = True
                 snap.cond.notify_all()
             return snap
 
+    def _lanes(self, lanes: list[Lane], version: int, base: int, epoch: str | None, gen: int,
+               deadline: float | None) -> list[BaseException]:
+        """Run every lane (one stripe each) to its end, the first in this thread; the errors they ended with. A lane
+        that no source could serve stops the others (the fetch has failed)."""
+        errors: list[BaseException] = []
+        stop = threading.Event()
+        bounds = None if len(lanes) == 1 and lanes[0][1] == -1 else [(lo, hi) for lo, hi, _ in lanes]
+
+        def run(j: int) -> None:
+            try:
+                self._lane(j, lanes[j][2], version, base, epoch, gen, deadline, bounds, stop)
+            except BaseException as e:  # anything: the fetch must not return while a sibling lane still writes
+                errors.append(e)
+                if not stop.is_set() and not isinstance(e, Stopped):
+                    stop.set()
+                    self._interrupt(j)
+
+        threads = [threading.Thread(target=run, args=(j,), name=f"fetch-stripe-{j}", daemon=True)
+                   for j in range(1, len(lanes))]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        return errors
+
+    def _interrupt(self, j: int) -> None:
+        """Wake the lanes other than ``j`` from a blocking read (a failed fetch's siblings stop at once, not after a
+        stall timeout): their connections are shut down, and they end Stopped."""
+        for (_, k), conn in list(self.conns.items()):
+            if k != j:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _lane(self, j: int, sources: list[tuple[str, int]], version: int, base: int, epoch: str | None, gen: int,
+              deadline: float | None, bounds: list[tuple[int, int]] | None, stop: threading.Event) -> None:
+        """Fill span ``j`` from ``sources`` in order (those that failed lately last), moving on (and resuming at the
+        byte held) when one fails."""
+        for src in self._ranked(sources):
+            snap = self.store.get(version, base=base)
+            if snap is not None and snap.spans[j][2] >= snap.spans[j][1]:
+                return
+            if stop.is_set():
+                raise Stopped(f"v{version}: another stripe failed")
+            try:
+                self._stream(src, j, bounds, version, base, epoch, gen, deadline if src != sources[-1] else None,
+                             stop)
+                self.last_rtt_s = tcp_rtt_s(self.conns.get((src, j)))
+                return
+            except (Superseded, Stopped):
+                self._drop((src, j))  # its stream stopped mid-range: the connection cannot carry another request
+                raise
+            except (OSError, ConnectionError, BadSnapshot) as e:
+                self._drop((src, j))
+                if stop.is_set():  # a sibling lane failed and shut this one's connection: not this source's fault
+                    raise Stopped(f"v{version}: another stripe failed") from None
+                with self.failed_lock:
+                    self.suspect[src] = time.monotonic() + SUSPECT_S
+                    if src not in self.last_failed:
+                        self.last_failed.append(src)
+                snap = self.store.get(version, base=base)  # what arrived is kept: resume from there
+                log.warning("v%d%s from %s:%d failed at byte %s: %s; next source", version,
+                            f" stripe {j}" if bounds else "", *src, snap.spans[j][2] if snap else 0, e)
+        snap = self.store.get(version, base=base)
+        if snap is None or snap.spans[j][2] < snap.spans[j][1]:
+            raise ConnectionError(f"v{version}: no source could serve {f'stripe {j}' if bounds else 'it'}")
+
     def _ranked(self, sources: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """``sources`` with those that failed a fetch within SUSPECT_S moved after the others, otherwise in the order
         given (the last one given, the origin, still gets no deadline wherever it lands)."""
         now = time.monotonic()
-        self.suspect = {src: until for src, until in self.suspect.items() if until > now}
-        return [s for s in sources if s not in self.suspect] + [s for s in sources if s in self.suspect]
+        with self.failed_lock:
+            self.suspect = {src: until for src, until in self.suspect.items() if until > now}
+            suspect = set(self.suspect)
+        return [s for s in sources if s not in suspect] + [s for s in sources if s in suspect]
 
     def _held(self, version: int, base: int, epoch: str | None, gen: int) -> Snapshot | None:
         """What this node holds of (version, base) already, if it is of ``epoch`` (else it is dropped)."""
@@ -376,28 +462,31 @@ class Fetcher:
             return None
         return snap
 
-    def _conn(self, src: tuple[str, int]) -> socket.socket:
-        conn = self.conns.get(src)
+    def _conn(self, key: tuple[tuple[str, int], int]) -> socket.socket:
+        """The persistent connection to source ``key[0]`` for lane ``key[1]`` (two stripes from one source, as in a
+        failover to the origin, each need their own stream)."""
+        conn = self.conns.get(key)
         if conn is None:
-            conn = socket.create_connection(src, timeout=self.connect_timeout_s)  # the TLS handshake too
+            conn = socket.create_connection(key[0], timeout=self.connect_timeout_s)  # the TLS handshake too
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.trust is not None:
                 conn = self.trust.connect(conn)
-            self.conns[src] = conn = self.link.fetch(conn) if self.link is not None else conn
+            self.conns[key] = conn = self.link.fetch(conn) if self.link is not None else conn
         return conn
 
-    def _drop(self, src: tuple[str, int]) -> None:
-        conn = self.conns.pop(src, None)
+    def _drop(self, key: tuple[tuple[str, int], int]) -> None:
+        conn = self.conns.pop(key, None)
         if conn is not None:
             conn.close()
 
-    def _request(self, src, version: int, base: int, start: int, end: int, epoch: str | None,
+    def _request(self, key, version: int, base: int, start: int, end: int, epoch: str | None,
                  deadline: float | None = None) -> tuple[socket.socket, dict]:
-        """Ask ``src`` for bytes [start, end) of (version, base); its verified manifest, with the connection
-        positioned at the first byte. A source still waiting for its own manifest is given up at ``deadline``."""
+        """Ask source ``key[0]`` (on lane ``key[1]``'s connection) for bytes [start, end) of (version, base); its
+        verified manifest, with the connection positioned at the first byte. A source still waiting for its own
+        manifest is given up at ``deadline``."""
         for attempt in (1, 2):
-            reused = src in self.conns
-            conn, token = self._conn(src), self.token
+            reused = key in self.conns
+            conn, token = self._conn(key), self.token
             if not token:
                 raise ConnectionError("no relay key yet (the learner's first order brings it)")
             mac = request_mac(token, version, base, start, end)
@@ -409,7 +498,7 @@ class Fetcher:
             except socket.timeout:
                 raise
             except (OSError, ConnectionError):
-                self._drop(src)
+                self._drop(key)
                 if not reused or attempt == 2:
                     raise
                 # a persistent connection the source closed while it idled: once more, on a new one
@@ -435,35 +524,53 @@ class Fetcher:
                 raise SlowSource("still waiting for its own manifest, past this fetch's deadline")
         return reply
 
-    def _stream(self, src, version: int, base: int, snap: Snapshot | None, epoch: str | None, gen: int,
-                deadline: float | None) -> Snapshot:
-        conn, manifest = self._request(src, version, base, snap.received if snap else 0, -1, epoch, deadline)
+    def _snapshot(self, manifest: dict, bounds: list[tuple[int, int]] | None) -> Snapshot:
+        """The buffer for ``manifest``'s snapshot: the one a sibling lane made already, or a new one laid out in
+        ``bounds`` (the order's stripes, which must tile it)."""
+        with self.made:
+            snap = self.store.get(manifest["version"], base=manifest["base"])
+            if snap is None:
+                try:
+                    snap = self.store.put(Snapshot(manifest, bounds=bounds))
+                except ValueError as e:
+                    raise BadSnapshot(f"the order's stripes do not fit v{manifest['version']}: {e}") from None
+            return snap
+
+    def _stream(self, src, j: int, bounds: list[tuple[int, int]] | None, version: int, base: int,
+                epoch: str | None, gen: int, deadline: float | None, stop: threading.Event) -> Snapshot:
+        """Fill span ``j`` (bounds[j], or the whole snapshot) from ``src``, from the byte held on."""
+        snap = self.store.get(version, base=base)
+        start, end = (snap.spans[j][2], snap.spans[j][1]) if snap else bounds[j] if bounds else (0, -1)
+        conn, manifest = self._request((src, j), version, base, start, end, epoch, deadline)
         if (manifest["version"], manifest["base"]) != (version, base):
             raise BadSnapshot(f"asked for v{version} (base {base}), got v{manifest['version']} "
                               f"(base {manifest['base']})")
         if snap is None:
-            snap = self.store.put(Snapshot(manifest))
-        elif manifest["root"] != snap.manifest["root"]:
+            snap = self._snapshot(manifest, bounds)
+        if manifest["root"] != snap.manifest["root"]:
             raise BadSnapshot(f"v{version} from {src}: a different snapshot than the one being received")
-        mv = memoryview(snap.buf)
+        mv, span, cb = memoryview(snap.buf), snap.spans[j], snap.chunk_bytes
         first_at, got = None, 0  # from this source: its rate, judged against the deadline
-        while snap.received < snap.size:
+        while span[2] < span[1]:
             if gen != self.generation:
-                raise Superseded(f"v{version}: a newer fetch took over at byte {snap.received}")
-            hi = min(snap.size, snap.received + PIECE_BYTES)
-            n = conn.recv_into(mv[snap.received:hi])
+                raise Superseded(f"v{version}: a newer fetch took over at byte {span[2]}")
+            if stop.is_set():
+                raise Stopped(f"v{version}: another stripe failed")
+            pos = span[2]
+            hi = min(span[1], pos + PIECE_BYTES)
+            n = conn.recv_into(mv[pos:hi])
             if n == 0:
                 raise ConnectionError("source closed the connection")
             if isinstance(conn, ssl.SSLSocket):
-                n += drain(conn, mv[snap.received + n:hi])
-            snap.arrived(n)
-            if snap.received % snap.chunk_bytes < n or snap.received == snap.size:  # crossed a chunk boundary
+                n += drain(conn, mv[pos + n:hi])
+            snap.arrived(n, j)
+            if (pos + n) // cb > pos // cb or pos + n == span[1]:  # crossed a chunk boundary, or the span's end
                 for bad in snap.check_chunks():
                     log.warning("v%d chunk %d from %s:%d failed its digest; will re-fetch", version, bad, *src)
             now, got = time.monotonic(), got + n
             first_at = first_at or now
             if (deadline is not None and now - first_at >= SLOW_GRACE_S
-                    and now + (snap.size - snap.received) * (now - first_at) / got > deadline):
+                    and now + (span[1] - span[2]) * (now - first_at) / got > deadline):
                 raise SlowSource(f"{got / (now - first_at) / 1e6:.2f} MB/s from it would finish past the deadline")
         return snap
 
@@ -475,12 +582,13 @@ class Fetcher:
             hi = min(lo + snap.chunk_bytes, snap.size)
             for src in sources:
                 try:
-                    conn, manifest = self._request(src, snap.version, snap.key[1], lo, hi, snap.manifest.get("epoch"))
+                    conn, manifest = self._request((src, 0), snap.version, snap.key[1], lo, hi,
+                                                   snap.manifest.get("epoch"))
                     if manifest["root"] != snap.manifest["root"]:
                         raise BadSnapshot("a different snapshot")
                     snap.buf[lo:hi] = recv_exact(conn, hi - lo)
                 except (OSError, ConnectionError, BadSnapshot) as e:
-                    self._drop(src)
+                    self._drop((src, 0))
                     log.warning("re-fetch of chunk %d from %s:%d failed: %s", i, *src, e)
                     continue
                 if snap.chunk_ok(i):

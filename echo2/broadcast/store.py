@@ -1,13 +1,15 @@
 """The snapshots one relay node holds: each a buffer that fills while it is served, kept by (version, base).
 
-    Fetcher ──arrived(n)──► Snapshot.buf [■■■■■■■■□□□□□□□]  received ─► check_chunks(): sha256 of each whole chunk
-                                         │                                 against the signed manifest (bad: re-fetch)
-    RelayServer ◄──wait_received(pos)────┘  serves children from the same buffer as bytes land (cut-through)
+    Fetcher ──arrived(n, span)──► Snapshot.buf [■■■■□□□□|■■■□□□□□]  ─► check_chunks(): sha256 of each whole chunk
+                                               span 0     span 1          against the signed manifest (bad: re-fetch)
+    RelayServer ◄──wait_filled(pos)────────────┘  serves children from the same buffer as bytes land (cut-through)
 
     Store: the newest ``keep`` versions (full snapshots and deltas), older ones collected unless pinned
 
 A complete snapshot (the learner's) is served from the caller's bytes; an arriving one lands in a memory file
-(snapshot.MemoryFile) that the worker's engine maps to apply it: no copy in between.
+(snapshot.MemoryFile) that the worker's engine maps to apply it: no copy in between. An arriving snapshot fills
+one span per stripe (topology.py): each span from its low end up, all at once, from different parents; a byte is
+served once it is filled, and a chunk is checked once all its bytes are, whichever spans they lie in.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from echo2.broadcast.snapshot import MemoryFile
 
 
 class Snapshot:
-    """A snapshot buffer that fills while it is served. ``received``: bytes in the buffer (what this node may
-    forward or check); ``bad``: chunks that failed their digest."""
+    """A snapshot buffer that fills while it is served. ``spans``: [lo, hi, filled] per stripe, each filled from lo
+    up to ``filled`` (one span, [0, size), unless fetched in stripes); ``received``: bytes filled in all; ``bad``:
+    chunks that failed their digest."""
 
-    def __init__(self, manifest: dict, blob: bytes | None = None):
+    def __init__(self, manifest: dict, blob: bytes | None = None, bounds: list[tuple[int, int]] | None = None):
         self.manifest, self.version, self.size = manifest, manifest["version"], manifest["size"]
         self.key = (self.version, manifest["base"])  # the full snapshot v, or the delta of v against a base
         self.chunk_bytes = manifest["chunk_bytes"]
@@ -33,40 +36,84 @@ class Snapshot:
         # hop for 200 MB, added to every hop's first byte, since children wait for the parent's buffer). A worker's
         # vLLM engine maps the same file to apply it (snapshot.MemoryFile): no copy of the snapshot in between.
         self.buf = blob if blob is not None else (MemoryFile(self.size) if self.size else bytearray())
+        bounds = bounds or [(0, self.size)]
+        if bounds[0][0] != 0 or bounds[-1][1] != self.size or any(
+                lo > hi or hi != nxt for (lo, hi), (nxt, _) in zip(bounds, bounds[1:] + [(self.size, 0)])):
+            raise ValueError(f"stripes {bounds} do not tile [0, {self.size})")
+        self.spans = [[lo, hi, hi if blob is not None else lo] for lo, hi in bounds]
         self.received = self.size if blob is not None else 0
-        self.checked = len(manifest["chunks"]) if blob is not None else 0  # chunks digested so far, in order
+        n_chunks = len(manifest["chunks"])
+        self.checked = n_chunks if blob is not None else 0  # chunks digested so far
+        # chunks not yet digested: per span, the next chunk lying wholly inside it; ``straddling``, those across a
+        # span boundary (checked once both spans have them)
+        self._next = [-(-lo // self.chunk_bytes) if self.chunk_bytes else 0 for lo, _ in bounds]
+        self._straddling = set() if blob is not None else {
+            lo // self.chunk_bytes for lo, _ in bounds[1:] if lo % self.chunk_bytes and lo < self.size}
+        if blob is not None:
+            self._next = [n_chunks] * len(bounds)
         self.bad: set[int] = set()
         self.complete = blob is not None
         self.failed = False
         self.first_byte_at: float | None = None  # time.monotonic() of the first byte received (diagnostics)
         self.cond = threading.Condition()
 
-    def arrived(self, n: int) -> None:
+    def arrived(self, n: int, span: int = 0) -> None:
+        """``n`` more bytes landed at the top of span ``span``."""
         with self.cond:
             if self.first_byte_at is None:
                 self.first_byte_at = time.monotonic()
+            self.spans[span][2] += n
             self.received += n
             self.cond.notify_all()
 
-    def wait_received(self, pos: int, timeout_s: float) -> int:
-        """Bytes received once more than ``pos`` are (or the timeout passes, or the fetch failed)."""
+    def fill(self) -> None:
+        """Every byte is in (written by the caller: a snapshot rebuilt from a delta)."""
         with self.cond:
-            self.cond.wait_for(lambda: self.received > pos or self.failed, timeout=timeout_s)
-            return self.received
+            for sp in self.spans:
+                sp[2] = sp[1]
+            self.received = self.size
+            self.cond.notify_all()
+
+    def filled_to(self, pos: int) -> int:
+        """The end of the run of filled bytes from ``pos`` (``pos`` itself if that byte is not in yet)."""
+        end = pos
+        for lo, hi, filled in self.spans:
+            if hi <= end:
+                continue
+            if lo > end or filled <= end:
+                break
+            end = filled
+            if filled < hi:
+                break
+        return end
+
+    def wait_filled(self, pos: int, timeout_s: float) -> int:
+        """``filled_to(pos)`` once it is past ``pos`` (or the timeout passes, or the fetch failed)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.filled_to(pos) > pos or self.failed, timeout=timeout_s)
+            return self.filled_to(pos)
 
     def check_chunks(self) -> list[int]:
-        """Digest every newly received whole chunk; returns those that failed (also added to ``bad``)."""
-        failed = []
-        chunks = self.manifest["chunks"]
-        while self.checked < len(chunks):
-            lo = self.checked * self.chunk_bytes
-            hi = min(lo + self.chunk_bytes, self.size)
-            if self.received < hi:
-                break
-            if not self.chunk_ok(self.checked):
-                failed.append(self.checked)
-            self.checked += 1
-        self.bad.update(failed)
+        """Digest every newly filled whole chunk; returns those that failed (also added to ``bad``). Safe from
+        several fetching threads at once (one per stripe): each chunk is claimed by one, and hashed outside the
+        lock."""
+        cb, n_chunks, todo = self.chunk_bytes, len(self.manifest["chunks"]), []
+        with self.cond:
+            for j, (lo, hi, filled) in enumerate(self.spans):
+                while self._next[j] < n_chunks:
+                    i = self._next[j]
+                    end = min((i + 1) * cb, self.size)
+                    if i * cb >= hi or end > hi or end > filled:
+                        break  # a later span's, straddling into the next span (checked below), or not all in yet
+                    todo.append(i)
+                    self._next[j] += 1
+            for i in [i for i in self._straddling if self.filled_to(i * cb) >= min((i + 1) * cb, self.size)]:
+                self._straddling.discard(i)
+                todo.append(i)
+        failed = [i for i in todo if not self.chunk_ok(i)]
+        with self.cond:
+            self.checked += len(todo)
+            self.bad.update(failed)
         return failed
 
     def chunk_ok(self, i: int) -> bool:

@@ -2,6 +2,7 @@
 
     python -m echo2.lab.bench --mode pipelined --workers 8 --size-mb 50 --link-mbit 100 --rtt-ms 40
     python -m echo2.lab.bench --mode one_to_many --workers 4 --size-mb 50 --link-mbit 100 --rtt-ms 40 --json
+    python -m echo2.lab.bench --mode chain|stripes|tree ...   # one layout, whatever auto would pick
     python -m echo2.lab.bench ... --testbed inproc      # no root: token buckets + latency around each connection
     python -m echo2.lab.bench ... --tls both            # the same broadcast over plain TCP, then over TLS
 
@@ -19,6 +20,13 @@ connections (handshakes, TCP slow start: a run pays that once; reported as first
 max(M / learner uplink, M / worker downlink) + one path latency (RTT/2), the physical floor of any broadcast;
 ratio = time_s / bound_s. ``--tls on`` runs every relay link and control call over TLS with a run CA made for
 the bench (as a run off loopback does); ``both`` measures plain then TLS and prints the slowdown.
+
+Modes: ``pipelined`` is what ``broadcast=pipelined`` runs (topology ``auto``: chain or stripes, picked per round by
+topology.choose); ``chain``, ``stripes`` (up to ``--fanout`` stripes) and ``tree`` force one layout;
+``one_to_many`` is the star. Beside each time: the layout the last round ran (``layout``), the pipeline's own term
+the model predicts for it and for a chain (``added_s``, ``chain_added_s``: topology.added_s, the time past M/B),
+and Mundinger, Weber and Weiss's optimum (M/B)(1 + ⌊log₂N⌋/k) for k = M / piece, the relay's forwarding unit
+(``mww_s``; no latency in it).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = {"pipelined": "chain", "one_to_many": "star", "tree": "tree"}
+MODES = {"pipelined": "auto", "one_to_many": "star", "chain": "chain", "stripes": "stripes", "tree": "tree"}
 
 
 # ---------------------------------------------------------------------- roles (each its own process)
@@ -48,17 +56,38 @@ def role_peer(args) -> None:
     from echo2.lab.link import Link
 
     link = Link(up_mbit=args.up_mbit, down_mbit=args.down_mbit, latency_s=args.latency_ms / 1e3)
+    cls = _late_control(SnapshotReceiver, args.latency_ms / 1e3) if args.latency_ms else SnapshotReceiver
     trust = None
     if args.tls_dir:
         from echo2.transport import PEER_NAME, RunCA, Trust, server_context
 
         ca = RunCA(args.tls_dir)
         trust = Trust(ca.ca_pem, ca.ca_file, server_context(*ca.issue([PEER_NAME])))
-    r = SnapshotReceiver.of_run(os.environ["ECHO2_TOKEN"], lambda v, blob, manifest: None, host=args.host, link=link,
-                                trust=trust).start()
+    r = cls.of_run(os.environ["ECHO2_TOKEN"], lambda v, blob, manifest: None, host=args.host, link=link,
+                   trust=trust).start()
     print(json.dumps({"url": r.url, "relay": r.relay_addr}), flush=True)
     sys.stdin.read()  # until the driver closes our stdin
     r.close()
+
+
+def _late_control(base: type, one_way_s: float) -> type:
+    """``base`` (SnapshotReceiver) whose control routes take an order one one-way latency after it was sent and
+    answer one later: the in-process link shapes only relay connections, and the learner measures a peer's RTT
+    by its key orders (topology ``auto`` plans by it), as it does over a real or namespace link."""
+
+    class LateControl(base):
+        def _fetch(self, body, headers):
+            time.sleep(one_way_s)
+            try:
+                return super()._fetch(body, headers)
+            finally:
+                time.sleep(one_way_s)
+
+        def _key(self, body, headers):
+            time.sleep(2 * one_way_s)
+            return super()._key(body, headers)
+
+    return LateControl
 
 
 def role_learner(args) -> None:
@@ -74,8 +103,8 @@ def role_learner(args) -> None:
             delivered.setdefault(version, set()).add(peer)
             done.notify_all()
 
-    bc = RelayBroadcaster(os.environ["ECHO2_TOKEN"], topology=MODES[args.mode], host=args.host,
-                          link=Link(up_mbit=args.uplink_mbit), chunk_mb=args.chunk_mb,
+    bc = RelayBroadcaster(os.environ["ECHO2_TOKEN"], topology=MODES[args.mode], fanout=args.fanout,
+                          host=args.host, link=Link(up_mbit=args.uplink_mbit), chunk_mb=args.chunk_mb,
                           sparse_delta=args.changed < 1)
     bc.on_delivered = on_delivered
     if args.tls_dir:
@@ -102,11 +131,12 @@ def role_learner(args) -> None:
             if not done.wait_for(lambda: len(delivered.get(v, ())) == len(peers), timeout=args.timeout_s):
                 sys.exit(f"v{v}: only {len(delivered.get(v, ()))} of {len(peers)} workers got it in {args.timeout_s} s")
         informed_s = time.monotonic() - t0
-        hops = sorted((r["depth"], (r.get("first_byte_at") or t0) - t0, r["done_at"] - t0, r.get("rtt_s"))
-                      for r in bc.last_results.values())
+        hops = sorted((r["depth"], (r.get("first_byte_at") or t0) - t0, r["done_at"] - t0, r.get("rtt_s"),
+                       r["done_at"] - r["seconds"] - t0) for r in bc.last_results.values())
+        layout = bc.last_layout
         rows.append({"time_s": max(h[2] for h in hops), "informed_s": informed_s, "prepare_s": bc.last_prepare_s,
                      "hops": hops, "origin_bytes": bc.server.served_bytes - origin_before,
-                     "delta_ratio": bc.last_delta_ratio})
+                     "delta_ratio": bc.last_delta_ratio, "layout": [layout.kind, layout.fanout] if layout else None})
     bc.close()
     print(json.dumps(rows), flush=True)
 
@@ -202,7 +232,8 @@ def measure(args) -> dict:
             peers.append(json.loads(p.stdout.readline()))
         extra = ["--uplink-mbit", uplink, *shaping] if shaping else []
         learner = start(0, _py("--role", "learner", "--host", hosts[0], "--peers", json.dumps(peers), "--mode",
-                               args.mode, "--size-bytes", size, "--reps", args.warmup + args.reps,
+                               args.mode, "--fanout", args.fanout, "--size-bytes", size, "--reps",
+                               args.warmup + args.reps,
                                "--chunk-mb", args.chunk_mb,
                                "--changed", args.changed,
                                "--timeout-s", args.timeout_s, *extra, *tls))
@@ -231,12 +262,28 @@ def measure(args) -> dict:
             "ratio": med / bound, "times_s": times, "informed_s": statistics.median(r["informed_s"] for r in rows),
             "prepare_s": statistics.median(r["prepare_s"] for r in rows),
             "delta_ratio": statistics.median(r["delta_ratio"] for r in rows), "changed": args.changed,
-            "hops": median_row["hops"],  # (depth, first byte s, done s, TCP RTT to its source s) per worker
+            # per worker: depth, first byte s, done s, TCP RTT to its source s, when its order took effect s
+            "hops": median_row["hops"],
             "origin_bytes_per_version": statistics.median(r["origin_bytes"] for r in rows),
             "testbed": args.testbed, "link_mbit": args.link_mbit, "learner_uplink_mbit": uplink,
             "rtt_ms": args.rtt_ms, "reps": args.reps, "warmup": args.warmup, "first_version_s": first["time_s"],
             "tls": bool(args.tls_dir),
-            "calibration": calibration}
+            "calibration": calibration, **_model_terms(median_row, args.workers, size, min(uplink, args.link_mbit),
+                                                      args.rtt_ms)}
+
+
+def _model_terms(row: dict, n: int, size_bytes: int, mbit: float, rtt_ms: float) -> dict:
+    """What the planning model says of the round ``row`` ran (see the module doc): its layout, the pipeline's own
+    term for it and for a chain, and the MWW optimum for its chunks."""
+    from echo2.broadcast import topology
+
+    rate, one_way_s = mbit * 1e6 / 8, rtt_ms / 2e3
+    layout = topology.Layout(*row["layout"]) if row.get("layout") else None
+    return {"layout": f"{layout.kind}({layout.fanout})" if layout and layout.kind in ("stripes", "tree")
+            else layout.kind if layout else None,
+            "added_s": topology.added_s(layout, n, size_bytes, rate, one_way_s) if layout else None,
+            "chain_added_s": topology.added_s(topology.Layout("chain"), n, size_bytes, rate, one_way_s),
+            "mww_s": topology.mww_optimum_s(n, size_bytes, rate, -(-size_bytes // topology.PIECE_BYTES))}
 
 
 def calibrate(testbed, rate_mbit: float, rtt_ms: float, env: dict) -> dict:
@@ -262,7 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m echo2.lab.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=sorted(MODES), default="pipelined",
-                   help="pipelined (chain relay), one_to_many (star), tree (binary relay tree)")
+                   help="pipelined (auto: chain or stripes, as broadcast=pipelined runs), chain, stripes, tree "
+                        "(relay tree), one_to_many (star)")
+    p.add_argument("--fanout", type=int, default=2,
+                   help="tree: children per node; stripes: the most stripes (broadcast.sender.fanout; pipelined, "
+                        "topology auto, picks its own)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--size-mb", type=float, default=50)
     p.add_argument("--link-mbit", type=float, default=100, help="every worker's uplink and downlink")
@@ -333,6 +384,9 @@ def _print(r: dict) -> None:
           f"(first version, opening connections: {r['first_version_s']:.2f} s)")
     print(f"{r['time_s']:>8.2f} {r['bound_s']:>8.2f} {r['ratio']:>6.2f} {r['prepare_s']:>9.2f} "
           f"{r['origin_bytes_per_version'] / r['size_bytes']:>15.2f}xM  {', '.join(f'{t:.2f}' for t in r['times_s'])}")
+    if r.get("layout"):
+        print(f"layout {r['layout']}: the model's pipeline term {r['added_s']:.3f} s (a chain's "
+              f"{r['chain_added_s']:.3f} s); MWW optimum {r['mww_s']:.2f} s")
 
 
 if __name__ == "__main__":
