@@ -394,6 +394,7 @@ def plot_grouped(groups: dict[tuple, list[dict]], by: str, panels: str | None, o
     import matplotlib.pyplot as plt
 
     panel_values = list(dict.fromkeys(p for p, _ in groups))
+    colors = {v: f"C{i % 10}" for i, v in enumerate(dict.fromkeys(v for _, v in groups))}  # one value, one colour
     fig, axes = plt.subplots(1, len(panel_values), figsize=(5.5 * len(panel_values), 4.5), squeeze=False,
                              sharey=True)
     for ax, panel in zip(axes[0], panel_values, strict=True):
@@ -405,14 +406,14 @@ def plot_grouped(groups: dict[tuple, list[dict]], by: str, panels: str | None, o
             n = min(len(c) for c in curves)
             steps = list(range(1, n + 1))
             mean = [sum(c[i] for c in curves) / len(curves) for i in range(n)]
-            line, = ax.plot(steps, mean, label=f"{by.rsplit('.', 1)[-1]}={value}")
+            line, = ax.plot(steps, mean, label=f"{by.rsplit('.', 1)[-1]}={value}", color=colors[value])
             ax.fill_between(steps, [min(c[i] for c in curves) for i in range(n)],
                             [max(c[i] for c in curves) for i in range(n)], color=line.get_color(), alpha=0.15)
         ax.set_title(f"{panels}={panel}" if panels else "")
         ax.set_xlabel("learner step")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)  # each panel its own: a value may be missing from some
     axes[0][0].set_ylabel(f"reward (moving average of {window}; mean over runs, min-max shaded)")
-    axes[0][-1].legend(fontsize=8)
     out.mkdir(parents=True, exist_ok=True)
     return _save(fig, out / f"reward_by_{by.rsplit('.', 1)[-1]}.png")
 
