@@ -154,6 +154,17 @@ def balanced(acc):
     return acc["dispatched"] == total + acc["in_flight"] + acc["buffered"] and acc["in_flight"] == acc["buffered"] == 0
 
 
+def holds_within(cond, timeout=20.0) -> bool:
+    """Whether ``cond()`` comes true within ``timeout`` seconds (polled every 20 ms); for ``assert holds_within(...)``
+    where the condition's own failure message says enough."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
 def wait_until(condition, timeout_s=300, what: str | None = None):
     """Wait (we may be holding the learner in its callback) until ``condition()``; a starting vLLM takes 25-60 s here.
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import holds_within
 from echo2.broadcast import delta
 from echo2.broadcast.broadcaster import RelayBroadcaster
 from echo2.broadcast.peer import SnapshotReceiver
@@ -52,13 +52,6 @@ def test_word_size_from_the_safetensors_header():
     assert delta.word_bytes_of(b"garbage!") == 1
 
 
-def wait(cond, timeout=20):
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return cond()
-
-
 def test_relay_sends_a_delta_to_peers_holding_the_base_and_full_to_others():
     chunk = 64 << 10
     v1 = os.urandom(40 * chunk)
@@ -76,13 +69,14 @@ def test_relay_sends_a_delta_to_peers_holding_the_base_and_full_to_others():
         for n, r in peers.items():
             bc.add_peer(n, r.url, r.relay_addr)
         bc.publish(1, v1)
-        assert wait(lambda: len(delivered) == 3)
+        assert holds_within(lambda: len(delivered) == 3)
         origin_v1 = bc.server.served_bytes
         assert origin_v1 == len(v1)
         # p2 loses its copy of v1 (a restart): it cannot apply a delta, and must get v2 whole
         peers["p2"].store.snaps.clear()
         bc.publish(2, v2)
-        assert wait(lambda: len(delivered) >= 6 or bc.failures > 0) and wait(lambda: len(delivered) == 6, 30)
+        assert holds_within(lambda: len(delivered) >= 6 or bc.failures > 0)
+        assert holds_within(lambda: len(delivered) == 6, 30)
         assert all(vs[-1] == (2, v2) for vs in got.values())  # rebuilt bit for bit, then checked against v2's digests
         assert 0 < bc.last_delta_ratio < 0.05
         sent_v2 = bc.server.served_bytes - origin_v1
@@ -91,7 +85,7 @@ def test_relay_sends_a_delta_to_peers_holding_the_base_and_full_to_others():
         late = peers["late"] = SnapshotReceiver.of_run(TOKEN, lambda v, b, _m: got.setdefault("late", []).append((v, bytes(b))))
         late.start()
         bc.add_peer("late", late.url, late.relay_addr)
-        assert wait(lambda: got.get("late") == [(2, v2)])  # no base: full, from a peer that holds v2
+        assert holds_within(lambda: got.get("late") == [(2, v2)])  # no base: full, from a peer that holds v2
     finally:
         bc.close()
         for r in peers.values():

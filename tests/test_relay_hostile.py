@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import closed_by_server, small_coordinator
+from conftest import closed_by_server, holds_within, small_coordinator
 from echo2.broadcast.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame
 from echo2.broadcast.manifest import BadSnapshot, make_manifest, signing_key, verify_key, verify_manifest
@@ -29,13 +29,6 @@ SECRET = "secret"  # small_coordinator's run secret too
 SIGNER, KEY = signing_key(SECRET), verify_key(SECRET)
 TOKEN = "7e" * 32  # a relay key, for the tests that run relay nodes without a broadcaster
 CHUNK = 64 << 10
-
-
-def wait(cond, timeout=20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return cond()
 
 
 def origin_with(blob: bytes, version: int = 1, **manifest) -> RelayServer:
@@ -71,9 +64,9 @@ def test_a_round_closes_at_a_hung_peers_deadline_and_the_next_version_goes_out()
                     f"127.0.0.1:{hung_relay.getsockname()[1]}")
         blob = os.urandom(8 * CHUNK)
         bc.publish(1, blob)
-        assert wait(lambda: all(got.get(n) == [1] for n in honest)), got
+        assert holds_within(lambda: all(got.get(n) == [1] for n in honest)), got
         bc.publish(2, blob[::-1])
-        assert wait(lambda: all(got.get(n) == [1, 2] for n in honest), timeout=8), got
+        assert holds_within(lambda: all(got.get(n) == [1, 2] for n in honest), timeout=8), got
         assert bc.metrics()["broadcast/late"] >= 1  # the round closed without it, and says so
     finally:
         bc.close()
@@ -138,7 +131,7 @@ def test_a_relay_that_never_answers_costs_its_successor_one_timeout_not_one_per_
         for v in range(1, 6):
             t0 = time.monotonic()
             bc.publish(v, blob if v % 2 else blob[::-1])
-            assert wait(lambda: all(v in got.get(n, []) for n in peers), timeout=15), (v, got)
+            assert holds_within(lambda: all(v in got.get(n, []) for n in peers), timeout=15), (v, got)
             seconds.append(time.monotonic() - t0)
             hole.settimeout(0.01)
             try:
@@ -155,7 +148,7 @@ def test_a_relay_that_never_answers_costs_its_successor_one_timeout_not_one_per_
             bc.peers["aa"].rate_bytes_per_s, bc.peers["aa"].rtt_s = 1e8, 1e-4
         t0 = time.monotonic()
         bc.publish(6, blob)
-        assert wait(lambda: all(6 in got.get(n, []) for n in peers), timeout=15), got
+        assert holds_within(lambda: all(6 in got.get(n, []) for n in peers), timeout=15), got
         assert time.monotonic() - t0 < 1.0
         hole.settimeout(0.5)
         with pytest.raises(OSError):
@@ -199,7 +192,7 @@ def test_a_peers_own_report_does_not_put_it_at_the_head_of_the_chain():
         blob = os.urandom(8 * CHUNK)
         for v in (1, 2):
             bc.publish(v, blob[::-1] if v == 2 else blob)
-            assert wait(lambda: all(got.get(n, [])[-1:] == [v] for n in peers) and len(bc.last_results) == 3
+            assert holds_within(lambda: all(got.get(n, [])[-1:] == [v] for n in peers) and len(bc.last_results) == 3
                         and all(r["version"] == v for r in bc.last_results.values())), got
         # measured by the learner in round 1, it was the slowest: last in round 2's chain, not first
         assert bc.last_results["braggart"]["depth"] == 2, bc.last_results
@@ -219,7 +212,7 @@ def test_a_peer_claiming_a_snapshot_it_never_fetched_is_not_believed():
         for n, r in peers.items():
             bc.add_peer(n, r.url, r.relay_addr)
         bc.publish(1, os.urandom(8 * CHUNK))
-        assert wait(lambda: ("a", 1) in delivered and bc.failures >= 1), (delivered, bc.failures)
+        assert holds_within(lambda: ("a", 1) in delivered and bc.failures >= 1), (delivered, bc.failures)
         assert ("claimer", 1) not in delivered and bc.peers["claimer"].rate_bytes_per_s == 0
     finally:
         bc.close()
@@ -300,11 +293,11 @@ def test_a_revoked_worker_can_neither_fetch_from_nor_serve_its_peers(tiny_model_
                 "engine": "test", "snapshot_url": p.url, "relay": p.relay_addr})
         blob = os.urandom(8 * CHUNK)
         bc.publish(1, blob)
-        assert wait(lambda: all(got.get(n) == [1] for n in peers)), got
+        assert holds_within(lambda: all(got.get(n) == [1] for n in peers)), got
         held = peers["r"].token
         Client(coord.url, SECRET).post("/revoke", {"name": "r"})
         a, b, r = peers["a"], peers["b"], peers["r"]
-        assert wait(lambda: a.token == b.token != held and r.token == held, timeout=10)
+        assert holds_within(lambda: a.token == b.token != held and r.token == held, timeout=10)
         # what r holds no longer opens a peer's relay
         with pytest.raises(ConnectionError, match="no source"):
             Fetcher(Store(), held, stall_timeout_s=2, manifest_key=KEY).fetch(1, [a.relay_server.addr])
@@ -314,7 +307,7 @@ def test_a_revoked_worker_can_neither_fetch_from_nor_serve_its_peers(tiny_model_
         assert bytes(live.fetch(1, [r.relay_server.addr, bc.origin]).buf) == blob
         assert r.relay_server.served_bytes == served
         bc.publish(2, blob[::-1])
-        assert wait(lambda: got["a"] == got["b"] == [1, 2]) and got["r"] == [1]
+        assert holds_within(lambda: got["a"] == got["b"] == [1, 2]) and got["r"] == [1]
     finally:
         bc.close()
         coord.close()
@@ -458,13 +451,13 @@ def test_silent_half_open_and_unread_connections_are_dropped_and_capped():
 
         send_frame(unread, {"version": 1, "base": -1, "start": 0, "end": -1, "key": key_id(TOKEN),
                             "mac": request_mac(TOKEN, 1, -1, 0, -1)})
-        assert wait(lambda: len(server.conns) == 3, 5)
+        assert holds_within(lambda: len(server.conns) == 3, 5)
         extra = socket.create_connection(server.addr, timeout=5)  # over the cap: closed at once
         conns.append(extra)
         assert closed_by_server(extra, 2)
         for s in (silent, half):  # past request_timeout_s
             assert closed_by_server(s, 4)
-        assert wait(lambda: not server.conns, 6), server.conns  # the unread one, past its stall timeout
+        assert holds_within(lambda: not server.conns, 6), server.conns  # the unread one, past its stall timeout
         f = Fetcher(Store(), TOKEN, stall_timeout_s=2, manifest_key=KEY)
         assert bytes(f.fetch(1, [server.addr]).buf) == blob  # and it serves on
         f.close()

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from conftest import holds_within
 from echo2.broadcast import topology
 from echo2.broadcast.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame
@@ -28,13 +29,6 @@ SECRET = "stripes-secret"
 TOKEN = "5a" * 32
 SIGNER, KEY = signing_key(SECRET), verify_key(SECRET)
 CHUNK = 64 << 10
-
-
-def wait(cond, timeout=20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return cond()
 
 
 class Node:
@@ -149,7 +143,7 @@ def test_a_stripe_parent_dying_mid_stream_is_routed_around_up_its_own_tree():
         tc = threading.Thread(target=lambda: result.setdefault("c", c.fetcher.fetch(1, [origin.addr], stripes=[
             (0, half, [a.server.addr, origin.addr]), (half, len(blob), [b.server.addr, origin.addr])])))
         tc.start()
-        assert wait(lambda: c.store.get(1) is not None and c.store.get(1).spans[1][2] - half > 2 * CHUNK, 10)
+        assert holds_within(lambda: c.store.get(1) is not None and c.store.get(1).spans[1][2] - half > 2 * CHUNK, 10)
         held = c.store.get(1).spans[1][2] - half
         assert held < half, "the kill must land mid-stream"
         b.server.close()
@@ -220,7 +214,7 @@ def test_a_newer_fetch_supersedes_every_stripe_of_an_older_one():
         t = threading.Thread(target=lambda: out.setdefault("v1", fetch_all({"x": lambda: node.fetcher.fetch(
             1, [origin.addr], stripes=[(0, half, [origin.addr]), (half, len(blob), [origin.addr])])})["x"]))
         t.start()
-        assert wait(lambda: node.store.get(1) is not None and node.store.get(1).received > CHUNK, 10)
+        assert holds_within(lambda: node.store.get(1) is not None and node.store.get(1).received > CHUNK, 10)
         assert bytes(node.fetcher.fetch(2, [other.addr]).buf) == bytes(other.store.get(2).buf)
         t.join(timeout=10)
         assert isinstance(out["v1"], Superseded), out
@@ -296,7 +290,7 @@ def test_a_partial_copy_laid_out_otherwise_is_finished_from_the_origin_alone():
         t = threading.Thread(target=lambda: out.setdefault("v1", fetch_all({"x": lambda: node.fetcher.fetch(
             1, [origin.addr])})["x"]))
         t.start()
-        assert wait(lambda: node.store.get(1) is not None and node.store.get(1).received > CHUNK, 10)
+        assert holds_within(lambda: node.store.get(1) is not None and node.store.get(1).received > CHUNK, 10)
         node.fetcher.fetch(2, [other.addr])
         t.join(timeout=10)
         assert isinstance(out["v1"], Superseded), out
@@ -334,7 +328,7 @@ def test_broadcaster_stripes_full_snapshots_deltas_and_a_late_joiner():
             bc.add_peer(n, r.url, r.relay_addr)
         v1 = bytearray(os.urandom(64 * CHUNK))
         bc.publish(1, bytes(v1))
-        assert wait(lambda: all(len(got.get(n, [])) == 1 for n in peers)), got
+        assert holds_within(lambda: all(len(got.get(n, [])) == 1 for n in peers)), got
         assert all(got[n] == [(1, bytes(v1))] for n in peers)
         assert bc.last_layout == topology.Layout("stripes", 2) and bc.server.served_bytes == len(v1)
         v2 = bytearray(v1)
@@ -342,7 +336,7 @@ def test_broadcaster_stripes_full_snapshots_deltas_and_a_late_joiner():
             v2[i] ^= 0x01
         before = bc.server.served_bytes
         bc.publish(2, bytes(v2))
-        assert wait(lambda: all(len(got.get(n, [])) == 2 for n in peers)), got
+        assert holds_within(lambda: all(len(got.get(n, [])) == 2 for n in peers)), got
         assert all(got[n][1] == (2, bytes(v2)) for n in peers)
         assert bc.last_delta_ratio < 0.5 and bc.last_layout == topology.Layout("stripes", 2)
         delta_bytes = bc.store.get(2, base=1).size
@@ -351,7 +345,7 @@ def test_broadcaster_stripes_full_snapshots_deltas_and_a_late_joiner():
         before = bc.server.served_bytes
         peers.update(receivers(got, "late"))
         bc.add_peer("late", peers["late"].url, peers["late"].relay_addr)
-        assert wait(lambda: [v for v, _ in got.get("late", [])] == [2])
+        assert holds_within(lambda: [v for v, _ in got.get("late", [])] == [2])
         assert got["late"][0][1] == bytes(v2) and bc.server.served_bytes == before
     finally:
         bc.close()
