@@ -98,9 +98,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from echo2.broadcast.topology import MAX_STRIPES, PIECE_BYTES, levels
+
 GOODPUT = 1448 / 1514  # TCP payload per wire byte at MTU 1500: what an HTB-shaped link (or a real one) carries
-PIECE_BYTES = 256 << 10  # echo2.broadcast.framing.PIECE_BYTES: the cut-through granularity
-MAX_STRIPES = 4  # echo2.broadcast.topology.MAX_STRIPES: the most stripes ``auto`` plans
 # The relay's topology names (broadcast.sender.topology), and the broadcast options' names for two of them.
 TOPOLOGIES = {"chain": "chain", "tree": "tree", "star": "star", "stripes": "stripes", "auto": "auto",
               "pipelined": "auto", "one_to_many": "star"}
@@ -140,19 +140,14 @@ def bcast_time_s(mode: str, snapshot_bytes: float, learner_uplink_mbit: float, w
 
     def striped_s(s: int) -> float:  # s stripes at 1/s of the rate each: every hop waits s pieces
         hop_s = latency_s + s * PIECE_BYTES / rate(relay_mbit)
-        return snapshot_bytes / rate(relay_mbit) + _depth(workers, s) * hop_s
+        return snapshot_bytes / rate(relay_mbit) + levels(workers, s) * hop_s
 
     if topology == "stripes":
         return striped_s(max(2, fanout))
     if topology == "auto":  # each term is monotone in N, the rates and the RTT, so their least is too
         return min([chain_s] + [striped_s(s) for s in range(2, MAX_STRIPES + 1)])
     bottleneck = min(learner_uplink_mbit / fanout, down_mbit, up_mbit / fanout if workers > 1 else math.inf)
-    return snapshot_bytes / rate(bottleneck) + _depth(workers, fanout) * (latency_s + PIECE_BYTES / rate(bottleneck))
-
-
-def _depth(workers: int, fanout: int) -> int:
-    """Levels of a heap of ``workers`` nodes with ``fanout`` children each (a chain's: workers)."""
-    return math.ceil(math.log(workers * (fanout - 1) + 1, fanout)) if fanout > 1 else workers
+    return snapshot_bytes / rate(bottleneck) + levels(workers, fanout) * (latency_s + PIECE_BYTES / rate(bottleneck))
 
 
 def topology_of(mode: str) -> str:

@@ -22,7 +22,6 @@ def peers(n: int) -> list[PeerLink]:
 
 def test_the_piece_size_is_the_relays():
     assert topo.PIECE_BYTES == framing.PIECE_BYTES
-    assert capacity.PIECE_BYTES == framing.PIECE_BYTES and capacity.MAX_STRIPES == topo.MAX_STRIPES
 
 
 @pytest.mark.parametrize("n, fanout, levels", [

@@ -2,7 +2,8 @@
 
 ``snapshot``     serialise a state dict (safetensors, never pickle)
 ``base``         the ``Broadcaster`` protocol the coordinator sees
-``topology``     who pulls from whom: chain, tree (the pipelined relay) or star (one-to-many); pure
+``topology``     who pulls from whom: chain, tree or stripes (the pipelined relay; auto picks chain or stripes) or
+                 star (one-to-many); pure
 ``manifest``     what the learner signs (manifests: chunk digests, root, version, probe, epoch; its orders to
                  workers) and the relay key's MACs on every request for bytes
 ``store``        the snapshots a node holds: buffers that fill while they are served, checked chunk by chunk
