@@ -341,6 +341,8 @@ def test_broadcaster_stripes_full_snapshots_deltas_and_a_late_joiner():
         assert bc.last_delta_ratio < 0.5 and bc.last_layout == topology.Layout("stripes", 2)
         delta_bytes = bc.store.get(2, base=1).size
         assert bc.server.served_bytes - before == delta_bytes  # the delta, once, in stripes
+        # a peer's answer lands here a moment after its receiver handed v2 on: wait for every answer to v2
+        assert holds_within(lambda: all(bc.last_results.get(n, {}).get("version") == 2 for n in peers)), bc.last_results
         assert all(r["base"] == 1 for r in bc.last_results.values())
         before = bc.server.served_bytes
         peers.update(receivers(got, "late"))
