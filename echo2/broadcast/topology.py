@@ -230,8 +230,7 @@ def choose(n: int, one_way_s: float, rate_bytes_per_s: float, size_bytes: float,
     s = 2..MAX_STRIPES with N mod s <= 1 (every peer uploads each byte once: ``plan_stripes``) and at least
     MIN_STRIPE_BYTES per stripe; among near-equal ones (STRIPES_TIE) the fewest stripes win."""
     chain = Layout("chain")
-    fits = [s for s in range(2, MAX_STRIPES + 1)
-            if s <= n and stripes_fit(n, s) and size_bytes >= s * MIN_STRIPE_BYTES]
+    fits = _stripe_counts(n, size_bytes, MAX_STRIPES)
     if not fits:
         return chain
     cost = {s: added_s(Layout("stripes", s), n, size_bytes, rate_bytes_per_s, one_way_s, piece_bytes) for s in fits}
@@ -241,6 +240,12 @@ def choose(n: int, one_way_s: float, rate_bytes_per_s: float, size_bytes: float,
     if gain_s >= max(STRIPES_MIN_GAIN * transfer_s, STRIPES_MIN_GAIN_S):
         return Layout("stripes", best_s)
     return chain
+
+
+def _stripe_counts(n: int, size_bytes: float, most: int) -> list[int]:
+    """Stripe counts 2..``most`` that ``n`` peers can run with each uploading each byte once (N mod s <= 1) and
+    every stripe at least MIN_STRIPE_BYTES."""
+    return [s for s in range(2, most + 1) if s <= n and stripes_fit(n, s) and size_bytes >= s * MIN_STRIPE_BYTES]
 
 
 def layout(kind: str, fanout: int, n: int, one_way_s: float, rate_bytes_per_s: float, size_bytes: float,
@@ -253,8 +258,7 @@ def layout(kind: str, fanout: int, n: int, one_way_s: float, rate_bytes_per_s: f
     if kind == "auto":
         return choose(n, one_way_s, rate_bytes_per_s, size_bytes, piece_bytes)
     if kind == "stripes":
-        fits = [s for s in range(2, fanout + 1)
-                if s <= n and stripes_fit(n, s) and size_bytes >= s * MIN_STRIPE_BYTES]
+        fits = _stripe_counts(n, size_bytes, fanout)
         return Layout("stripes", max(fits)) if fits else Layout("chain")
     return Layout(kind, 1 if kind == "chain" else fanout)
 
