@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from echo2.config import check_overrides, register_configs, validate
 from echo2.env import configure_process, run_token, world
-from echo2.rollout.protocols import RunStopped
+from echo2.seams import RunStopped
 
 log = logging.getLogger("echo2")
 register_configs()
@@ -121,8 +121,8 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
     it (its coordinator, pool and broadcaster) and hands every rank its slice (ShardedSource)."""
     from echo2.activation.settings import BroadcastShape
     from echo2.learner.distributed import ShardedSource
-    from echo2.rollout.scoring import Scorer
-    from echo2.rollout.types import SamplingParams
+    from echo2.scoring import Scorer
+    from echo2.records import SamplingParams
 
     sampling = SamplingParams(n=cfg.rollout.group_size, max_tokens=task.max_completion_length,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -132,8 +132,9 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
     parts = dict(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling, engine=engine,
                  model_path=model_path, run_dir=run_dir, seed=cfg.seed, staleness=cfg.rollout.staleness,
                  prompts_per_step=cfg.rollout.prompts_per_step, publish_interval=cfg.broadcast.interval, token=token,
-                 # the broadcaster derives the broadcast plane's key and its manifest-signing key from the token
-                 make_broadcaster=instantiate(cfg.broadcast.sender, secret=token, _partial_=True),
+                 # built in the coordinator's process, which hands it the token (it derives the relay key and
+                 # the manifest-signing key from it)
+                 broadcaster=OmegaConf.to_container(cfg.broadcast.sender, resolve=True),
                  pool=instantiate(cfg.pool), activation=OmegaConf.to_object(cfg.activation),
                  broadcast_shape=BroadcastShape.of(cfg.broadcast),
                  resume=resumed["source"] if resumed and resumed["source"] else None)
@@ -141,7 +142,7 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
         source = make_source(cfg.rollout.source, parts)
     else:  # remote workers
         source = ShardedSource(make_source(cfg.rollout.source, parts) if rank == 0 else None, rank, world_size)
-    log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", type(getattr(source, "source", source)).__name__,
+    log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", cfg.rollout.source._target_.rpartition(".")[2],
              cfg.rollout.staleness, cfg.rollout.prompts_per_step, cfg.rollout.group_size, token_origin)
     return source
 

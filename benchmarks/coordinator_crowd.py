@@ -13,7 +13,7 @@ One fresh run (learner, coordinator, clients) per N, in a process of its own:
     └─ crowd clients (1, or 2 past 256 workers): N workers at --rate in all, + --half-open idle connections
                  ── register (a ramp), then the crowd window (--duration-s); the learner stops at its end
 
-A simulated worker does over the network what the agent (echo2/rollout/agent.py) does, with a credential of its own
+A simulated worker does over the network what the agent (echo2/worker/agent.py) does, with a credential of its own
 (transport.worker_credential: what ``python -m echo2.credential NAME`` prints) and the run CA pinned by its
 fingerprint (transport.fetch_ca): /certificate, /relay-key, /register (declaring the learner's model), a heartbeat
 every ``heartbeat_s``, and pull -> push paced to rate/N rollouts/s (the agent's 4 groups per pull; after a pull that
@@ -105,7 +105,7 @@ class Pauses:
 
 
 class NullBroadcaster:
-    """broadcast.base.Broadcaster for simulated workers, in the coordinator's process: each published version is
+    """seams.Broadcaster for simulated workers, in the coordinator's process: each published version is
     delivered (from a thread, as the relay's deliveries are) to every registered worker, by the coordinator's
     ``on_delivered``; a worker that registers later gets the latest. Nothing is sent. Once a version is delivered
     to all, its number is written to ``version_file``, where the simulated workers read what they hold (the

@@ -108,16 +108,13 @@ def main() -> None:
         load_client(args.client, args.token, args.seconds, args.clients, args.rate)
         return
 
-    import functools
-
     from transformers import AutoTokenizer, TrainerCallback
 
     import train
-    from echo2.broadcast.broadcaster import RelayBroadcaster
     from echo2.env import configure_process
     from echo2.models.tiny import build_tiny
-    from echo2.rollout.coordinator import Coordinator
-    from echo2.rollout.scoring import Scorer
+    from echo2.coordinator.coordinator import Coordinator
+    from echo2.scoring import Scorer
     from echo2.rollout.service import CoordinatorProcess
     from echo2.tasks.arith import ArithTask
     from step_time import StepTimer, compose
@@ -160,7 +157,7 @@ def main() -> None:
                 received = lambda: coord.ledger.rollouts["received"]  # noqa: E731
             else:
                 coord = CoordinatorProcess(task=task, tokenizer=tok, coordinator_kwargs=kwargs,
-                                           make_broadcaster=functools.partial(RelayBroadcaster, secret="bench"))
+                                           broadcaster={"_target_": "echo2.coordinator.broadcaster.RelayBroadcaster"})
                 for tid in os.listdir(f"/proc/{coord.proc.pid}/task"):  # every thread; new ones inherit
                     os.sched_setaffinity(int(tid), {side_core})
                 received = lambda: coord.metrics()["rollout/received"]  # noqa: E731

@@ -33,7 +33,7 @@ It waits for ``--go`` to exist (the soak's calm phase comes first), finds the le
                   advertises a relay that accepts connections and never answers
 
 Every agent-based kind (invalid, liar, forger, relay_orders, hung_relay) is echo2's own worker agent
-(echo2/rollout/agent.py) with a fake engine and the one behaviour changed; it joins over TLS with the pinned CA,
+(echo2/worker/agent.py) with a fake engine and the one behaviour changed; it joins over TLS with the pinned CA,
 holds a certificate, heartbeats, and once refused keeps knocking: a registration every few seconds (without a
 snapshot address, and left at once if let in), to see whether the refusal sticks to its credential.
 """
@@ -61,9 +61,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from echo2.broadcast.manifest import order_credential, signing_key  # noqa: E402
-from echo2.broadcast.peer import SnapshotReceiver  # noqa: E402
-from echo2.rollout.agent import Agent  # noqa: E402
-from echo2.rollout.types import Completion, SamplingParams  # noqa: E402
+from echo2.worker.peer import SnapshotReceiver  # noqa: E402
+from echo2.worker.agent import Agent  # noqa: E402
+from echo2.records import Completion, SamplingParams  # noqa: E402
 from echo2.transport import LEARNER_NAME, PEER_NAME, BadRequest, Client, RemoteError, join  # noqa: E402
 
 RETRY_S = 5.0  # a refused client knocks again this often

@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo2.rollout.engines.hf import HFWorkerEngine  # noqa: E402
-from echo2.rollout.types import Completion  # noqa: E402
+from echo2.worker.engines.hf import HFWorkerEngine  # noqa: E402
+from echo2.records import Completion  # noqa: E402
 from echo2.transport import Client, RemoteError, worker_credential  # noqa: E402
 
 
@@ -54,7 +54,7 @@ class ForgingEngine(HFWorkerEngine):
 def forge(url: str, secret: str, model: str, vocab: int, stop: threading.Event, out: dict, run_dir: Path) -> None:
     """Join as 'forger' once the coordinator answers (a worker agent claiming the run's own model and context, read
     from its coordinator.json, as a hostile client would), with a forging engine, until refused or stopped."""
-    from echo2.rollout.agent import Agent
+    from echo2.worker.agent import Agent
 
     while not stop.is_set():
         try:

@@ -94,9 +94,9 @@ def main() -> None:
     from echo2.broadcast import snapshot
     from echo2.env import configure_process, descendants
     from echo2.models.tiny import build_tiny
-    from echo2.rollout.async_source import probe_tokens
-    from echo2.rollout.engines.hf import probe_logprobs
-    from echo2.rollout.engines.vllm_server import VLLMServerEngine
+    from echo2.models.probe import probe_tokens
+    from echo2.models.probe import probe_logprobs
+    from echo2.worker.engines.vllm_server import VLLMServerEngine
 
     configure_process()
 

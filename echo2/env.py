@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 
 def configure_process() -> None:
@@ -62,3 +64,10 @@ def descendants(pid: int) -> set[int]:
             out.add(c)
             todo.append(c)
     return out
+
+
+def run_named(target: str, *args: Any) -> Any:
+    """Call ``module:function`` with ``args``: a spawned process's entry point given by name, so that the process
+    that spawns it need not import what the child runs."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(*args)

@@ -7,7 +7,7 @@
     python -m echo2.sim --scenario cost --inputs my_inputs.yaml   # the same question of your own numbers
 
 It reuses the system's own rules and models rather than re-stating them: admission and the dispatch cap
-(echo2/rollout/buffer.py: ``admissible``, ``worth_dispatching``), dissemination time per broadcast mode
+(echo2/coordinator/buffer.py: ``admissible``, ``worth_dispatching``), dissemination time per broadcast mode
 (echo2/capacity.py), and the active set (echo2/activation/solve.py). What it adds is time: workers generate in
 batches on the version they hold, a snapshot reaches them ``bcast`` seconds after its round starts (rounds run
 one after another, latest version wins), applying costs ``load_s`` between batches, workers may leave and
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from echo2 import capacity
 from echo2.activation.solve import SOLVERS, System, Worker, solve
-from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
+from echo2.coordinator.buffer import StalenessBuffer, worth_dispatching
 
 
 @dataclass
@@ -97,7 +97,7 @@ class Simulation:
 
     Each event has its own ``on_*`` method; after every event the learner takes a batch if it can (``learn``) and
     idle workers are given work or a snapshot to apply (``dispatch``), as the coordinator would. Staleness is
-    judged by the buffer's own code (echo2/rollout/buffer.py: ``StalenessBuffer``, ``worth_dispatching``)."""
+    judged by the buffer's own code (echo2/coordinator/buffer.py: ``StalenessBuffer``, ``worth_dispatching``)."""
 
     def __init__(self, cfg: SimConfig, workers: list[Worker]):
         self.cfg, self.workers = cfg, workers

@@ -90,11 +90,14 @@ def closed_by_server(sock, timeout_s: float) -> bool:
 
 
 def build_run(tmp_path, overrides: list[str]):
-    """Compose and build a run in this process, as train.py would; returns (cfg, trainer, source, callback)."""
+    """Compose and build a run in this process, as train.py would; returns (cfg, trainer, source, callback), where
+    ``source`` is the run's own rollout source (a remote one without the one-rank ShardedSource around it)."""
     import train
+    from echo2.learner.distributed import ShardedSource
 
     cfg = compose(["run.wandb=disabled", "run.progress=false", "run.eval_every_steps=0", *overrides])
-    return cfg, *train.build(cfg, str(tmp_path), rank=0, world_size=1)
+    trainer, source, step_log = train.build(cfg, str(tmp_path), rank=0, world_size=1)
+    return cfg, trainer, source.source if isinstance(source, ShardedSource) else source, step_log
 
 
 def alive(pid: int) -> bool:
@@ -109,8 +112,8 @@ def small_coordinator(tiny_model_dir: str, group_size: int = 2, **kwargs):
     """A started in-process Coordinator on a 20-row copy task: S = 1, P = 2, no long polls (route tests)."""
     from transformers import AutoTokenizer
 
-    from echo2.rollout.coordinator import Coordinator
-    from echo2.rollout.scoring import Scorer
+    from echo2.coordinator.coordinator import Coordinator
+    from echo2.scoring import Scorer
     from echo2.tasks.arith import ArithTask
 
     task = ArithTask(level="copy", train_size=20)

@@ -205,8 +205,8 @@ def test_a_tree_relay_with_fanout_3_is_planned_with_fanout_3(tiny_model_dir):
 
     from conftest import compose
     from echo2.activation.settings import BroadcastShape
-    from echo2.rollout.coordinator import Coordinator
-    from echo2.rollout.scoring import Scorer
+    from echo2.coordinator.coordinator import Coordinator
+    from echo2.scoring import Scorer
     from echo2.tasks.arith import ArithTask
 
     cfg = compose(["broadcast.sender.topology=tree", "broadcast.sender.fanout=3", "activation.solver=all_on"])
@@ -255,7 +255,7 @@ def test_on_change_runs_from_where_train_py_was_started(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from echo2.activation.planner import Change
-    from echo2.rollout.activation import OnChangeHook
+    from echo2.coordinator.activation import OnChangeHook
 
     launch, run_dir = tmp_path / "launch", tmp_path / "run"
     launch.mkdir()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from echo2.rollout.buffer import StalenessBuffer, admissible, worth_dispatching
+from echo2.coordinator.buffer import StalenessBuffer, admissible, worth_dispatching
 
 
 @pytest.mark.parametrize("step, version, S, ok", [
@@ -45,8 +45,8 @@ class SimCoordinatorHarness:
     def __init__(self, tiny_model_dir, S, P, G, n_workers, seed):
         from transformers import AutoTokenizer
 
-        from echo2.rollout.coordinator import Coordinator
-        from echo2.rollout.scoring import Scorer
+        from echo2.coordinator.coordinator import Coordinator
+        from echo2.scoring import Scorer
         from echo2.tasks.arith import ArithTask
 
         task = ArithTask(level="copy", train_size=50)

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from conftest import holds_within
 from echo2.broadcast import delta
-from echo2.broadcast.broadcaster import RelayBroadcaster
-from echo2.broadcast.peer import SnapshotReceiver
+from echo2.coordinator.broadcaster import RelayBroadcaster
+from echo2.worker.peer import SnapshotReceiver
 
 TOKEN = "run-secret"
 

@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from echo2.broadcast import snapshot
-from echo2.rollout.agent import Agent, ApplyFailed
-from echo2.rollout.async_source import probe_tokens
-from echo2.rollout.engines.hf import HFEngine, HFWorkerEngine, probe_logprobs
-from echo2.rollout.types import SamplingParams
+from echo2.worker.agent import Agent, ApplyFailed
+from echo2.models.probe import probe_tokens
+from echo2.models.generate import HFEngine
+from echo2.worker.engines.hf import HFWorkerEngine
+from echo2.models.probe import probe_logprobs
+from echo2.records import SamplingParams
 
 WIDE = "0123456789+-*=% abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # 68 characters + 4 special tokens
 TRUNCATING = {"do_sample": True, "top_k": 3, "top_p": 0.5, "min_p": 0.3, "repetition_penalty": 2.0,
@@ -190,7 +192,7 @@ def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
     the engine's workdir, which is gone once the engine is closed."""
     from transformers import AutoModelForCausalLM
 
-    from echo2.rollout.engines.vllm_server import VLLMServerEngine
+    from echo2.worker.engines.vllm_server import VLLMServerEngine
 
     path = wide_model(tmp_path, tied)
     learner = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

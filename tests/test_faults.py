@@ -143,7 +143,7 @@ def test_a_relay_peer_killed_mid_relay_is_routed_around(tmp_path):
     """Two real peer processes in a chain, learner -> A -> B, A's uplink shaped to 40 Mbit/s so that B's copy
     streams through A for ~1.7 s; kill -9 A mid-stream: B resumes from the origin at the byte it holds and
     gets a verified snapshot; the origin sends B only what it lacked."""
-    from echo2.broadcast.broadcaster import RelayBroadcaster
+    from echo2.coordinator.broadcaster import RelayBroadcaster
 
     env = dict(os.environ, ECHO2_TOKEN="t0k")
     peers, procs = [], []

@@ -1,4 +1,4 @@
-"""The engine guard (echo2.rollout.engines.guard): a vLLM server cannot outlive its worker agent, and neither can
+"""The engine guard (echo2.worker.engines.guard): a vLLM server cannot outlive its worker agent, and neither can
 the engine's work folder. A sleeping process stands in for the server."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def start_agent(tmp_path, workdir):
     pidfile = tmp_path / "server.pid"
     server = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
     agent_src = (f"import subprocess, sys, time\n"
-                 f"subprocess.Popen([sys.executable, '-m', 'echo2.rollout.engines.guard', '--remove', "
+                 f"subprocess.Popen([sys.executable, '-m', 'echo2.worker.engines.guard', '--remove', "
                  f"{str(workdir)!r}, sys.executable, '-c', {server!r}])\n"
                  f"time.sleep(600)\n")
     agent = subprocess.Popen([sys.executable, "-c", agent_src], cwd=ROOT)

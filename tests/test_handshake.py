@@ -144,8 +144,8 @@ def test_an_engine_failure_is_not_taken_for_an_unreachable_coordinator(tiny_mode
     once, instead of retrying it as 'coordinator not reachable' for --reconnect-timeout-s."""
     import requests
 
-    from echo2.rollout.agent import Agent, EngineError
-    from echo2.rollout.types import SamplingParams
+    from echo2.worker.agent import Agent, EngineError
+    from echo2.records import SamplingParams
 
     class Failing:
         name, calls = "vllm", 0

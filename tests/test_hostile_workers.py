@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import balanced, small_coordinator, wait_until
+from echo2.settings import LivenessSettings
 from echo2.transport import Client, RemoteError, worker_credential
 
 G = 2
@@ -104,6 +105,12 @@ class _BrokenScorer:
 
     score_many = score
 
+    def metrics(self):
+        return {}
+
+    def close(self):
+        pass
+
 
 def test_a_push_whose_scoring_fails_leaves_no_group_unaccounted(coord):
     client, wid = join(coord.url)
@@ -155,7 +162,7 @@ def test_a_lone_worker_may_hold_the_whole_cap(coord):
     (1, 1, 24), (2, 2, 6), (3, 1, 0),  # each miss halves it, strikes bench
 ])
 def test_the_share_grows_to_one_over_the_credentials_at_work(misses, principals, limit):
-    from echo2.rollout.liveness import Liveness
+    from echo2.coordinator.liveness import Liveness
 
     assert Liveness(share=0.5, strikes=3).worker_limit(48, misses, principals) == limit
 
@@ -190,7 +197,7 @@ def test_the_planner_uses_the_measured_rate_never_the_claimed_one(coord):
 
 
 def test_a_fresh_worker_gets_the_fleets_deadline_not_the_cap(tiny_model_dir):
-    coord = small_coordinator(tiny_model_dir, group_size=G, liveness={"floor_s": 1.0, "cap_s": 600.0})
+    coord = small_coordinator(tiny_model_dir, group_size=G, liveness=LivenessSettings(floor_s=1.0, cap_s=600.0))
     try:
         fast, f = join(coord.url)
         fast.post("/push", {"worker_id": f, "results": results(
@@ -239,7 +246,7 @@ def test_a_version_ordered_to_the_worker_but_not_proven_costs_it_no_strike(coord
     struck."""
     from types import SimpleNamespace
 
-    from echo2.broadcast.broadcaster import RelayBroadcaster
+    from echo2.coordinator.broadcaster import RelayBroadcaster
 
     calls = []
     stub = SimpleNamespace(timeout_s=1.0, on_ordered=lambda pid, v: calls.append(("ordered", pid, v)),
@@ -309,7 +316,7 @@ def test_the_planner_takes_every_valid_declaration(solver):
     import itertools
 
     from echo2.activation.solve import System, Worker, solve
-    from echo2.rollout import schemas
+    from echo2.coordinator import schemas
 
     edges = itertools.product([0.0, schemas.MAX_USD_PER_HOUR], [schemas.MIN_MBIT, schemas.MAX_MBIT],
                               [schemas.MIN_MBIT, schemas.MAX_MBIT], [0.0, schemas.MAX_RTT_MS],

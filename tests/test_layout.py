@@ -35,3 +35,59 @@ def test_the_check_sees_an_import_of_the_lab(tmp_path):
         src = tmp_path / "m.py"
         src.write_text(line + "\n")
         assert any(n == "echo2.lab" or n.startswith("echo2.lab.") for n in _imports(src)), line
+
+
+# ---------------------------------------------------------------------- the house by process
+
+PLANES = ("learner", "rollout", "coordinator", "worker")
+"""The code of each process: the learner (learner/, and its rollout sources in rollout/), the coordinator process
+(coordinator/) and the worker host (worker/)."""
+
+TOOLS = ("lab", "sim", "cost", "plan", "report", "config", "config_reference")
+"""What wires the planes or studies them from outside (like train.py, tests and benchmarks): may import any."""
+
+
+def _plane(module: str) -> str | None:
+    """The plane an ``echo2.x.y`` module belongs to; "tool" for TOOLS; None for what every plane shares."""
+    parts = module.split(".")
+    if parts[0] != "echo2" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in PLANES else "tool" if parts[1] in TOOLS else None
+
+
+def sideways_imports(root) -> list[str]:
+    """Each import by a plane's module of another plane, and by a shared module of any plane or tool."""
+    hits = []
+    for path in sorted((root / "echo2").rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        own = _plane(module)
+        if own == "tool":
+            continue
+        for name in _imports(path):
+            other = _plane(name)
+            if other is not None and other != own:
+                hits.append(f"{path.relative_to(root)} ({own or 'shared'}) imports {name} ({other})")
+    return hits
+
+
+def test_no_plane_imports_another_and_shared_modules_import_no_plane():
+    """A plane imports shared modules and seams only: the learner's code never reaches into the coordinator's or a
+    worker's, and what they share (records, seams, settings, scoring, the snapshot format and relay, transport,
+    models, tasks) imports none of them."""
+    assert {p.name for p in (ROOT / "echo2").iterdir() if p.is_dir()} >= set(PLANES)
+    assert sideways_imports(ROOT) == []
+
+
+def test_the_check_sees_a_sideways_import(tmp_path):
+    """The check above can fail: a learner module importing the coordinator, and a shared one importing a worker
+    module, are each found; a plane importing a shared module is not."""
+    for rel, line, found in (("echo2/learner/x.py", "from echo2.coordinator.buffer import StalenessBuffer", True),
+                             ("echo2/records.py", "def f():\n    import echo2.worker.agent", True),
+                             ("echo2/rollout/x.py", "from echo2.coordinator import schemas", True),
+                             ("echo2/worker/x.py", "from echo2.broadcast import snapshot", False),
+                             ("echo2/coordinator/x.py", "from echo2.seams import Broadcaster", False)):
+        root = tmp_path / rel.replace("/", "_")
+        src = root / rel
+        src.parent.mkdir(parents=True)
+        src.write_text(line + "\n")
+        assert bool(sideways_imports(root)) == found, (rel, line)

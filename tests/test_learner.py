@@ -9,8 +9,8 @@ import torch
 
 from conftest import build_run
 from echo2.learner.trainer import group_advantages
-from echo2.rollout.engines.hf import HFEngine
-from echo2.rollout.types import SamplingParams
+from echo2.models.generate import HFEngine
+from echo2.records import SamplingParams
 
 
 def build(tmp_path, overrides):
@@ -63,6 +63,8 @@ def test_every_parameter_changes(tmp_path):
 
 class ShiftedLogprobs:
     """A stub source: the sync source's rollouts with every behaviour logprob lowered by ``shift`` nats."""
+
+    check_every_steps = 0
 
     def __init__(self, inner, shift):
         self.inner, self.shift, self.needs_policy = inner, shift, True
@@ -281,7 +283,7 @@ def test_bf16_keeps_fp32_master_weights_and_publishes_bf16(tmp_path):
 
     # The probe is the fp32 weights' own logprobs, not bf16 autocast's (a worker serving the snapshot in float32
     # drifted past its tolerance from an autocast probe), and the training forward keeps its autocast.
-    from echo2.rollout.engines.hf import probe_logprobs
+    from echo2.models.probe import probe_logprobs
 
     ids = list(range(1, 17))
     wrapped = trainer.model.forward

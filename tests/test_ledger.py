@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from echo2.rollout.ledger import BUFFERED, IN_FLIGHT, Ledger, index_stream
+from echo2.coordinator.ledger import BUFFERED, IN_FLIGHT, Ledger, index_stream
 
 G, ROWS = 4, 7
 
@@ -166,7 +166,7 @@ def test_a_full_disk_never_loses_a_transition_and_the_journal_stays_whole(tmp_pa
     assert balanced(led.accounting()) and led.journal_errors > 0 and led.pending
     assert path.stat().st_size == before[0]  # the half-written lines were cut off again
     assert json.loads(json.dumps(Ledger.replay(str(path), G, ROWS, 0).state())) == before[1]
-    from echo2.rollout.ledger import JournalError
+    from echo2.coordinator.ledger import JournalError
 
     with pytest.raises(JournalError, match="cannot be written"):
         led.sync()

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from conftest import balanced, small_coordinator, train, wait_until
-from echo2.rollout.engines.hf import HFWorkerEngine
-from echo2.rollout.liveness import Liveness
+from echo2.worker.engines.hf import HFWorkerEngine
+from echo2.coordinator.liveness import Liveness
+from echo2.settings import LivenessSettings
 from echo2.transport import Client, RemoteError, worker_credential
 
 G = 2
@@ -38,7 +39,7 @@ def test_bad_liveness_settings_are_refused():
 
 
 def _coord(tiny_model_dir, **liveness):
-    return small_coordinator(tiny_model_dir, group_size=G, heartbeat_timeout_s=4.0, liveness=liveness)
+    return small_coordinator(tiny_model_dir, group_size=G, heartbeat_timeout_s=4.0, liveness=LivenessSettings(**liveness))
 
 
 def _push(client, wid, work, version=0):
@@ -112,7 +113,7 @@ def test_an_agent_retired_as_dead_that_comes_back_is_not_struck_for_its_old_grou
     id, the same worker credential) and pushes the groups it was generating, they are refused as ``worker_gone``: not
     struck as results never in flight for it (an honest worker on a stalled link was struck, then benched)."""
     coord = small_coordinator(tiny_model_dir, group_size=G, heartbeat_timeout_s=1.0,
-                              liveness={"floor_s": 60, "cap_s": 60})  # the heartbeat, not a deadline, takes them
+                              liveness=LivenessSettings(floor_s=60, cap_s=60))  # the heartbeat, not a deadline, takes them
     try:
         client = Client(coord.url, worker_credential("secret", "box3"))
         wid = client.post("/register", {})["worker_id"]
@@ -139,8 +140,8 @@ class _FailingEngine:
 
 
 def test_the_agent_hands_back_its_groups_when_generate_fails(tiny_model_dir):
-    from echo2.rollout.agent import Agent, EngineError
-    from echo2.rollout.types import SamplingParams
+    from echo2.worker.agent import Agent, EngineError
+    from echo2.records import SamplingParams
 
     coord = _coord(tiny_model_dir)
     agent = Agent(coord.url, "secret", _FailingEngine())
@@ -161,7 +162,7 @@ class _Engine:
     name = "stub"
 
     def generate(self, prompts, params):
-        from echo2.rollout.types import Completion
+        from echo2.records import Completion
 
         return [[Completion(token_ids=[5, 1], logprobs=[-1.0, -0.2], finish_reason="stop")] * params.n
                 for _ in prompts]
@@ -170,8 +171,8 @@ class _Engine:
 def test_the_agent_hands_back_its_groups_when_its_push_fails(tiny_model_dir):
     """The push of a generated batch fails on the way (the connection drops): the agent hands the groups back at
     once, counted lost: push_failed and re-queued, instead of leaving them to their deadline."""
-    from echo2.rollout.agent import Agent
-    from echo2.rollout.types import SamplingParams
+    from echo2.worker.agent import Agent
+    from echo2.records import SamplingParams
 
     coord = _coord(tiny_model_dir)
     agent = Agent(coord.url, "secret", _Engine())
@@ -207,7 +208,7 @@ class _StallingEngine(HFWorkerEngine):
         self.batches = 0
 
     def generate(self, prompts, params):
-        from echo2.rollout.types import Completion
+        from echo2.records import Completion
 
         self.batches += 1
         self.stop.wait(self.stall_s)
@@ -218,7 +219,7 @@ class _Hoarder(threading.Thread):
     """A real agent (the run secret's, as a local worker's) whose engine stalls every batch past its deadline."""
 
     def __init__(self, source, stall_s):
-        from echo2.rollout.agent import Agent
+        from echo2.worker.agent import Agent
 
         super().__init__(daemon=True)
         requires = source.requires

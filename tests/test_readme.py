@@ -123,7 +123,7 @@ def check_hydra_cli(args: list[str]) -> str:
 
 
 def worker_args(argv: list[str]) -> argparse.Namespace:
-    from echo2.rollout.agent import main
+    from echo2.worker.agent import main
 
     return parse_with(main, argv)
 
@@ -366,10 +366,10 @@ def test_a_learner_on_every_interface_advertises_a_reachable_address(tmp_path):
     import socket
 
     from conftest import small_coordinator, wait_until
-    from echo2.broadcast.broadcaster import RelayBroadcaster
+    from echo2.coordinator.broadcaster import RelayBroadcaster
     from echo2.models.identity import model_identity
     from echo2.models.tiny import build_tiny
-    from echo2.rollout import rendezvous
+    from echo2 import rendezvous
 
     sender = RelayBroadcaster(secret="t", host="0.0.0.0")
     try:

@@ -18,8 +18,8 @@ import torch
 from conftest import ROOT, compose, read_jsonl, run_train
 from echo2.models.packaged import ModelFileMissing, from_gguf_wheel
 from echo2.models.tokenizer import load_tokenizer, stop_token_ids
-from echo2.rollout.scoring import Scorer, encode_prompt
-from echo2.rollout.types import Completion, Rollout, RolloutGroup, SamplingParams
+from echo2.scoring import Scorer, encode_prompt
+from echo2.records import Completion, Rollout, RolloutGroup, SamplingParams
 from echo2.tasks.arith_chat import ArithChatTask, answer_number
 
 
@@ -193,10 +193,11 @@ def test_both_engines_serve_the_real_model_exactly_before_and_after_a_snapshot(s
     from transformers import AutoModelForCausalLM
 
     from echo2.broadcast import snapshot
-    from echo2.rollout.agent import Agent
-    from echo2.rollout.async_source import probe_tokens
-    from echo2.rollout.engines.hf import HFWorkerEngine, probe_logprobs
-    from echo2.rollout.engines.vllm_server import VLLMServerEngine
+    from echo2.worker.agent import Agent
+    from echo2.models.probe import probe_tokens
+    from echo2.models.probe import probe_logprobs
+    from echo2.worker.engines.hf import HFWorkerEngine
+    from echo2.worker.engines.vllm_server import VLLMServerEngine
 
     tok = load_tokenizer(smollm2)
     rows = list(ArithChatTask(train_size=6).train_dataset())

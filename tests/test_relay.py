@@ -13,11 +13,11 @@ import time
 import pytest
 
 from echo2.broadcast import topology
-from echo2.broadcast.broadcaster import RelayBroadcaster
+from echo2.coordinator.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame, tcp_rtt_s
 from echo2.broadcast.manifest import (BadSnapshot, make_manifest, serve_proof, signing_key, verify_key,
                                       verify_manifest)
-from echo2.broadcast.peer import SnapshotReceiver
+from echo2.worker.peer import SnapshotReceiver
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
 from echo2.lab import link

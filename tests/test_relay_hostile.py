@@ -17,10 +17,10 @@ import time
 import pytest
 
 from conftest import closed_by_server, holds_within, small_coordinator
-from echo2.broadcast.broadcaster import RelayBroadcaster
+from echo2.coordinator.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame
 from echo2.broadcast.manifest import BadSnapshot, make_manifest, signing_key, verify_key, verify_manifest
-from echo2.broadcast.peer import SnapshotReceiver
+from echo2.worker.peer import SnapshotReceiver
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
 from echo2.transport import Client, RemoteError, relay_key, worker_credential
@@ -318,7 +318,7 @@ def test_a_revoked_worker_can_neither_fetch_from_nor_serve_its_peers(tiny_model_
 def test_peer_certificates_are_short_lived_and_the_agent_renews_its_own(tmp_path):
     from cryptography import x509
 
-    from echo2.rollout.agent import Agent
+    from echo2.worker.agent import Agent
     from echo2.transport import PEER_NAME, RunCA, Trust, server_context
 
     ca = RunCA(str(tmp_path / "tls"))
@@ -415,7 +415,7 @@ class _Engine:
 
 def test_the_agent_applies_no_snapshot_of_another_epoch_than_it_joined():
     """A fetch the dead learner ordered may finish after the agent re-joined the resumed one: never applied."""
-    from echo2.rollout.agent import Agent
+    from echo2.worker.agent import Agent
 
     engine = _Engine()
     agent = Agent("http://127.0.0.1:1", "secret", engine)

@@ -16,10 +16,10 @@ import pytest
 
 from conftest import holds_within
 from echo2.broadcast import topology
-from echo2.broadcast.broadcaster import RelayBroadcaster
+from echo2.coordinator.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame
 from echo2.broadcast.manifest import make_manifest, order_credential, serve_proof, signing_key, verify_key
-from echo2.broadcast.peer import SnapshotReceiver
+from echo2.worker.peer import SnapshotReceiver
 from echo2.broadcast.relay import Fetcher, RelayServer, Superseded
 from echo2.broadcast.store import Snapshot, Store
 from echo2.lab import link

@@ -11,12 +11,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import wait_until
-from echo2.broadcast.broadcaster import RelayBroadcaster
-from echo2.rollout import rendezvous
-from echo2.rollout.agent import Agent
-from echo2.rollout.coordinator import Coordinator
-from echo2.rollout.scoring import Scorer
-from echo2.rollout.types import Completion
+from echo2.coordinator.broadcaster import RelayBroadcaster
+from echo2 import rendezvous
+from echo2.worker.agent import Agent
+from echo2.coordinator.coordinator import Coordinator
+from echo2.scoring import Scorer
+from echo2.records import Completion
 from echo2.tasks.arith import ArithTask
 
 G = 2

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, balanced
-from echo2.rollout.types import Completion, Rollout, RolloutGroup
+from echo2.records import Completion, Rollout, RolloutGroup
 from echo2.tasks.base import Task
 
 G = 2
@@ -51,7 +51,7 @@ def group(text: str, gid: str) -> RolloutGroup:
 
 @pytest.fixture(scope="module")
 def pool():
-    from echo2.rollout.reward_pool import RewardPool
+    from echo2.coordinator.reward_pool import RewardPool
 
     p = RewardPool(SlowTask(), tokenizer=None, processes=2, timeout_s=1.5)  # texts are set by the test, not decoded
     yield p
@@ -89,6 +89,9 @@ class _NoBroadcast:
 
     on_delivered = None
 
+    def __init__(self, secret=None):
+        pass
+
     def metrics(self):
         return {}
 
@@ -113,7 +116,8 @@ def test_heartbeats_are_answered_while_a_reward_chews_on_a_huge_power(tmp_path):
     tok = CharTokenizer()
     task = Gsm8kTask(data_dir=str(FIXTURES / "gsm8k"), chat=False, max_completion_length=64)
     coord = CoordinatorProcess(
-        task=task, tokenizer=tok, log_path=str(tmp_path / "coordinator.log"), make_broadcaster=_NoBroadcast,
+        task=task, tokenizer=tok, log_path=str(tmp_path / "coordinator.log"),
+        broadcaster={"_target_": f"{__name__}._NoBroadcast"},
         coordinator_kwargs=dict(token="secret", staleness=1, prompts_per_step=2, group_size=G, vocab_size=len(tok),
                                 long_poll_s=0.0,
                                 sampling={"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))

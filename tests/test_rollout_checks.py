@@ -10,8 +10,9 @@ import time
 import pytest
 
 from conftest import balanced, small_coordinator, train
-from echo2.rollout.engines.hf import HFWorkerEngine
-from echo2.rollout.trust import Checks, Verdict
+from echo2.worker.engines.hf import HFWorkerEngine
+from echo2.coordinator.trust import Checks, Verdict
+from echo2.settings import CheckSettings
 from echo2.transport import Client, RemoteError, worker_credential
 
 G = 2
@@ -48,7 +49,7 @@ def test_a_retired_credential_loses_everything_it_holds(tiny_model_dir):
     """Two ids of one credential: one has groups buffered and in the last batch, the other in flight. Caught on
     the first's tokens, the credential is revoked, both ids retired, all of it dropped or lost as untrusted, and
     the learner is told not to train on its groups in the checked batch (booked: dropped, not consumed)."""
-    coord = small_coordinator(tiny_model_dir, group_size=G, checks={"max_abs_log_ratio": 1.0, "evidence_nats": 8})
+    coord = small_coordinator(tiny_model_dir, group_size=G, checks=CheckSettings(max_abs_log_ratio=1.0, evidence_nats=8))
     try:
         bad = Client(coord.url, worker_credential("secret", "forger"))
         a = bad.post("/register", {})["worker_id"]
@@ -108,7 +109,7 @@ class _Forger(threading.Thread):
     """A real worker agent with its own credential ('forger') and a forging engine."""
 
     def __init__(self, source, forge, delay_s=0.0, max_groups=4):
-        from echo2.rollout.agent import Agent
+        from echo2.worker.agent import Agent
 
         super().__init__(daemon=True)
         requires = source.requires  # it claims the run's own model and context: the handshake checks claims only
@@ -132,14 +133,14 @@ class _Forger(threading.Thread):
 
 
 def _random_tokens(vocab):
-    from echo2.rollout.types import Completion
+    from echo2.records import Completion
 
     return lambda rng: Completion([rng.randrange(vocab)] * 2, [-0.05, -0.05], "length")
 
 
 def _one_answer(rng):
     """The same two tokens for every completion of every group, claimed near-certain."""
-    from echo2.rollout.types import Completion
+    from echo2.records import Completion
 
     return Completion([5, 1], [-0.05, -0.05], "stop")
 

@@ -58,7 +58,7 @@ def test_zero3_snapshot_is_the_gathered_state_dict(tmp_path):
 
     from echo2.broadcast import snapshot
     from echo2.models.tiny import build_tiny
-    from echo2.rollout.engines.hf import probe_logprobs
+    from echo2.models.probe import probe_logprobs
 
     model_path = build_tiny(tie_word_embeddings=True)
     out = torchrun("zero3_snapshot.py", model_path, str(tmp_path))

@@ -50,13 +50,12 @@ def test_loopback_is_recognised():
 ])
 def test_the_learner_decides_tls_from_its_addresses_and_logs_the_opt_out(tmp_path, caplog, mode, host, sender_host,
                                                                         tls, warns):
-    import functools
     import logging
     from types import SimpleNamespace
 
     from echo2.rollout.async_source import AsyncRolloutSource
 
-    source = SimpleNamespace(make_broadcaster=functools.partial(dict, host=sender_host), run_dir=str(tmp_path),
+    source = SimpleNamespace(broadcaster={"host": sender_host}, run_dir=str(tmp_path),
                              kwargs={})
     with caplog.at_level(logging.WARNING, logger="echo2.rollout.async_source"):
         pin = AsyncRolloutSource._tls(source, mode, host)
@@ -108,8 +107,8 @@ def test_clients_verify_against_the_run_ca_and_the_role_name(tls_coord, ca, tmp_
 def test_a_snapshot_travels_the_relay_over_tls(ca, tmp_path):
     """Learner origin -> peer A -> peer B, every link TLS: B gets the verified snapshot; a fetcher that does not
     speak TLS is refused by the origin."""
-    from echo2.broadcast.broadcaster import RelayBroadcaster
-    from echo2.broadcast.peer import SnapshotReceiver
+    from echo2.coordinator.broadcaster import RelayBroadcaster
+    from echo2.worker.peer import SnapshotReceiver
     from echo2.broadcast.relay import Fetcher
     from echo2.broadcast.store import Store
 

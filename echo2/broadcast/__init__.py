@@ -1,7 +1,8 @@
-"""Weight dissemination: how snapshot v reaches the rollout workers (docs/design.md §2).
+"""Weight dissemination: how snapshot v reaches the rollout workers (docs/design.md §2). What the relay's two ends
+share: the coordinator process's origin (echo2/coordinator/broadcaster.py) and each worker's peer
+(echo2/worker/peer.py); the learner writes ``snapshot``s.
 
 ``snapshot``     serialise a state dict (safetensors, never pickle)
-``base``         the ``Broadcaster`` protocol the coordinator sees
 ``topology``     who pulls from whom: chain, tree or stripes (the pipelined relay; auto picks chain or stripes) or
                  star (one-to-many); pure
 ``manifest``     what the learner signs (manifests: chunk digests, root, version, probe, epoch; its orders to
@@ -9,7 +10,6 @@
 ``store``        the snapshots a node holds: buffers that fill while they are served, checked chunk by chunk
 ``framing``      the byte stream between relay nodes: JSON frames, then raw bytes
 ``relay``        the relay node: a server that streams to children, a fetcher that pulls with failover
-``broadcaster``  the learner's end (RelayBroadcaster: rounds over a plan); ``peer`` a worker's end
 ``delta``        lossless sparse deltas between versions
 
 The lab tools that measure it (WAN testbed, delay line, link emulation, ``python -m echo2.lab.bench``) live in

@@ -42,6 +42,8 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 CHUNK_BYTES = 4 << 20
 FULL = -1  # the ``base`` of a whole snapshot (a delta's base is the version it applies to)
+MAX_SOURCES = 16
+"""Sources one order may name: the broadcaster names a few ancestors, two holders and the origin."""
 
 
 class BadSnapshot(Exception):

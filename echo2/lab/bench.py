@@ -6,7 +6,7 @@
     python -m echo2.lab.bench ... --testbed inproc      # no root: token buckets + latency around each connection
     python -m echo2.lab.bench ... --tls both            # the same broadcast over plain TCP, then over TLS
 
-Every worker is a separate process running the worker agent's own snapshot receiver (broadcast/peer.py); the
+Every worker is a separate process running the worker agent's own snapshot receiver (worker/peer.py); the
 learner is a process running the coordinator's broadcaster (broadcast/broadcaster.py). ``--testbed netns``
 (default where root and iptables are available) puts each in its own network namespace behind HTB-shaped links and
 a delay line, and checks the shaped RTT and rate before measuring; ``inproc`` shapes in the application instead (it knows no slow
@@ -52,7 +52,7 @@ MODES = {"pipelined": "auto", "one_to_many": "star", "chain": "chain", "stripes"
 
 
 def role_peer(args) -> None:
-    from echo2.broadcast.peer import SnapshotReceiver
+    from echo2.worker.peer import SnapshotReceiver
     from echo2.lab.link import Link
 
     link = Link(up_mbit=args.up_mbit, down_mbit=args.down_mbit, latency_s=args.latency_ms / 1e3)
@@ -91,7 +91,7 @@ def _late_control(base: type, one_way_s: float) -> type:
 
 
 def role_learner(args) -> None:
-    from echo2.broadcast.broadcaster import RelayBroadcaster
+    from echo2.coordinator.broadcaster import RelayBroadcaster
     from echo2.lab.link import Link
 
     peers = json.loads(args.peers)

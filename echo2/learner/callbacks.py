@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 from transformers import TrainerCallback
 
+from echo2.learner.distributed import ShardedSource
 from echo2.metrics import MetricsSink, namespaced
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,8 @@ class StepLog(TrainerCallback):
         self.t0 = time.perf_counter()  # after the step-0 evaluation
 
     def on_step_end(self, args, state, control, **kwargs):
-        batch = getattr(self.trainer.rollout_source, "last_batch", None) or self.trainer.last_groups  # all ranks'
+        source = self.trainer.rollout_source  # the consumed log holds every rank's groups
+        batch = source.last_batch if isinstance(source, ShardedSource) else self.trainer.last_groups
         if self.sink is not None and state.is_world_process_zero and batch:
             self.sink.consumed(state.global_step, batch)
 

@@ -21,8 +21,8 @@ import logging
 import time
 from typing import Any
 
-from echo2.rollout.protocols import RunStopped
-from echo2.rollout.types import RolloutGroup
+from echo2.records import RolloutGroup
+from echo2.seams import RemoteSource, RunStopped
 
 log = logging.getLogger(__name__)
 
@@ -32,22 +32,20 @@ class RankZeroError(RuntimeError):
 
 
 class ShardedSource:
-    needs_policy = False
+    """A RolloutSource for every learner rank around rank 0's RemoteSource (``source``: None on the other ranks)."""
 
-    def __init__(self, source: Any, rank: int, world_size: int):
+    needs_policy = False
+    max_staleness = None
+
+    def __init__(self, source: RemoteSource | None, rank: int, world_size: int):
         if (source is None) != (rank != 0):
             raise ValueError("only rank 0 holds the rollout source")
         self.source, self.rank, self.world_size = source, rank, world_size
+        # rollout checks run with one learner process only (config.validate): rank 0's source decides
+        self.check_every_steps = source.check_every_steps if source is not None else 0
         self.last_batch: list[RolloutGroup] = []  # the whole step's groups (rank 0 logs them as consumed)
         self.resumed: tuple[int, Any] | None = None  # restored weights to publish before the first collect
         self.publish_s = 0.0  # the last on_version's wall time: gather + publish of a snapshot, when one was due
-
-    def __getattr__(self, name: str) -> Any:
-        """Anything else is the wrapped source's (rank 0), e.g. ``coordinator`` for tools and tests."""
-        source = self.__dict__.get("source")
-        if source is None:
-            raise AttributeError(f"{name!r}: only learner rank 0 holds the rollout source")
-        return getattr(source, name)
 
     def _share(self, fn) -> Any:
         """Run ``fn`` on rank 0 and return its result on every rank; its exception, on every rank."""
@@ -133,6 +131,9 @@ class ShardedSource:
         if self.rank != 0:
             return {}  # logged by rank 0 only
         return {**self.source.metrics(), "train/publish_s": self.publish_s}
+
+    def on_check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
+        return self._share(lambda: self.source.on_check(stats))
 
     def checkpoint(self) -> dict[str, Any]:
         return self._share(lambda: self.source.checkpoint())

@@ -39,8 +39,8 @@ from trl.trainer.utils import nanstd, pad
 
 from echo2.learner.corrections import CORRECTIONS, Correction, importance_weights, m2po_keep
 from echo2.learner.weights import PolicyWeights
-from echo2.rollout.protocols import RolloutSource
-from echo2.rollout.types import RolloutGroup
+from echo2.seams import RolloutSource
+from echo2.records import RolloutGroup
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
         if self.correction != "none":
             old_logps, advantages = self._decoupled(prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                     behaviour_logps, advantages)
-        every = getattr(self.rollout_source, "check_every_steps", 0)
+        every = self.rollout_source.check_every_steps
         if every and self.version % every == 0 and any(g.worker_id for g in groups):
             learner_logps = old_logps if self.correction != "none" else None
             distrusted = self._check(groups, prompt_ids, prompt_mask, completion_ids, completion_mask,
@@ -299,7 +299,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
 
     def _check(self, groups, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps,
                learner_logps=None) -> set[str]:
-        """Rollout checks (echo2/rollout/trust.py): the learner's logprobs of each worker's tokens against the
+        """Rollout checks (echo2/coordinator/trust.py): the learner's logprobs of each worker's tokens against the
         behaviour logprobs it reported; per-worker sums (tokens, Σ log-ratio, Σ |log-ratio|) go to the source,
         which judges; returns the workers whose groups in this batch must not be trained on."""
         if learner_logps is None:

@@ -29,7 +29,7 @@ def zero3(model: Any) -> bool:
 
 
 class PolicyWeights:
-    """What ``AsyncRolloutSource`` publishes (``rollout.protocols.Weights``). Every learner rank builds one and calls
+    """What ``AsyncRolloutSource`` publishes (``seams.Weights``). Every learner rank builds one and calls
     ``probe_logprobs`` then ``write`` together; ``write`` on a rank other than 0 takes ``path=None`` and only joins
     the gathers."""
 
@@ -69,7 +69,7 @@ class PolicyWeights:
         that it describes the weights the snapshot rounds, not one more rounding of every activation (on
         SmolLM2-135M autocast alone moved a probe token by 0.18 nats, and a worker serving the bf16 snapshot in
         float32 was 0.20-0.28 nats from an autocast probe: past its tolerance, it stopped claiming versions)."""
-        from echo2.rollout.engines.hf import probe_logprobs
+        from echo2.models.probe import probe_logprobs
 
         model, plain = self.model, self.model.__dict__.get("_original_forward")
         with torch.no_grad():

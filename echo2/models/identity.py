@@ -1,7 +1,7 @@
 """What a model is, for the learner and its workers to agree on: a name and a digest of its config and tokenizer.
 
 The learner's coordinator sends its model's identity and the context length the run needs to every worker at
-registration (echo2/rollout/coordinator.py); a worker declares its own, and one that serves another model, or
+registration (echo2/coordinator/coordinator.py); a worker declares its own, and one that serves another model, or
 too short a context, is refused with the reason and never given work. Weights are not part of the digest: they
 are the learner's to broadcast, and a worker loads its initial weights from the same name.
 

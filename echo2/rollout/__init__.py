@@ -1,9 +1,11 @@
-"""Rollout plane: where completions come from.
+"""Rollout sources: where the learner's batches come from, seen from the learner's process.
 
-``types``      the records that cross the plane (a rollout carries its tokens, behaviour logprobs, version)
-``protocols``  the seams the learner sees: ``RolloutSource`` and ``Engine``
-``engines/``   generation backends behind ``Engine`` (``hf``: transformers ``generate``)
-``scoring``    rewards, computed on the learner's side through the task adapter
-``sync``       the on-policy source (staleness 0): generate with the live policy, then train
-``evaluate``   greedy accuracy on the task's held-out split
+``async_source``  rollouts from remote workers, at most S versions stale, through the coordinator process
+                  (``service``: the learner's handle on it; ``pool``: the local or listed workers it starts)
+``sync``          the on-policy source (staleness 0): generate with the live policy, then train
+``lagged``        generation with a copy of the policy exactly S versions old (an exact lag, for experiments)
+``evaluate``      greedy accuracy on the task's held-out split
+
+The coordinator process's code is in echo2/coordinator/, the workers' in echo2/worker/; what they share with
+this plane is beside them (echo2/records.py, echo2/seams.py, echo2/scoring.py, echo2/broadcast/).
 """

@@ -10,16 +10,17 @@
 With several learner processes only rank 0 holds this source (echo2/learner/distributed.py hands each rank its
 slice and runs the snapshot's gather on every rank); nothing here knows how many learner processes there are.
 
-The coordinator and the broadcaster run in a process of their own (service.py), so serving workers takes
+The coordinator and the broadcaster run in a process of their own (service.py; its code: echo2/coordinator/), so
+serving workers takes
 neither the learner's GIL nor its core. The learner never generates and never waits for a broadcast; it waits
 only when fewer than P admissible groups are buffered (``train/learner_idle_s``). Prompts come from the task's
 training set in the coordinator's own seeded order, so the rows TRL's sampler hands to ``collect`` are unused.
 
 Restarts. If the coordinator process dies, the next call starts a new one on the same port from the ledger's
-journal (ledger.py: what was in flight or buffered is counted lost / dropped, ``coordinator_restart``, and its
-prompts re-queued), republishes the current weights, and repeats the call; workers reconnect by themselves
-(agent.py). At most ``coordinator_restarts`` times within ``restart_window_s`` (a crash loop is an error). A learner resumed from a checkpoint starts its
-coordinator from the journal length the checkpoint recorded (``resume``), with the data position of then.
+journal (echo2/coordinator/ledger.py: what was in flight or buffered is counted lost / dropped,
+``coordinator_restart``, and its prompts re-queued), republishes the current weights, and repeats the call; workers
+reconnect by themselves (echo2/worker/agent.py). At most ``coordinator_restarts`` times within ``restart_window_s``
+(a crash loop is an error). A learner resumed from a checkpoint starts its coordinator from the journal length the checkpoint recorded (``resume``), with the data position of then.
 
 TLS (``tls``): ``auto`` turns it on when the coordinator or the learner's relay origin listens on a non-loopback
 address; the run's CA lives in ``<run dir>/tls`` (kept across coordinator restarts and learner resumes, so a
@@ -38,15 +39,15 @@ from urllib.parse import urlsplit
 
 from echo2.activation.settings import ActivationSettings, BroadcastShape, detached
 from echo2.models.identity import model_identity
-from echo2.rollout import rendezvous
-from echo2.rollout.ledger import journal_path
-from echo2.rollout.liveness import Liveness
+from echo2.models.probe import probe_tokens
+from echo2 import rendezvous
+from echo2.records import RolloutGroup, SamplingParams
+from echo2.rendezvous import journal_path
 from echo2.rollout.pool import LocalPool, StaticPool
-from echo2.rollout.protocols import RunStopped, Weights
-from echo2.rollout.scoring import longest_prompt
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
-from echo2.rollout.trust import Checks
-from echo2.rollout.types import RolloutGroup, SamplingParams
+from echo2.scoring import longest_prompt
+from echo2.seams import RunStopped, Weights
+from echo2.settings import CheckSettings, LivenessSettings
 from echo2.transport import RunCA, is_loopback
 
 log = logging.getLogger(__name__)
@@ -69,22 +70,13 @@ def run_needs(task: Any, tokenizer: Any, model_path: str, max_tokens: int) -> di
     return need
 
 
-def probe_tokens(vocab_size: int, n: int = 33) -> list[int]:
-    """The fixed tokens whose logprobs check a worker's weights: a seeded draw over the whole vocabulary, so that
-    every row of the embedding and of the LM head can show up (a stale tied head did, by ~1 nat)."""
-    import random
-
-    rng = random.Random(0)
-    return [rng.randrange(vocab_size) for _ in range(n)]
-
-
 class AsyncRolloutSource:
     needs_policy = False  # remote: the learner never lends it the policy
     max_staleness = None  # any S
 
     def __init__(self, *, task: Any, tokenizer: Any, sampling: SamplingParams, model_path: str, run_dir: str,
                  seed: int, staleness: int, prompts_per_step: int, publish_interval: int, token: str,
-                 make_broadcaster: Callable[[], Any], pool: LocalPool | StaticPool,
+                 broadcaster: dict[str, Any] | None, pool: LocalPool | StaticPool,
                  activation: ActivationSettings | None = None, broadcast_shape: BroadcastShape | None = None,
                  resume: dict | None = None, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_timeout_s: float = 30.0, take_timeout_s: float = 900.0, groups_per_pull: int = 4,
@@ -96,14 +88,14 @@ class AsyncRolloutSource:
                  reward_timeout_s: float = 10.0):
         """The run's parts, by name (train.py passes those this constructor names): the ``task`` and ``tokenizer``
         the coordinator scores with, the ``sampling`` workers use, the ``model_path`` and ``token`` they join with,
-        ``make_broadcaster()`` (called in the coordinator's process), the worker ``pool``, the planner's
+        ``broadcaster``: the broadcast.sender config (built in the coordinator's process), the worker ``pool``, the planner's
         ``activation`` settings and ``broadcast_shape``, and ``resume``: what ``checkpoint()`` returned, when the
         learner resumes from one. The rest are conf/rollout/async.yaml's options."""
         if publish_interval < 1:
             raise ValueError(f"broadcast.interval={publish_interval}: must be >= 1")
         s = sampling
         self.task, self.tokenizer, self.run_dir, self.token = task, tokenizer, run_dir, token
-        self.make_broadcaster, self.publish_interval = make_broadcaster, publish_interval
+        self.broadcaster, self.publish_interval = broadcaster, publish_interval
         self.take_timeout_s, self.cores = take_timeout_s, coordinator_cores
         self.max_restarts, self.restart_window_s = coordinator_restarts, restart_window_s
         self.restart_times: list[float] = []
@@ -121,15 +113,15 @@ class AsyncRolloutSource:
                 "stop_token_ids": list(s.stop_token_ids)},
             activation=detached(ActivationSettings, activation),
             broadcast_shape=detached(BroadcastShape, broadcast_shape),
-            liveness=dict(floor_s=deadline_floor_s, cap_s=deadline_cap_s, slack=deadline_slack, share=worker_share,
-                          strikes=deadline_strikes))
+            # a bad value fails here, not in the coordinator's process
+            liveness=LivenessSettings(floor_s=deadline_floor_s, cap_s=deadline_cap_s, slack=deadline_slack,
+                                      share=worker_share, strikes=deadline_strikes))
         self.check_every_steps = check_every_steps  # read by the learner (trainer._check)
-        self.kwargs["checks"] = dict(max_abs_log_ratio=check_max_abs_log_ratio, evidence_nats=check_evidence_nats)
+        self.kwargs["checks"] = CheckSettings(max_abs_log_ratio=check_max_abs_log_ratio,
+                                              evidence_nats=check_evidence_nats)
         self.rewards = dict(processes=reward_processes, timeout_s=reward_timeout_s)  # the coordinator's reward pool
-        # this learner process's epoch: kept by a restarted coordinator, new after a resume (agent.py)
+        # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
         self.kwargs["epoch"] = os.urandom(8).hex()
-        Liveness(**self.kwargs["liveness"])  # a bad value fails here, not in the coordinator's process
-        Checks(**self.kwargs["checks"])
         if reward_processes < 1 or not reward_timeout_s > 0:
             raise ValueError(f"rollout.source.reward_processes={reward_processes} must be >= 1 and "
                              f"reward_timeout_s={reward_timeout_s} > 0")
@@ -190,7 +182,7 @@ class AsyncRolloutSource:
         """Decide TLS for the rollout plane; returns the run CA's fingerprint, or None for plain HTTP."""
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"rollout.source.tls={mode!r}: expected auto, on or off")
-        hosts = [host, getattr(self.make_broadcaster, "keywords", {}).get("host") or "127.0.0.1"]
+        hosts = [host, (self.broadcaster or {}).get("host") or "127.0.0.1"]
         exposed = [h for h in hosts if not is_loopback(str(h))]
         if mode == "off" or (mode == "auto" and not exposed):
             if exposed:
@@ -215,7 +207,7 @@ class AsyncRolloutSource:
 
     def _spawn(self, recover: dict | None) -> CoordinatorProcess:
         return CoordinatorProcess(
-            task=self.task, tokenizer=self.tokenizer, make_broadcaster=self.make_broadcaster,
+            task=self.task, tokenizer=self.tokenizer, broadcaster=self.broadcaster,
             log_path=os.path.join(self.run_dir, "coordinator.log"), cores=self.cores, rewards=self.rewards,
             coordinator_kwargs=dict(self.kwargs, recover=recover, version=self.version))
 

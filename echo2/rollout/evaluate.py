@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from echo2.rollout.engines.hf import HFEngine
-from echo2.rollout.scoring import encode_prompt
-from echo2.rollout.types import SamplingParams
+from echo2.models.generate import HFEngine
+from echo2.scoring import encode_prompt
+from echo2.records import SamplingParams
 from echo2.tasks.base import Task
 
 

@@ -20,10 +20,10 @@ import logging
 from collections import deque
 from typing import Any
 
-from echo2.rollout.protocols import Engine
-from echo2.rollout.scoring import Scorer
+from echo2.seams import Engine
+from echo2.scoring import Scorer
 from echo2.rollout.sync import SyncRolloutSource
-from echo2.rollout.types import SamplingParams
+from echo2.records import SamplingParams
 
 log = logging.getLogger(__name__)
 

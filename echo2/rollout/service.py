@@ -1,18 +1,20 @@
-"""The coordinator in a process of its own, so that its work never takes the learner's GIL or core.
+"""The learner's handle on the coordinator, which runs in a process of its own so that its work never takes the
+learner's GIL or core (the child's side: echo2/coordinator/process.py).
 
     learner process                                        coordinator process (spawned, one per run)
-    AsyncRolloutSource ─ CoordinatorProcess ══ pipe ══►  serve() → InChild: Coordinator (HTTP server, reapers)
-       collect   take(n)             request → reply (P scored groups)       + Broadcaster (its send thread)
-                                                                             + RewardPool (reward processes)
+    AsyncRolloutSource ─ CoordinatorProcess ══ pipe ══►  process.serve() → Coordinator (HTTP server, reapers)
+       collect   take(n)             request → reply (P scored groups)       + its Broadcaster (its send thread)
+                                                                             + its RewardPool (reward processes)
        on_version set_version(v)     one-way
-                 publish_written(v)  one-way; the bytes go through a memory file (memfd) the child maps, not the pipe
+                 publish(v)          one-way; the bytes go through a memory file (memfd) the child maps, not the pipe
        metrics   metrics()           request → reply  (also status(), for tests and tools)
        on_save   mark()              request → reply (the journal's length, fsynced: where a resume starts from)
        checks    check(stats)        request → reply (the workers whose groups in the batch are not trained on)
        close     close()             request → reply (the rollout accounting); then the process exits
 
-Each call sends the InChild method that serves it (pickled by name) with its arguments: follow a call from
-CoordinatorProcess.take to InChild.take to Coordinator.take.
+Each call sends the name of the Coordinator method that serves it with its arguments: CoordinatorProcess.take
+is Coordinator.take in the child. The learner imports nothing of the coordinator: the child's entry point and
+the broadcaster go by name (``COORDINATOR_MAIN``, the ``broadcast.sender`` config's ``_target_``).
 
     waits for (learner): a reply to take, i.e. P admissible groups;   unblocked by: worker pushes in the child
 
@@ -31,15 +33,17 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import mmap
-import sys
-import threading
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from echo2.env import run_named
+
 log = logging.getLogger(__name__)
+
+COORDINATOR_MAIN = "echo2.coordinator.process:serve"
+"""The coordinator process's entry point, imported by name in the child."""
 
 
 class CoordinatorDied(RuntimeError):
@@ -49,18 +53,21 @@ class CoordinatorDied(RuntimeError):
 class CoordinatorProcess:
     """The learner's handle on the coordinator process; the same calls as an in-process Coordinator."""
 
-    def __init__(self, *, task: Any, tokenizer: Any, make_broadcaster: Any, coordinator_kwargs: dict[str, Any],
-                 log_path: str | None = None, cores: list[int] | None = None, start_timeout_s: float = 120.0,
-                 rewards: dict[str, Any] | None = None):
-        """``rewards``: the reward pool's settings (reward_pool.RewardPool: ``processes``, ``timeout_s``)."""
+    def __init__(self, *, task: Any, tokenizer: Any, broadcaster: dict[str, Any] | None,
+                 coordinator_kwargs: dict[str, Any], log_path: str | None = None, cores: list[int] | None = None,
+                 start_timeout_s: float = 120.0, rewards: dict[str, Any] | None = None):
+        """``broadcaster``: the broadcaster's config (``_target_`` and its options; None: none), built in the
+        child with the run's token as ``secret``. ``rewards``: the reward pool's settings (``processes``,
+        ``timeout_s``)."""
         self.log_path = log_path
         self.staged: deque[int] = deque()  # memory files of the last published snapshots (see _handoff)
-        spec = dict(task=task, tokenizer=tokenizer, make_broadcaster=make_broadcaster,
+        spec = dict(task=task, tokenizer=tokenizer, broadcaster=broadcaster,
                     coordinator_kwargs=coordinator_kwargs, log_path=log_path, log_level=logging.getLogger().level,
                     cores=list(cores) if cores else None, rewards=dict(rewards or {}))
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads and a model
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child_conn, spec), name="echo2-coordinator", daemon=True)
+        self.proc = ctx.Process(target=run_named, args=(COORDINATOR_MAIN, child_conn, spec),
+                                name="echo2-coordinator", daemon=True)
         self.proc.start()
         child_conn.close()
         if not self.conn.poll(start_timeout_s):
@@ -73,10 +80,10 @@ class CoordinatorProcess:
     # ------------------------------------------------------------------ calls
 
     def take(self, n: int, timeout_s: float | None = None) -> list:
-        return self._call(InChild.take, n, timeout_s)
+        return self._call("take", n, timeout_s)
 
     def set_version(self, version: int) -> None:
-        self._send(InChild.set_version, version)
+        self._send("set_version", version)
 
     def publish(self, version: int, blob: bytes, probe: dict | None = None) -> None:
         """Hand snapshot bytes to the broadcaster in the child; returns once they are written to memory."""
@@ -101,22 +108,22 @@ class CoordinatorProcess:
         self.staged.append(fd)
         while len(self.staged) > 2:
             os.close(self.staged.popleft())
-        self._send(InChild.publish, version, f"/proc/{os.getpid()}/fd/{fd}", probe)
+        self._send("publish", version, f"/proc/{os.getpid()}/fd/{fd}", probe)
 
     def metrics(self) -> dict[str, float]:
-        return self._call(InChild.metrics)
+        return self._call("metrics")
 
     def mark(self) -> int:
         """The journal's length now: a learner checkpoint taken between steps resumes from here."""
-        return self._call(InChild.mark)
+        return self._call("mark")
 
     def status(self) -> dict[str, Any]:
-        return self._call(InChild.status)
+        return self._call("status")
 
     def check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
         """The learner's per-worker scores of behaviour logprobs (rollout checks); returns the workers whose groups
         in the checked batch must not be trained on."""
-        return self._call(InChild.check, stats)
+        return self._call("check", stats)
 
     def close(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """Stop serving and return the accounting (what was buffered or in flight counted as at the end)."""
@@ -124,7 +131,7 @@ class CoordinatorProcess:
             return {}
         self.closed = True
         try:
-            self._send(InChild.close, reply=True)  # the child answers, then exits
+            self._send("close", reply=True)  # the child answers, then exits
             if not self.conn.poll(timeout_s):
                 raise CoordinatorDied(f"coordinator did not answer close within {timeout_s} s ({self._where()})")
             return self._reply()
@@ -142,8 +149,8 @@ class CoordinatorProcess:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _send(self, method: Callable, *args: Any, reply: bool = False) -> None:
-        """Ask the child to run ``method`` (an InChild method) with ``args``; one-way unless ``reply``."""
+    def _send(self, method: str, *args: Any, reply: bool = False) -> None:
+        """Ask the child to run the Coordinator's ``method`` with ``args``; one-way unless ``reply``."""
         try:
             self.conn.send((method, args, reply))
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
@@ -160,7 +167,7 @@ class CoordinatorProcess:
             raise (TimeoutError if kind == "TimeoutError" else RuntimeError)(f"coordinator: {message}")
         return value
 
-    def _call(self, method: Callable, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any) -> Any:
         self._send(method, *args, reply=True)
         return self._reply()
 
@@ -173,123 +180,3 @@ class CoordinatorProcess:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout=10)
-
-
-# ---------------------------------------------------------------------- the child
-
-
-def serve(conn: Any, spec: dict[str, Any]) -> None:
-    """Entry point of the coordinator process: answer the learner's calls until ``close`` or its death."""
-    if spec["cores"]:  # before any thread exists, so that all of them inherit it
-        os.sched_setaffinity(0, set(spec["cores"]))
-    _configure_logging(spec["log_path"], spec["log_level"])
-    from echo2.rollout.coordinator import Coordinator
-    from echo2.rollout.reward_pool import RewardPool
-
-    task, tokenizer = spec["task"], spec["tokenizer"]
-    rewards = RewardPool(task, tokenizer, **spec["rewards"])  # reward functions in processes of their own
-    broadcaster = spec["make_broadcaster"]()
-    coordinator = Coordinator(task.train_dataset(), rewards, tokenizer, broadcaster=broadcaster,
-                              **spec["coordinator_kwargs"]).start()
-    _exit_with_parent()
-    conn.send(("ok", coordinator.url))
-    served = InChild(coordinator, broadcaster, rewards)
-    while True:
-        try:
-            method, args, reply = conn.recv()
-        except (EOFError, OSError):  # the learner is gone without saying close (killed): leave the journal as
-            log.warning("learner process gone; coordinator exiting")  # it is, for a resume to book what was open
-            served.abort()
-            return
-        if method is InChild.close:
-            accounting = served.close()
-            try:
-                conn.send(("ok", accounting))
-            except OSError:
-                pass
-            return
-        try:
-            value = method(served, *args)
-            if reply:
-                conn.send(("ok", value))
-        except Exception as e:  # report to the learner; the coordinator's state is untouched by a failed call
-            if not isinstance(e, TimeoutError):  # a take that found no batch yet: the learner asks again
-                log.exception("coordinator call %s failed", method.__name__)
-            if reply:
-                conn.send(("error", (type(e).__name__, str(e))))
-
-
-class InChild:
-    """What the coordinator process does for each of CoordinatorProcess's calls, one method per call (the learner
-    sends the method itself down the pipe)."""
-
-    def __init__(self, coordinator: Any, broadcaster: Any, rewards: Any = None):
-        self.coordinator, self.broadcaster, self.rewards = coordinator, broadcaster, rewards
-
-    def take(self, n: int, timeout_s: float | None) -> list:
-        return self.coordinator.take(n, timeout_s)
-
-    def set_version(self, version: int) -> None:
-        self.coordinator.set_version(version)
-
-    def publish(self, version: int, path: str, probe: dict | None) -> None:
-        self.broadcaster.publish(version, _map(path), probe)
-
-    def metrics(self) -> dict[str, float]:
-        return {**self.coordinator.metrics(), **self.broadcaster.metrics()}
-
-    def status(self) -> dict[str, Any]:
-        return self.coordinator.status()
-
-    def mark(self) -> int:
-        return self.coordinator.mark()
-
-    def check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
-        return self.coordinator.check(stats)
-
-    def close(self) -> dict[str, Any]:
-        """Stop serving; the rollout accounting, with what was buffered or in flight counted as at the end."""
-        self.broadcaster.close()
-        try:
-            return self.coordinator.close()
-        finally:
-            if self.rewards is not None:
-                self.rewards.close()
-
-    def abort(self) -> None:
-        """The learner died: stop without settling the journal."""
-        self.broadcaster.close()
-        self.coordinator.abort()
-        if self.rewards is not None:
-            self.rewards.close()
-
-
-def _map(path: str) -> mmap.mmap:
-    """The learner's snapshot memory file, mapped read-only: its memory stays while the map does."""
-    with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-
-def _exit_with_parent() -> None:
-    """A learner killed with SIGKILL sends no close: leave when its process handle becomes ready."""
-    parent = mp.parent_process()
-
-    def watch():
-        parent.join()
-        log.warning("learner process gone; coordinator exiting")
-        os._exit(0)
-
-    if parent is not None:
-        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _configure_logging(log_path: str | None, level: int) -> None:
-    fmt = logging.Formatter("[%(asctime)s][coordinator][%(name)s][%(levelname)s] - %(message)s")
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_path:
-        handlers.append(logging.FileHandler(log_path))
-    root = logging.getLogger()
-    root.setLevel(level or logging.INFO)
-    for h in handlers:
-        h.setFormatter(fmt)
-        root.addHandler(h)

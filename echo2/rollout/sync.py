@@ -12,9 +12,9 @@ import logging
 import time
 from typing import Any
 
-from echo2.rollout.protocols import Engine
-from echo2.rollout.scoring import Scorer, encode_prompt
-from echo2.rollout.types import Rollout, RolloutGroup, SamplingParams
+from echo2.seams import Engine
+from echo2.scoring import Scorer, encode_prompt
+from echo2.records import Rollout, RolloutGroup, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 class SyncRolloutSource:
     needs_policy = True
     max_staleness = 0  # on-policy by construction
+    check_every_steps = 0  # the learner generated every rollout itself: nothing to check
 
     def __init__(self, *, engine: Engine, scorer: Scorer, tokenizer: Any, sampling: SamplingParams):
         self.engine, self.scorer, self.tokenizer, self.sampling = engine, scorer, tokenizer, sampling
@@ -57,6 +58,9 @@ class SyncRolloutSource:
 
     def request_stop(self) -> None:
         pass  # it never waits: the step in progress ends, then the callback stops the run
+
+    def on_check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
+        return []
 
     def close(self) -> dict[str, Any]:
         """Every rollout generated here is consumed by the step that asked for it."""

@@ -20,7 +20,7 @@ class Stub:
         if self.calls == 2:
             raise TimeoutError("only 3 of 4 admissible groups within 900 s (rollout.source.take_timeout_s)")
         if self.calls == 3:
-            from echo2.rollout.protocols import RunStopped
+            from echo2.seams import RunStopped
 
             raise RunStopped("stop requested while waiting for 4 rollout groups for step 3")
         return [f"g{i}" for i in range(len(rows))]

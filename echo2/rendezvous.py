@@ -56,3 +56,9 @@ def read(path: str, timeout_s: float, poll_s: float = 2.0) -> dict[str, Any]:
             said = time.monotonic()
         time.sleep(poll_s)
     return json.loads(target.read_text())
+
+
+def journal_path(run_dir: str) -> str:
+    """The coordinator's journal of every rollout's fate (echo2/coordinator/ledger.py), kept in the run directory:
+    a restarted coordinator and a resumed learner find it here."""
+    return os.path.join(run_dir, "rollouts.journal")

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from echo2.settings import CheckSettings
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -55,9 +57,7 @@ class Checks:
     flagged: set = field(default_factory=set)
 
     def __post_init__(self):
-        if not self.max_abs_log_ratio > 0 or not self.evidence_nats > 0:
-            raise ValueError(f"rollout checks: max_abs_log_ratio={self.max_abs_log_ratio} and evidence_nats="
-                             f"{self.evidence_nats} must be > 0")
+        CheckSettings(self.max_abs_log_ratio, self.evidence_nats)  # the values' rules live there
 
     def update(self, stats: dict[str, tuple[int, float, float]]) -> Verdict:
         """Add one checked batch, ``{principal: (tokens, Σ δ, Σ |δ|)}``."""

@@ -41,10 +41,10 @@ from pathlib import Path
 import requests
 
 from echo2.broadcast.snapshot import memory_file
-from echo2.rollout.types import Completion, SamplingParams
+from echo2.records import Completion, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: vLLM's worker imports vllm_ext from it
-EXTENSION = "echo2.rollout.engines.vllm_ext.Echo2WeightSync"
+EXTENSION = "echo2.worker.engines.vllm_ext.Echo2WeightSync"
 # Every sampling knob that could reshape the distribution, stated as off: the learner scores the full softmax at T.
 NEUTRAL = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
            "frequency_penalty": 0.0}
@@ -98,7 +98,7 @@ class VLLMServerEngine:
         self.log_path = log_path or str(self.workdir / "vllm.log")
         self._log = open(self.log_path, "ab")
         t0 = time.perf_counter()
-        guard = [sys.executable, "-m", "echo2.rollout.engines.guard", "--remove", str(self.workdir)]
+        guard = [sys.executable, "-m", "echo2.worker.engines.guard", "--remove", str(self.workdir)]
         self.proc = subprocess.Popen(guard + cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self._wait_healthy(startup_timeout_s, stop or threading.Event())

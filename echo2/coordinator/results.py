@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from echo2.rollout.types import Completion, Rollout
+from echo2.records import Completion, Rollout
 from echo2.transport import BadRequest
 
 

@@ -419,7 +419,3 @@ def open_ledger(journal: str | None, recover: dict | None, group_size: int, n_ro
             os.unlink(journal)  # a fresh run in a used directory: the old journal is not this run's
         led.open_journal(journal)
     return led
-
-
-def journal_path(run_dir: str) -> str:
-    return os.path.join(run_dir, "rollouts.journal")

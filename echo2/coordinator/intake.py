@@ -18,12 +18,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from echo2.rollout.buffer import StalenessBuffer
-from echo2.rollout.ledger import IN_FLIGHT, Ledger
-from echo2.rollout.registry import InFlight, Registry, WorkerInfo
-from echo2.rollout.results import parse_result
-from echo2.rollout.schemas import MAX_ROLLOUTS_PER_S
-from echo2.rollout.types import RolloutGroup
+from echo2.coordinator.buffer import StalenessBuffer
+from echo2.coordinator.ledger import IN_FLIGHT, Ledger
+from echo2.coordinator.registry import InFlight, Registry, WorkerInfo
+from echo2.coordinator.results import parse_result
+from echo2.coordinator.schemas import MAX_ROLLOUTS_PER_S
+from echo2.records import RolloutGroup
 from echo2.transport import BadRequest
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@
             of strikes, one verdict of the rollout checks; ``POST /revoke`` (run secret only) refuses a name from
             then on and re-queues its work
 
-It runs as threads (an HTTP server and a reaper) of its own process (service.py), which answers the learner's
-``take`` / ``set_version`` calls over a pipe; the learner only blocks in ``take`` when the buffer is short, which
+It runs as threads (an HTTP server and a reaper) of its own process (process.py; the learner's side:
+echo2/rollout/service.py), which answers the learner's ``take`` / ``set_version`` calls over a pipe; the learner only blocks in ``take`` when the buffer is short, which
 is the idle time ``train/learner_idle_s`` reports.
 
 Accounting (rollouts, G per group): dispatched = consumed + dropped[reason] + lost[reason] + in flight + buffered,
@@ -34,7 +34,9 @@ resumed from a checkpoint, carries on with the same books and data position.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import mmap
 import os
 import threading
 import time
@@ -44,16 +46,17 @@ from typing import Any
 from echo2.activation.planner import OnlinePlanner
 from echo2.activation.settings import ActivationSettings, BroadcastShape
 from echo2.models.identity import mismatch
-from echo2.rollout import intake, schemas
-from echo2.rollout.activation import OnChangeHook
-from echo2.rollout.buffer import StalenessBuffer, worth_dispatching
-from echo2.rollout.gate import Gate
-from echo2.rollout.ledger import open_ledger
-from echo2.rollout.liveness import Liveness
-from echo2.rollout.registry import InFlight, Registry, WorkerInfo
-from echo2.rollout.scoring import encode_prompt
-from echo2.rollout.trust import Checks
-from echo2.rollout.types import RolloutGroup
+from echo2.settings import CheckSettings, LivenessSettings
+from echo2.coordinator import intake, schemas
+from echo2.coordinator.activation import OnChangeHook
+from echo2.coordinator.buffer import StalenessBuffer, worth_dispatching
+from echo2.coordinator.gate import Gate
+from echo2.coordinator.ledger import open_ledger
+from echo2.coordinator.liveness import Liveness
+from echo2.coordinator.registry import InFlight, Registry, WorkerInfo
+from echo2.scoring import encode_prompt
+from echo2.coordinator.trust import Checks
+from echo2.records import RolloutGroup
 from echo2.transport import BadRequest, JsonServer, Unauthorized, is_loopback
 
 log = logging.getLogger(__name__)
@@ -77,17 +80,19 @@ class Coordinator:
                  groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
                  activation: ActivationSettings | None = None, broadcast_shape: BroadcastShape | None = None,
                  journal: str | None = None, recover: dict | None = None, version: int = 0,
-                 liveness: dict | None = None, tls_dir: str | None = None, epoch: str | None = None,
-                 checks: dict | None = None, requires: dict | None = None):
-        """``scorer``: anything with ``score_many(groups)`` (a scoring.Scorer, or a reward_pool.RewardPool).
+                 liveness: LivenessSettings | None = None, tls_dir: str | None = None, epoch: str | None = None,
+                 checks: CheckSettings | None = None, requires: dict | None = None):
+        """``scorer``: anything with ``score_many(groups)``, ``metrics()`` and ``close()`` (a scoring.Scorer, or a
+        reward_pool.RewardPool); ``broadcaster``: a seams.Broadcaster, or None. The coordinator owns both: its
+        ``close`` and ``abort`` close them.
         ``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
         ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
-        checkpoint taken at journal length N; ``version``: the learner's version then. ``liveness``: Liveness's
-        fields (deadlines, per-credential share, strikes). ``tls_dir``: the run CA's directory (transport.RunCA);
+        checkpoint taken at journal length N; ``version``: the learner's version then. ``liveness``: deadlines,
+        per-credential share, strikes (liveness.py). ``tls_dir``: the run CA's directory (transport.RunCA);
         set, every server of the rollout plane speaks TLS and workers get their certificates here. ``epoch``:
         names the learner process (a resumed learner is a new epoch); told to workers at registration, so that one
-        holding another epoch's weights waits for this one's instead of generating with them. ``checks``: Checks's
-        fields (trust.py). ``requires``: what a worker must serve, ``{"model": identity, "max_model_len": tokens}``
+        holding another epoch's weights waits for this one's instead of generating with them. ``checks``: the rollout checks'
+        thresholds (trust.py). ``requires``: what a worker must serve, ``{"model": identity, "max_model_len": tokens}``
         (echo2/models/identity.py); None: no check."""
         self.requires = requires
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
@@ -96,8 +101,8 @@ class Coordinator:
         self.heartbeat_timeout_s, self.groups_per_pull = heartbeat_timeout_s, groups_per_pull
         self.long_poll_s = min(long_poll_s, heartbeat_timeout_s / 4)
         self.broadcaster, self.epoch = broadcaster, epoch
-        self.liveness = Liveness(**(liveness or {}))
-        self.checks = Checks(**(checks or {}))
+        self.liveness = Liveness(**dataclasses.asdict(liveness or LivenessSettings()))
+        self.checks = Checks(**dataclasses.asdict(checks or CheckSettings()))
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
         self.version = version
@@ -540,14 +545,23 @@ class Coordinator:
                 out[f"rollout/check_log_ratio/{key}"] = self.checks.mean(key)
                 out[f"rollout/check_abs_log_ratio/{key}"] = self.checks.mean_abs(key)
             out.update(self.activation.metrics(self.workers))
-        if hasattr(self.scorer, "metrics"):
-            out.update(self.scorer.metrics())
+        out.update(self.scorer.metrics())
+        if self.broadcaster is not None:
+            out.update(self.broadcaster.metrics())
         return out
 
     def accounting(self) -> dict[str, Any]:
         """Every dispatched rollout is consumed, dropped (with reason) or lost (with reason)."""
         with self.lock:
             return {**self.ledger.accounting(), "requests_rejected": _nonzero(self.server.rejected)}
+
+    def publish(self, version: int, snapshot: str | bytes, probe: dict | None = None) -> None:
+        """Hand snapshot ``version`` to the broadcaster: its bytes, or the path of the learner's memory file, mapped
+        read-only (no copy; the memory stays while the map does)."""
+        if isinstance(snapshot, str):
+            with open(snapshot, "rb") as f:
+                snapshot = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.broadcaster.publish(version, snapshot, probe)
 
     def abort(self) -> None:
         """Stop serving without settling the books: the learner died, and a resume will book what is open."""
@@ -556,6 +570,13 @@ class Coordinator:
             self.ledger.close()
             self.lock.notify_all()
         self.server.close()
+        self._close_parts()
+
+    def _close_parts(self) -> None:
+        """The broadcaster and the scorer (a reward pool's processes) end with the coordinator."""
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+        self.scorer.close()
 
     def close(self) -> dict[str, Any]:
         """Stop serving; what is still buffered or in flight is counted (dropped / lost at shutdown)."""
@@ -569,6 +590,7 @@ class Coordinator:
                 self.ledger.lose(gid, "in_flight_at_end", requeue=False)
             self.lock.notify_all()
         self.server.close()
+        self._close_parts()
         accounting = self.accounting()
         self.ledger.close()
         return accounting

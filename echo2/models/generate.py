@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from echo2.rollout.types import Completion, SamplingParams
+from echo2.records import Completion, SamplingParams
 
 # The library's defaults for what neither we nor (set aside) the model's generation config state are neutral,
 # except top_k (50): every knob that could truncate is stated here as off.
@@ -34,16 +34,6 @@ def own_generation_config(model: Any):
         yield
     finally:
         model.generation_config = saved
-
-
-@torch.no_grad()
-def probe_logprobs(model: Any, token_ids: Sequence[int]) -> list[float]:
-    """log p(token_ids[i] | token_ids[:i]) at temperature 1 for i >= 1: the learner's side of a worker's check that
-    it serves the version it claims (the worker computes the same with its engine after applying it)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(token_ids)], device=device)
-    logps = model(ids).logits[0, :-1].float().log_softmax(-1)
-    return logps.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
 
 
 class HFEngine:
@@ -98,40 +88,3 @@ class HFEngine:
                 group.append(Completion(ids[:cut], token_logps[row, :cut].tolist(), finish))
             completions.append(group)
         return completions
-
-
-class HFWorkerEngine:
-    """A worker's own transformers model behind the worker-engine interface (no vLLM needed)."""
-
-    name = "hf"
-
-    def __init__(self, model_path: str, dtype: str = "float32", pad_token_id: int | None = None,
-                 eos_token_ids: Sequence[int] | None = None, **_ignored):
-        from transformers import AutoModelForCausalLM
-
-        from echo2.models.tokenizer import load_tokenizer
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        tok = load_tokenizer(model_path)
-        self.engine = HFEngine(tok.pad_token_id if pad_token_id is None else pad_token_id,
-                               eos_token_ids or [tok.eos_token_id])
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        return self.engine.generate(self.model, prompt_ids, params)
-
-    def load_weights(self, version: int, blob) -> dict:
-        from echo2.broadcast.snapshot import decode
-
-        missing, unexpected = self.model.load_state_dict(decode(blob), strict=False)
-        # A tied weight is stored once (snapshot.save, encode); its other name shares the loaded tensor here.
-        tied = {name for name, p in self.model.named_parameters(remove_duplicate=False)
-                if any(p is q for n, q in self.model.named_parameters() if n != name)}
-        if unexpected or [m for m in missing if "rotary" not in m and m not in tied]:
-            raise ValueError(f"snapshot v{version} does not fit the model: missing {missing}, unexpected {unexpected}")
-        return {}
-
-    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
-        return probe_logprobs(self.model, token_ids)
-
-    def close(self) -> None:
-        pass

@@ -3,7 +3,8 @@
 Applies a task's TRL-style reward functions to a group, and sums them with the task's weights. A function
 returning ``None`` for a completion abstains; if all abstain the reward is NaN (TRL's convention), which
 the learner turns into a zero advantage. The coordinator process runs the functions in a pool of processes of
-their own, with a time limit per group (reward_pool.py); the learner's own sources call ``Scorer`` in place.
+their own, with a time limit per group (echo2/coordinator/reward_pool.py); the learner's own sources call
+``Scorer`` in place.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import logging
 import math
 from typing import Any
 
-from echo2.rollout.types import RolloutGroup
+from echo2.records import RolloutGroup
 from echo2.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
 
 class RewardFunctions:
-    """A task's reward functions and weights, without a tokenizer: what a reward process (reward_pool.py) holds."""
+    """A task's reward functions and weights, without a tokenizer: what a reward process
+    (echo2/coordinator/reward_pool.py) holds."""
 
     def __init__(self, task: Task):
         self.funcs = task.reward_funcs()
@@ -75,6 +77,12 @@ class Scorer(RewardFunctions):
                 log.warning("reward failed on group %s: %s: %s", group.group_id, type(e).__name__, e)
                 reasons.append("reward_error")
         return reasons
+
+    def metrics(self) -> dict[str, float]:
+        return {}  # scores in the caller's thread: nothing to count beyond the coordinator's own books
+
+    def close(self) -> None:
+        pass
 
 
 def decode(tokenizer: Any, group: RolloutGroup) -> None:

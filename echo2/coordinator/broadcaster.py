@@ -1,8 +1,9 @@
-"""The learner's broadcaster: publishes snapshots through the relay (relay.py) along a planned topology.
+"""The relay's origin, in the coordinator process: publishes the learner's snapshots through the relay
+(broadcast/relay.py) along a planned topology.
 
-    publish(v, bytes) ─► (its thread) signed manifest; sparse delta against v' if smaller (delta.py)
-                      ─► round: plan (topology.py) over the idle peers lacking v: those holding v' get the delta,
-                         the rest the full snapshot, each group along its own layout (chain, tree, stripes)
+    publish(v, bytes) ─► (its thread) signed manifest; sparse delta against v' if smaller (broadcast/delta.py)
+                      ─► round: plan (broadcast/topology.py) over the idle peers lacking v: those holding v' get the
+                         delta, the rest the full snapshot, each group along its own layout (chain, tree, stripes)
                       ─► POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge} to each, in
                          parallel, each signed for that peer alone (manifest.order_credential)
                       ◄─ each answers once it holds v, verified (a delta is applied, then checked against the full
@@ -27,11 +28,11 @@ lower than the pool's median (a slow peer, or one slow on purpose, is never wait
 peer needs; an unmeasured one gets the median, or ``timeout_s`` while no peer is measured). The round then closes
 without the late ones: they go on in the background, their answers still count when they come, and they are sent
 the newest version once done (a busy peer gets no second order). Each order also tells the peer its own deadline
-(from its own rate), by which its fetcher leaves a source too slow to meet it for the next (relay.py): a slow
+(from its own rate), by which its fetcher leaves a source too slow to meet it for the next (broadcast/relay.py): a slow
 peer does not hold up its successors.
 
 Who goes where. Peers are ordered by the rates measured here and the RTT of their quickest answer to a key order
-(topology.py), never by what a peer reports of itself; a new or failed peer has no rate and goes last, where it
+(broadcast/topology.py), never by what a peer reports of itself; a new or failed peer has no rate and goes last, where it
 has no successor in a chain and none but leaves below it in a tree. So does, for a while (relay.SUSPECT_S), a peer
 whose relay a successor says failed it (a peer may only blame the sources its order named): one that fetches well
 but never serves would otherwise keep its place, and cost each new successor a timeout. In stripes (``auto`` at
@@ -58,9 +59,8 @@ from typing import Any
 
 from echo2.broadcast import delta
 from echo2.broadcast import topology as topo
-from echo2.broadcast.manifest import (FULL, make_manifest, manifest_digest, new_relay_key, order_credential,
-                                      possession_proof, signing_key)
-from echo2.broadcast.peer import MAX_SOURCES
+from echo2.broadcast.manifest import (FULL, MAX_SOURCES, make_manifest, manifest_digest, new_relay_key,
+                                      order_credential, possession_proof, signing_key)
 from echo2.broadcast.relay import MAX_CONNS, SUSPECT_S, RelayServer
 from echo2.broadcast.store import Snapshot, Store
 from echo2.transport import PEER_NAME, Client, reachable_host

@@ -1,4 +1,4 @@
-"""``python -m echo2.rollout.engines.guard CMD ...``: run CMD so that it cannot outlive whoever started us.
+"""``python -m echo2.worker.engines.guard CMD ...``: run CMD so that it cannot outlive whoever started us.
 
 CMD (a vLLM server) runs in its own process group. The guard takes the whole group down (SIGTERM, then
 SIGKILL after a grace period, since a vLLM server still starting up ignores SIGTERM) when

@@ -1,6 +1,6 @@
 """What each of the coordinator's routes accepts: the JSON bodies as pydantic models, with their bounds.
 
-A worker is a stranger: every number it declares reaches the planner (capacity.py, activation/), the deadline
+A worker is a stranger: every number it declares reaches the planner (echo2/capacity.py, activation/), the deadline
 policy (liveness.py) or the books, so each one is checked here first, inside the route, before anything
 changes: the right type (no string, bool or float where an integer belongs), finite, positive where the
 planner divides by it, and bounded so that no sum, product or DP table sized by it can overflow; strings and

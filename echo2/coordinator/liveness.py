@@ -27,26 +27,12 @@ worker registered with the run secret is its own principal).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+from echo2.settings import LivenessSettings
 
 
-@dataclass(frozen=True)
-class Liveness:
-    floor_s: float = 10.0  # no deadline shorter than this (network round trips, a slow first token)
-    cap_s: float = 600.0  # no deadline longer than this; also every deadline while no worker has a measured rate
-    slack: float = 4.0  # multiple of the expected generation time a worker is given
-    share: float = 0.5  # most of the in-flight cap one principal may hold (while > 1/share can get work), in (0, 1]
-    strikes: int = 3  # misses after which a principal gets no more work
-
-    def __post_init__(self):
-        if not 0 < self.floor_s <= self.cap_s:
-            raise ValueError(f"deadline floor_s={self.floor_s}, cap_s={self.cap_s}: need 0 < floor_s <= cap_s")
-        if not self.slack >= 1:
-            raise ValueError(f"deadline slack={self.slack}: need >= 1")
-        if not 0 < self.share <= 1:
-            raise ValueError(f"worker share={self.share}: need 0 < share <= 1")
-        if self.strikes < 1:
-            raise ValueError(f"deadline strikes={self.strikes}: need >= 1")
+class Liveness(LivenessSettings):
+    """The policy's decisions for the settings' values (checked by LivenessSettings)."""
 
     def deadline_s(self, rollouts_per_s: float, groups_held: int, group_size: int) -> float:
         """Seconds a worker that will hold ``groups_held`` groups (new ones included) gets for the new ones, at

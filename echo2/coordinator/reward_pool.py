@@ -1,7 +1,7 @@
 """Reward functions in processes of their own, with a time limit per group: never under the coordinator's lock or GIL.
 
     push handler thread ─ score_many(groups) ─ decode here ─► an idle reward process (a fresh interpreter:
-        │                                                      `python -m echo2.rollout.reward_pool FD`, holding
+        │                                                      `python -m echo2.coordinator.reward_pool FD`, holding
         │                                                      the task's reward functions)
         │  one message with the push's groups (row, texts, token ids) ─►  scores them in turn, one answer each
         ◄─ per group: its rewards, or why not ─────────────────────────┘
@@ -41,8 +41,8 @@ from collections import Counter
 from multiprocessing.connection import Connection
 from typing import Any
 
-from echo2.rollout.scoring import RewardFunctions, decode
-from echo2.rollout.types import RolloutGroup
+from echo2.scoring import RewardFunctions, decode
+from echo2.records import RolloutGroup
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class RewardPool:
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
         try:
-            popen = subprocess.Popen([sys.executable, "-m", "echo2.rollout.reward_pool", str(theirs.fileno())],
+            popen = subprocess.Popen([sys.executable, "-m", "echo2.coordinator.reward_pool", str(theirs.fileno())],
                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                      start_new_session=True)  # a Ctrl-C in the terminal is the learner's to handle
         finally:

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from echo2.rollout.liveness import Liveness
+from echo2.coordinator.liveness import Liveness
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from echo2.broadcast.manifest import verify_key
-from echo2.rollout import schemas
+from echo2.coordinator import schemas
 from echo2.transport import (PEER_NAME, BadRequest, Revoked, RunCA, Trust, Unauthorized, credential_name,
                              relay_key)
 

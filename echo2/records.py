@@ -58,7 +58,7 @@ class RolloutGroup:
     rollouts: list[Rollout]
     group_id: str = ""
     row_index: int = -1
-    worker_id: str = ""  # who generated it ("" for the learner's own sync source): rollout checks (trust.py)
+    worker_id: str = ""  # who generated it ("" for the learner's own sync source): for the rollout checks
 
     @property
     def version(self) -> int:

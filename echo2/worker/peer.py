@@ -31,16 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 from echo2.broadcast import delta
-from echo2.broadcast.manifest import (FULL, BadSnapshot, check_order, order_digest, possession_proof, verify_key,
-                                      verify_manifest)
+from echo2.broadcast.manifest import (FULL, MAX_SOURCES, BadSnapshot, check_order, order_digest, possession_proof,
+                                      verify_key, verify_manifest)
 from echo2.broadcast.relay import Fetcher, RelayServer, Superseded
 from echo2.broadcast.store import Snapshot, Store
 from echo2.transport import BadRequest, JsonServer, Unauthorized
 
 log = logging.getLogger(__name__)
-
-MAX_SOURCES = 16
-"""Sources one order may name: the broadcaster names a few ancestors, two holders and the origin."""
 
 MAX_STRIPES = 16
 """Stripes one order may name (topology.MAX_STRIPES is what the broadcaster plans; a few more are accepted)."""

@@ -1,0 +1,88 @@
+"""The coordinator process: what it runs, and how it answers the learner (whose side is echo2/rollout/service.py).
+
+The learner spawns it with ``serve`` as its entry point; ``serve`` builds the reward pool, the broadcaster (from
+its config) and the Coordinator, then runs the Coordinator method each message from the learner names (``CALLS``)
+until ``close``, or until the learner's process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import sys
+import threading
+from typing import Any
+
+from hydra.utils import instantiate
+
+from echo2.coordinator.coordinator import Coordinator
+from echo2.coordinator.reward_pool import RewardPool
+
+log = logging.getLogger(__name__)
+
+CALLS = frozenset({"take", "set_version", "publish", "metrics", "status", "mark", "check"})
+"""The Coordinator methods the learner may call through the pipe (besides ``close``, which ends the process)."""
+
+
+def serve(conn: Any, spec: dict[str, Any]) -> None:
+    """Entry point of the coordinator process: answer the learner's calls until ``close`` or its death."""
+    if spec["cores"]:  # before any thread exists, so that all of them inherit it
+        os.sched_setaffinity(0, set(spec["cores"]))
+    _configure_logging(spec["log_path"], spec["log_level"])
+    task, tokenizer, settings = spec["task"], spec["tokenizer"], spec["coordinator_kwargs"]
+    rewards = RewardPool(task, tokenizer, **spec["rewards"])  # reward functions in processes of their own
+    broadcaster = instantiate(spec["broadcaster"], secret=settings["token"]) if spec["broadcaster"] else None
+    coordinator = Coordinator(task.train_dataset(), rewards, tokenizer, broadcaster=broadcaster, **settings).start()
+    _exit_with_parent()
+    conn.send(("ok", coordinator.url))
+    while True:
+        try:
+            method, args, reply = conn.recv()
+        except (EOFError, OSError):  # the learner is gone without saying close (killed): leave the journal as
+            log.warning("learner process gone; coordinator exiting")  # it is, for a resume to book what was open
+            coordinator.abort()
+            return
+        if method == "close":
+            accounting = coordinator.close()
+            try:
+                conn.send(("ok", accounting))
+            except OSError:
+                pass
+            return
+        try:
+            if method not in CALLS:
+                raise ValueError(f"no coordinator call {method!r}")
+            value = getattr(coordinator, method)(*args)
+            if reply:
+                conn.send(("ok", value))
+        except Exception as e:  # report to the learner; the coordinator's state is untouched by a failed call
+            if not isinstance(e, TimeoutError):  # a take that found no batch yet: the learner asks again
+                log.exception("coordinator call %s failed", method)
+            if reply:
+                conn.send(("error", (type(e).__name__, str(e))))
+
+
+def _exit_with_parent() -> None:
+    """A learner killed with SIGKILL sends no close: leave when its process handle becomes ready."""
+    parent = mp.parent_process()
+
+    def watch():
+        parent.join()
+        log.warning("learner process gone; coordinator exiting")
+        os._exit(0)
+
+    if parent is not None:
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _configure_logging(log_path: str | None, level: int) -> None:
+    fmt = logging.Formatter("[%(asctime)s][coordinator][%(name)s][%(levelname)s] - %(message)s")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_path:
+        handlers.append(logging.FileHandler(log_path))
+    root = logging.getLogger()
+    root.setLevel(level or logging.INFO)
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)

@@ -1,0 +1,164 @@
+"""The seams between the processes' planes: what one plane calls of another, never its implementation.
+
+``RolloutSource``  the learner's view of where batches come from (echo2/rollout/); ``RemoteSource`` adds what a
+                   source fed by remote workers does for a learner of several processes (echo2/learner/distributed.py)
+``Weights``        the learner's live weights, as a source publishes them
+``Engine``         generation in the learner's process (echo2/models/generate.py)
+``Broadcaster``    weight dissemination, as the coordinator process drives it (echo2/coordinator/broadcaster.py)
+
+A source is built by train.py from its config options plus, by name, the run's parts its constructor asks for
+(``task``, ``tokenizer``, ``scorer``, ``sampling``, ``engine``, ``model_path``, ``run_dir``, ``seed``, ``staleness``,
+``prompts_per_step``, ``publish_interval``, ``token``, ``broadcaster``, ``pool``, ``activation``,
+``broadcast_shape``, ``resume``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from echo2.records import Completion, RolloutGroup, SamplingParams
+
+
+class Engine(Protocol):
+    """Generates completions with behaviour logprobs."""
+
+    def generate(
+        self, policy: Any, prompt_ids: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """Called by a source with token-id prompts; returns ``params.n`` completions per prompt, in order."""
+        ...
+
+
+class RunStopped(Exception):
+    """Raised by ``collect`` when ``request_stop`` was called while it waited: the run ends without the step."""
+
+
+class Weights(Protocol):
+    """The learner's live weights as a snapshot source (what ``RolloutSource.on_version`` is handed)."""
+
+    dtype: str  # the snapshot's dtype, e.g. "bfloat16": what the workers will serve
+    local: bool  # True: this process can write the snapshot alone; False: sharded, every learner rank joins write()
+
+    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """Called before each publish (by every learner rank when sharded): the policy's logprobs of fixed tokens."""
+        ...
+
+    def write(self, path: str | None) -> None:
+        """Called once per publish: stream the snapshot (safetensors) into ``path`` (None: another rank writes)."""
+        ...
+
+
+class RolloutSource(Protocol):
+    """Where the learner's batches come from.
+
+    ``needs_policy`` tells the learner whether to lend its live (unwrapped, gathered) model to ``collect``:
+    True for on-policy sources that generate in the learner's process, False for remote ones.
+    """
+
+    needs_policy: bool
+    max_staleness: int | None
+    """The largest ``rollout.staleness`` the source supports (None: any); config validation reads it."""
+
+    def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
+        """Called once per learner step, before the loss, with the step's prompt rows (one per group) and the
+        current policy version; returns scored groups, one per row, each with lag ``version - group.version``
+        within the source's staleness bound."""
+        ...
+
+    def on_version(self, version: int, weights: Weights) -> None:
+        """Called after every optimizer step with the new version and the live weights (the place to publish a
+        snapshot)."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Called once per step after ``collect``; namespaced counters the source wants logged."""
+        ...
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Called when the learner saves a checkpoint (between steps); JSON-able state to resume the source from,
+        handed back to the source's constructor as ``resume``."""
+        ...
+
+    def on_resume(self, version: int, weights: Weights) -> None:
+        """Called once when a resumed learner starts, with its restored version and weights."""
+        ...
+
+    check_every_steps: int
+    """Every how many steps the learner scores the batch's behaviour logprobs per worker and calls ``on_check``
+    (0: never; sources whose rollouts the learner generated itself have nothing to check)."""
+
+    def on_check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
+        """Called every ``check_every_steps`` steps with per-worker sums (tokens, log-ratio, |log-ratio|) of the
+        learner's logprobs against the workers'; returns the workers whose groups in the batch must not be trained
+        on."""
+        ...
+
+    def request_stop(self) -> None:
+        """Called from a signal handler (SIGTERM, Ctrl-C): a ``collect`` that waits raises RunStopped soon."""
+        ...
+
+    def close(self) -> dict[str, Any]:
+        """Called once at the end of training, also on failure. Returns the rollout accounting: ``dispatched``,
+        ``received``, ``consumed``, ``dropped`` and ``lost`` (reason -> count), ``in_flight``; they add up."""
+        ...
+
+
+class RemoteSource(RolloutSource, Protocol):
+    """A source fed by remote workers (echo2/rollout/async_source.py). With several learner processes, rank 0 alone
+    holds it and echo2/learner/distributed.py splits ``on_version`` in two, since every rank must join a snapshot's
+    gather: ``advance``, then, where due, the probe on every rank and ``publish``."""
+
+    probe_ids: list[int]
+    """The fixed tokens whose logprobs (``Weights.probe_logprobs``) go with every snapshot (echo2/models/probe.py)."""
+
+    def advance(self, version: int) -> bool:
+        """The first half of ``on_version``: the new version is live; returns whether a snapshot is due now."""
+        ...
+
+    def publish(self, version: int, weights: Weights, probe: list[float] | None = None) -> None:
+        """The second half: hand snapshot ``version`` to the broadcaster with its probe logprobs (computed here
+        when None)."""
+        ...
+
+
+class Broadcaster(Protocol):
+    """Weight dissemination, driven by the coordinator process: ``broadcast.sender`` names the
+    implementation, which that process builds from its config (echo2/coordinator/broadcaster.py)."""
+
+    on_delivered: Any
+    """Set by the coordinator: ``on_delivered(peer_id, version)`` after a worker holds a verified snapshot,
+    so a worker long-polling with an old version is told at once to apply it."""
+
+    on_ordered: Any
+    """Set by the coordinator: ``on_ordered(peer_id, version)`` before a worker is told to fetch a snapshot: it may
+    hold, apply and claim it before the answer proving delivery comes back: such a claim costs it no strike."""
+
+    epoch: str | None
+    """Set by the coordinator before the first publish: the learner process's epoch, signed into every manifest and
+    order (a worker takes nothing of an older epoch)."""
+
+    def publish(self, version: int, blob: bytes, probe: dict | None = None) -> None:
+        """Called every κ learner steps with the new weights as snapshot bytes (``snapshot.encode``) and the
+        learner's probe logprobs of them (for the workers' check); returns at once (the send runs in the
+        background; a newer snapshot supersedes one not yet sent)."""
+        ...
+
+    def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None) -> None:
+        """Called when a worker registers (its control URL and relay node address); a late joiner is sent the
+        latest snapshot."""
+        ...
+
+    def remove_peer(self, peer_id: str) -> None:
+        """Called when a worker leaves or is declared dead."""
+        ...
+
+    def rekey(self) -> None:
+        """Called when a worker credential is revoked, after its workers were removed: from then on they can neither
+        fetch from nor serve the live workers."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """``broadcast/*`` counters, read once per learner step."""
+        ...
+
+    def close(self) -> None: ...

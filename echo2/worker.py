@@ -1,6 +1,0 @@
-"""``python -m echo2.worker``: start a rollout worker agent (see echo2/rollout/agent.py)."""
-
-from echo2.rollout.agent import main
-
-if __name__ == "__main__":
-    main()

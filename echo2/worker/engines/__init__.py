@@ -1,0 +1,1 @@
+"""A worker's generation engines: ``vllm_server`` (vLLM) and ``hf`` (transformers)."""
