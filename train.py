@@ -11,7 +11,6 @@ Reads like the algorithm: compose config -> build model, task, rollout source, l
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from echo2.config import check_overrides, register_configs, validate
 from echo2.env import configure_process, run_token, world
-from echo2.seams import RunStopped
+from echo2.seams import RunParts, RunStopped
 
 log = logging.getLogger("echo2")
 register_configs()
@@ -128,16 +127,15 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k, stop_token_ids=tuple(stop_ids))
     token, token_origin = run_token()
-    # What a rollout source may ask for, by name: each source's constructor names the parts it uses.
-    parts = dict(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling, engine=engine,
-                 model_path=model_path, run_dir=run_dir, seed=cfg.seed, staleness=cfg.rollout.staleness,
-                 prompts_per_step=cfg.rollout.prompts_per_step, publish_interval=cfg.broadcast.interval, token=token,
-                 # built in the coordinator's process, which hands it the token (it derives the relay key and
-                 # the manifest-signing key from it)
-                 broadcaster=OmegaConf.to_container(cfg.broadcast.sender, resolve=True),
-                 pool=instantiate(cfg.pool), activation=OmegaConf.to_object(cfg.activation),
-                 broadcast_shape=BroadcastShape.of(cfg.broadcast),
-                 resume=resumed["source"] if resumed and resumed["source"] else None)
+    parts = RunParts(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling, engine=engine,
+                     model_path=model_path, run_dir=run_dir, seed=cfg.seed, staleness=cfg.rollout.staleness,
+                     prompts_per_step=cfg.rollout.prompts_per_step, publish_interval=cfg.broadcast.interval, token=token,
+                     # built in the coordinator's process, which hands it the token (it derives the relay key and
+                     # the manifest-signing key from it)
+                     broadcaster=OmegaConf.to_container(cfg.broadcast.sender, resolve=True),
+                     pool=instantiate(cfg.pool), activation=OmegaConf.to_object(cfg.activation),
+                     broadcast_shape=BroadcastShape.of(cfg.broadcast),
+                     resume=resumed["source"] if resumed and resumed["source"] else None)
     if get_class(cfg.rollout.source._target_).needs_policy:  # generates in this process: every rank its own slice
         source = make_source(cfg.rollout.source, parts)
     else:  # remote workers
@@ -147,11 +145,9 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
     return source
 
 
-def make_source(node: DictConfig, parts: dict) -> Any:
-    """The rollout source ``node`` names, with its options from the config and, of the run's ``parts``, those its
-    constructor names."""
-    wanted = inspect.signature(get_class(node._target_)).parameters
-    return instantiate(node, _partial_=True)(**{k: v for k, v in parts.items() if k in wanted})
+def make_source(node: DictConfig, parts: RunParts) -> Any:
+    """The rollout source ``node`` names, built from the run's ``parts`` and its options from the config."""
+    return instantiate(node, _partial_=True)(parts)
 
 
 def wandb_names(cfg: DictConfig) -> tuple[str | None, str | None]:

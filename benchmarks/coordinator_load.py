@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,6 +117,7 @@ def main() -> None:
     from echo2.coordinator.coordinator import Coordinator
     from echo2.scoring import Scorer
     from echo2.rollout.service import CoordinatorProcess
+    from echo2.settings import CoordinatorSettings
     from echo2.tasks.arith import ArithTask
     from step_time import StepTimer, compose
 
@@ -126,9 +128,9 @@ def main() -> None:
                    "run.eval_every_steps=0"])
     task, tok = ArithTask(level="copy"), AutoTokenizer.from_pretrained(build_tiny())
     # A cap that never binds (P huge): the clients always get work, so the load is steady.
-    kwargs = dict(token="bench", staleness=0, prompts_per_step=10**7, group_size=8, vocab_size=len(tok),
-                  long_poll_s=0.0, heartbeat_timeout_s=3600.0,
-                  sampling={"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0})
+    settings = CoordinatorSettings(token="bench", staleness=0, prompts_per_step=10**7, group_size=8,
+                                   vocab_size=len(tok), long_poll_s=0.0, heartbeat_timeout_s=3600.0,
+                                   sampling={"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0})
     settle_steps = 2
 
     class Switch(TrainerCallback):
@@ -153,11 +155,11 @@ def main() -> None:
                 received = lambda: 0.0  # noqa: E731
                 cmd = [sys.executable, __file__, "--ping-pong"]
             elif mode == "threads":
-                coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, **kwargs).start()
+                coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, settings).start()
                 received = lambda: coord.ledger.rollouts["received"]  # noqa: E731
             else:
-                coord = CoordinatorProcess(task=task, tokenizer=tok, coordinator_kwargs=kwargs,
-                                           broadcaster={"_target_": "echo2.coordinator.broadcaster.RelayBroadcaster"})
+                coord = CoordinatorProcess(task=task, tokenizer=tok, settings=replace(settings, broadcaster={
+                    "_target_": "echo2.coordinator.broadcaster.RelayBroadcaster"}))
                 for tid in os.listdir(f"/proc/{coord.proc.pid}/task"):  # every thread; new ones inherit
                     os.sched_setaffinity(int(tid), {side_core})
                 received = lambda: coord.metrics()["rollout/received"]  # noqa: E731

@@ -415,7 +415,7 @@ class HostileSoak:
             f"rollout.source.check_every_steps={a.check_every_steps}",
             f"rollout.source.check_max_abs_log_ratio={a.check_max_abs_log_ratio}",
             f"rollout.source.heartbeat_timeout_s={a.heartbeat_s}",
-            f"rollout.source.deadline_floor_s={a.deadline_floor_s}", f"rollout.source.min_workers={a.workers}",
+            f"rollout.source.liveness.floor_s={a.deadline_floor_s}", f"rollout.source.min_workers={a.workers}",
             "run.steps=1000000", "run.save_every_steps=0", "run.eval_every_steps=0", "run.progress=false",
             "run.wandb=disabled", f"hydra.run.dir={self.out}", *a.override], self.env, self.out / "learner.out")
         for i in range(a.workers):  # honest agents, as launchers start them, each with its own credential
@@ -802,7 +802,7 @@ def main() -> None:
     h.add_argument("--check-max-abs-log-ratio", type=float, default=2.0,
                    help="rollout.source.check_max_abs_log_ratio, b (nats a token; see above why 2, not 1)")
     h.add_argument("--heartbeat-s", type=float, default=10.0, help="rollout.source.heartbeat_timeout_s")
-    h.add_argument("--deadline-floor-s", type=float, default=10.0, help="rollout.source.deadline_floor_s")
+    h.add_argument("--deadline-floor-s", type=float, default=10.0, help="rollout.source.liveness.floor_s")
     h.add_argument("--half-open", type=int, default=100, help="the outsider's half-open connections per target")
     h.add_argument("--silent-every-s", type=float, default=30.0, help="a silent registration this often (absurd)")
     h.add_argument("--start-timeout-s", type=float, default=600.0, help="give up if no learner step by then")

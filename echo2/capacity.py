@@ -98,7 +98,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from echo2.broadcast.topology import MAX_STRIPES, PIECE_BYTES, levels
+from echo2.broadcast.topology import FANOUT, MAX_STRIPES, PIECE_BYTES, levels
 
 GOODPUT = 1448 / 1514  # TCP payload per wire byte at MTU 1500: what an HTB-shaped link (or a real one) carries
 # The relay's topology names (broadcast.sender.topology), and the broadcast options' names for two of them.
@@ -117,7 +117,7 @@ class WorkerLink:
 
 
 def bcast_time_s(mode: str, snapshot_bytes: float, learner_uplink_mbit: float, workers: int, down_mbit: float,
-                 up_mbit: float, rtt_ms: float, fanout: int = 2, goodput: float = GOODPUT) -> float:
+                 up_mbit: float, rtt_ms: float, fanout: int = FANOUT, goodput: float = GOODPUT) -> float:
     """Seconds until the last of ``workers`` holds the snapshot, given the slowest downlink and uplink among them
     and the longest RTT (see the module doc for each formula). Depends on the active set only through these
     four numbers, and grows as any of them gets worse: what exact activation relies on."""
@@ -158,7 +158,7 @@ def topology_of(mode: str) -> str:
 
 
 def links_bcast_time_s(mode: str, snapshot_bytes: float, learner_uplink_mbit: float, links: list[WorkerLink],
-                       fanout: int = 2) -> float:
+                       fanout: int = FANOUT) -> float:
     if not links:
         return 0.0
     return bcast_time_s(mode, snapshot_bytes, learner_uplink_mbit, len(links), min(x.down_mbit for x in links),

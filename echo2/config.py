@@ -1,22 +1,85 @@
 """Structured configs: the schema every YAML under ``conf/`` is checked against, and the one validation function.
 
-Registered in Hydra's ConfigStore, so a typo (``rollout.stalenes=4``) or a wrong type fails when the config is
-composed, before anything starts. Each knob's meaning and units are documented in its YAML file.
+Registered in Hydra's ConfigStore, so a typo (``rollout.stalenes=4``, ``broadcast.sender.fanuot=3``) or a wrong type
+fails when the config is composed, before anything starts. Each knob's meaning and units are documented in its
+YAML file. The schemas of the components Hydra instantiates (``rollout.source``, ``broadcast.sender``) are read
+from their constructors (``schema_of``): each default is written once, in the constructor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
+import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class
 from omegaconf import MISSING
 
 from echo2.activation.settings import ActivationSettings
+from echo2.coordinator.broadcaster import RelayBroadcaster
+from echo2.rollout.async_source import AsyncRolloutSource
+from echo2.rollout.lagged import LaggedRolloutSource
+from echo2.rollout.sync import SyncRolloutSource
+
+
+def schema_of(cls: type, *, target: bool = True, skip: tuple[str, ...] = ()) -> type:
+    """A structured config of ``cls``'s options, read from its constructor (or, for a dataclass, its fields): each
+    keyword parameter with a default becomes a field of that name, type and default, and one whose type is a
+    dataclass becomes a nested schema. ``_target_`` names ``cls`` (``target``); ``skip``: parameters no config
+    sets (objects wired from code)."""
+    if dataclasses.is_dataclass(cls):
+        hints = typing.get_type_hints(cls)
+        params = [(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                  for f in dataclasses.fields(cls)]
+    else:
+        hints = typing.get_type_hints(cls.__init__)
+        params = [(n, p.default) for n, p in inspect.signature(cls).parameters.items()
+                  if p.default is not inspect.Parameter.empty]
+    out: list = [("_target_", str, field(default=f"{cls.__module__}.{cls.__qualname__}"))] if target else []
+    for name, default in params:
+        if name in skip:
+            continue
+        kind = _config_type(hints[name])
+        if dataclasses.is_dataclass(kind):
+            out.append((name, kind, field(default_factory=kind)))
+        elif isinstance(default, (list, dict)):
+            out.append((name, kind, field(default_factory=lambda d=default: type(d)(d))))
+        else:
+            out.append((name, kind, field(default=default)))
+    return dataclasses.make_dataclass(f"{cls.__name__}Config", out)
+
+
+def _config_type(hint: Any) -> Any:
+    """The nearest type OmegaConf can check: ``X | None`` is Optional[X], ``list[X]`` List[X], a dataclass its schema;
+    anything else (a union, an object) Any."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        rest = [a for a in args if a is not type(None)]
+        inner = _config_type(rest[0]) if len(rest) == 1 else Any
+        return Optional[inner] if len(rest) < len(args) else inner
+    if typing.get_origin(hint) is list:
+        return List[_config_type(args[0]) if args else Any]
+    if typing.get_origin(hint) is dict or hint is dict:
+        return Dict[str, Any]
+    if hint in (int, float, str, bool):
+        return hint
+    if dataclasses.is_dataclass(hint):
+        return schema_of(hint, target=False)
+    return Any
+
+
+AsyncSourceConfig = schema_of(AsyncRolloutSource)
+SyncSourceConfig = schema_of(SyncRolloutSource)
+LaggedSourceConfig = schema_of(LaggedRolloutSource)
+RelayBroadcasterConfig = schema_of(RelayBroadcaster, skip=("link",))  # link: the lab's in-process link emulation
+SOURCE_SCHEMAS = {"async_schema": AsyncSourceConfig, "sync_schema": SyncSourceConfig,
+                  "lagged_schema": LaggedSourceConfig}
+SENDER_SCHEMAS = {"relay_schema": RelayBroadcasterConfig}
 
 
 @dataclass
@@ -166,6 +229,10 @@ def register_configs() -> None:
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
     cs.store(group="broadcast", name="broadcast_schema", node=BroadcastConfig)
     cs.store(group="activation", name="activation_schema", node=ActivationConfig)
+    for name, node in SOURCE_SCHEMAS.items():  # conf/rollout/*.yaml: `- source: async_schema` in their defaults
+        cs.store(group="rollout/source", name=name, node=node)
+    for name, node in SENDER_SCHEMAS.items():  # conf/broadcast/*.yaml: `- sender: relay_schema`
+        cs.store(group="broadcast/sender", name=name, node=node)
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -174,8 +241,9 @@ TASK_SCHEMAS = (ArithTaskConfig, KuhnTaskConfig, Gsm8kTaskConfig, ArithChatTaskC
 
 def unknown_key(dotted: str) -> str | None:
     """Why ``dotted`` (an override's key, e.g. ``rollout.stalenes``) is not an option, or None if it may be one.
-    Walks the structured configs; below a field typed ``Any`` or ``dict`` (``rollout.source``, ``pool``,
-    ``learner.trl``, ``learner.deepspeed``) anything goes. ``task`` keys are checked against every task's schema."""
+    Walks the structured configs; below a field typed ``Any`` or ``dict`` (``pool``, ``learner.trl``,
+    ``learner.deepspeed``) anything goes. ``task`` keys are checked against every task's schema, ``rollout.source``
+    against every source's and ``broadcast.sender`` against the broadcaster's."""
     parts = dotted.lstrip("+~").split(".")
     if parts[0] == "hydra" or "/" in parts[0]:
         return None
@@ -197,6 +265,8 @@ def unknown_key(dotted: str) -> str | None:
             hint = next(a for a in typing.get_args(hint) if a is not type(None))
         if depth == 0 and key == "task":
             nodes = TASK_SCHEMAS
+        elif tuple(parts[:depth + 1]) in COMPONENT_SCHEMAS:
+            nodes = COMPONENT_SCHEMAS[tuple(parts[:depth + 1])]
         elif dataclasses.is_dataclass(hint):
             nodes = (hint,)
         else:
@@ -205,6 +275,8 @@ def unknown_key(dotted: str) -> str | None:
 
 
 GROUPS_WITHOUT_SCHEMA = ("experiment",)
+COMPONENT_SCHEMAS = {("rollout", "source"): tuple(SOURCE_SCHEMAS.values()),
+                     ("broadcast", "sender"): tuple(SENDER_SCHEMAS.values())}
 
 
 def check_overrides(argv: list[str]) -> list[str]:
@@ -273,7 +345,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if cfg.learner.lr_staleness != "none" and cfg.learner.deepspeed:
         errors.append("learner.lr_staleness=inverse with DeepSpeed: its engine steps the optimizer inside backward, "
                       "before the rate can be scaled; use the single-process learner (learner=default)")
-    from echo2.learner.corrections import CORRECTIONS  # the definitions' module (it imports torch)
+    from echo2.learner.corrections import CORRECTIONS, SCALE_REWARDS  # the definitions' module (it imports torch)
 
     if r.correction not in CORRECTIONS:
         errors.append(f"rollout.correction={r.correction!r}: expected one of {', '.join(CORRECTIONS)}")
@@ -303,7 +375,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         errors.append(f"activation.solver={a.solver!r}: expected all_on, greedy or exact")
     if not 0 <= a.min_utilization <= 1 or a.hysteresis < 0 or a.learner_usd_per_hour < 0:
         errors.append("activation: need 0 <= min_utilization <= 1, hysteresis >= 0, learner_usd_per_hour >= 0")
-    if cfg.learner.scale_rewards not in ("group", "batch", "none"):
-        errors.append(f"learner.scale_rewards={cfg.learner.scale_rewards!r}: expected group, batch or none")
+    if cfg.learner.scale_rewards not in SCALE_REWARDS:
+        errors.append(f"learner.scale_rewards={cfg.learner.scale_rewards!r}: expected one of {', '.join(SCALE_REWARDS)}")
     if errors:
         raise ValueError("invalid config:\n  " + "\n  ".join(errors))

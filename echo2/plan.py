@@ -20,6 +20,7 @@ from pathlib import Path
 
 from echo2 import capacity
 from echo2.activation.solve import SOLVERS, System, Worker, solve
+from echo2.broadcast.topology import FANOUT
 
 
 def load_pool(path: str) -> list[Worker]:
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--broadcast", choices=sorted(capacity.TOPOLOGIES), default="pipelined",
                    help="the relay topology (broadcast.sender.topology: chain, tree, star; or the broadcast "
                         "option's name: pipelined = chain, one_to_many = star)")
-    p.add_argument("--fanout", type=int, default=2, help="children per relaying peer, for --broadcast tree")
+    p.add_argument("--fanout", type=int, default=FANOUT, help="children per relaying peer, for --broadcast tree")
     p.add_argument("--load-s", type=float, default=0.0, help="seconds to apply a snapshot in the engine")
     p.add_argument("--batch-s", type=float, default=0.0, help="seconds of one worker batch")
     p.add_argument("--min-utilization", type=float, default=0.0, help="learner utilization floor (0..1)")

@@ -5,18 +5,43 @@
 ``Weights``        the learner's live weights, as a source publishes them
 ``Engine``         generation in the learner's process (echo2/models/generate.py)
 ``Broadcaster``    weight dissemination, as the coordinator process drives it (echo2/coordinator/broadcaster.py)
+``CoordinatorCalls`` what the learner asks of the coordinator process through its pipe
 
-A source is built by train.py from its config options plus, by name, the run's parts its constructor asks for
-(``task``, ``tokenizer``, ``scorer``, ``sampling``, ``engine``, ``model_path``, ``run_dir``, ``seed``, ``staleness``,
-``prompts_per_step``, ``publish_interval``, ``token``, ``broadcaster``, ``pool``, ``activation``,
-``broadcast_shape``, ``resume``)."""
+``RunParts``       what train.py hands every rollout source, beside the source's own options from its config
+
+A source is built by train.py as ``Source(parts, **options)``: ``parts`` a RunParts, ``options`` its config node
+(``rollout.source``), whose schema echo2/config.py reads from the constructor."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from echo2.records import Completion, RolloutGroup, SamplingParams
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The run's parts, built once by train.py; each source uses those it needs."""
+
+    task: Any  # echo2/tasks: the dataset and reward functions
+    tokenizer: Any
+    scorer: Any  # scoring.Scorer: rewards for rollouts generated in the learner's process
+    sampling: SamplingParams
+    engine: Any  # an Engine, for sources that generate in the learner's process (and evaluation)
+    model_path: str  # what workers load (its identity is checked when they register)
+    run_dir: str
+    seed: int
+    staleness: int  # S (rollout.staleness): the most versions a consumed rollout may lag
+    prompts_per_step: int  # P
+    publish_interval: int  # κ (broadcast.interval): a snapshot every κ versions
+    token: str  # the run secret
+    broadcaster: dict | None  # the broadcast.sender config, built where the broadcaster runs
+    pool: Any  # rollout/pool.py: the workers this run starts or lists
+    activation: Any  # activation.settings.ActivationSettings
+    broadcast_shape: Any  # activation.settings.BroadcastShape
+    resume: dict | None = None  # what the source's checkpoint() returned, when the learner resumes from one
 
 
 class Engine(Protocol):
@@ -162,3 +187,41 @@ class Broadcaster(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class CoordinatorCalls(Protocol):
+    """What the learner asks of the coordinator process: one message down the pipe per call, naming the method
+    (echo2/rollout/service.py sends it; the Coordinator, echo2/coordinator/coordinator.py, serves it in the child)."""
+
+    def take(self, n: int, timeout_s: float | None = None) -> list[RolloutGroup]:
+        """``n`` scored groups admissible at the learner's next step, oldest first; TimeoutError if they are not
+        buffered within ``timeout_s``."""
+        ...
+
+    def set_version(self, version: int) -> None:
+        """The learner's new version: what became too stale is dropped, dispatch judges by it."""
+        ...
+
+    def publish(self, version: int, snapshot: str | bytes, probe: dict | None = None) -> None:
+        """Snapshot ``version`` for the broadcaster: its bytes, or the path of the learner's memory file."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """The coordinator's and its broadcaster's counters, once per learner step."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """Workers, registrations, what is buffered and in flight (tools, tests, the learner's wait lines)."""
+        ...
+
+    def mark(self) -> int:
+        """The journal's length, fsynced: where a learner checkpoint taken now resumes from."""
+        ...
+
+    def check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
+        """The rollout checks' per-worker sums; the workers whose groups in the checked batch are not trained on."""
+        ...
+
+    def close(self) -> dict[str, Any]:
+        """Stop serving; the rollout accounting. The coordinator process exits after answering."""
+        ...

@@ -1,12 +1,16 @@
 """Settings that cross from the learner's process into the coordinator's: frozen, checked where they are built.
 
-The learner builds them from ``rollout.source`` (so that a bad value fails there, before any process starts) and
-the coordinator process is handed them whole; their meaning is in echo2/coordinator/liveness.py and trust.py.
+The learner builds one CoordinatorSettings from its config (``rollout.*``, ``broadcast.*``, ``activation.*``; a bad
+value fails there, before any process starts) and hands it whole to the coordinator process, which builds its
+parts from it. The meaning of each liveness and check value is in echo2/coordinator/liveness.py and trust.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from echo2.activation.settings import ActivationSettings, BroadcastShape
 
 
 @dataclass(frozen=True)
@@ -39,3 +43,44 @@ class CheckSettings:
         if not self.max_abs_log_ratio > 0 or not self.evidence_nats > 0:
             raise ValueError(f"rollout checks: max_abs_log_ratio={self.max_abs_log_ratio} and evidence_nats="
                              f"{self.evidence_nats} must be > 0")
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """What the coordinator process runs with (echo2/coordinator/coordinator.py reads each), but the task and
+    tokenizer (objects the learner hands over beside it)."""
+
+    token: str  # the run secret: workers authenticate with it or a credential derived from it
+    staleness: int  # S: the most versions a consumed group may lag the learner
+    prompts_per_step: int  # P: groups per learner step
+    group_size: int  # G: completions per prompt
+    sampling: dict[str, Any]  # what workers sample with (max_tokens, temperature, top_p, top_k, stop_token_ids)
+    vocab_size: int  # a pushed token id must be below it
+    host: str = "127.0.0.1"
+    port: int = 0
+    heartbeat_timeout_s: float = 30.0
+    groups_per_pull: int = 4
+    long_poll_s: float = 2.0  # a pull with nothing to hand out waits up to this long (at most heartbeat/4)
+    seed: int = 0  # the prompt order
+    activation: ActivationSettings = field(default_factory=ActivationSettings)
+    broadcast_shape: BroadcastShape = field(default_factory=BroadcastShape)
+    liveness: LivenessSettings = field(default_factory=LivenessSettings)
+    checks: CheckSettings = field(default_factory=CheckSettings)
+    journal: str | None = None  # the ledger's journal file (None: none)
+    recover: dict | None = None  # {"restart": True} after a coordinator died; {"resume_offset": N} on a resume
+    version: int = 0  # the learner's version when this coordinator starts
+    tls_dir: str | None = None  # the run CA's directory: set, every server of the rollout plane speaks TLS
+    epoch: str | None = None  # names the learner process (a resumed learner is a new epoch)
+    requires: dict | None = None  # what a worker must serve: {"model": identity, "max_model_len": tokens}
+    broadcaster: dict | None = None  # the broadcast.sender config (its _target_ and options), built in the process
+    reward_processes: int = 2  # the reward pool's processes, each group scored within reward_timeout_s
+    reward_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        if self.reward_processes < 1 or not self.reward_timeout_s > 0:
+            raise ValueError(f"rollout.source.reward_processes={self.reward_processes} must be >= 1 and "
+                             f"reward_timeout_s={self.reward_timeout_s} > 0")
+
+    def items(self) -> dict[str, Any]:
+        """Field by field (nested settings stay objects, unlike dataclasses.asdict)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -206,6 +206,7 @@ def test_a_tree_relay_with_fanout_3_is_planned_with_fanout_3(tiny_model_dir):
     from conftest import compose
     from echo2.activation.settings import BroadcastShape
     from echo2.coordinator.coordinator import Coordinator
+    from echo2.settings import CoordinatorSettings
     from echo2.scoring import Scorer
     from echo2.tasks.arith import ArithTask
 
@@ -213,9 +214,9 @@ def test_a_tree_relay_with_fanout_3_is_planned_with_fanout_3(tiny_model_dir):
     shape = BroadcastShape.of(cfg.broadcast)
     assert shape == BroadcastShape(topology="tree", fanout=3, interval=1)
     task, tok = ArithTask(level="copy", train_size=20), AutoTokenizer.from_pretrained(tiny_model_dir)
-    coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, token="t", staleness=2, prompts_per_step=2,
-                        group_size=2, vocab_size=len(tok), sampling={}, activation=OmegaConf.to_object(cfg.activation),
-                        broadcast_shape=shape)  # not started: no sockets, only its planner is used
+    coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, CoordinatorSettings(
+        token="t", staleness=2, prompts_per_step=2, group_size=2, vocab_size=len(tok), sampling={},
+        activation=OmegaConf.to_object(cfg.activation), broadcast_shape=shape))  # not started: only its planner is used
     planner = coord.activation
     system = planner.system(snapshot_bytes=8e9)
     assert (system.broadcast, system.fanout, system.interval) == ("tree", 3, 1)

@@ -47,13 +47,14 @@ class SimCoordinatorHarness:
 
         from echo2.coordinator.coordinator import Coordinator
         from echo2.scoring import Scorer
+        from echo2.settings import CoordinatorSettings
         from echo2.tasks.arith import ArithTask
 
         task = ArithTask(level="copy", train_size=50)
         tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-        self.c = Coordinator(task.train_dataset(), Scorer(task, tok), tok, token="t", staleness=S,
-                             prompts_per_step=P, group_size=G, vocab_size=len(tok), long_poll_s=0.0,
-                             sampling={"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0})
+        self.c = Coordinator(task.train_dataset(), Scorer(task, tok), tok, CoordinatorSettings(
+            token="t", staleness=S, prompts_per_step=P, group_size=G, vocab_size=len(tok), long_poll_s=0.0,
+            sampling={"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
         self.G, self.rng = G, random.Random(seed)
         self.workers = [self.c._register({"engine": "sim"}, {})["worker_id"] for _ in range(n_workers)]
         self.held = {w: [] for w in self.workers}  # (group_id, version it generates with)

@@ -3,6 +3,7 @@ hub models' ids instantiate; typos, wrong types and impossible settings fail ear
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -54,10 +55,49 @@ def test_hub_models_name_the_hub_id(tiny_model_dir):
     assert from_hub(tiny_model_dir) == tiny_model_dir
 
 
-@pytest.mark.parametrize("override", ["rollout.stalenes=4", "learner.lr=1e-3", "task.levle=copy", "run.step=3"])
+@pytest.mark.parametrize("override", ["rollout.stalenes=4", "learner.lr=1e-3", "task.levle=copy", "run.step=3",
+                                      "rollout.source.hots=0.0.0.0", "rollout.source.liveness.flor_s=1",
+                                      "broadcast.sender.fanuot=3", "broadcast=one_to_many broadcast.sender.prot=1"])
 def test_typo_fails_at_compose_time(override):
     with pytest.raises((ConfigCompositionException, ConfigKeyError)):
-        compose([override])
+        compose(override.split())
+
+
+def test_wrong_types_under_the_components_fail_at_compose_time():
+    for override in ("rollout.source.port=eighty", "rollout.source.liveness.share=half", "broadcast.sender.fanout=x"):
+        with pytest.raises((ConfigCompositionException, ValidationError)):
+            compose([override])
+
+
+def test_the_components_schemas_are_read_from_their_constructors():
+    """One place for each default: the source's and the broadcaster's constructors. A composed config carries their
+    defaults and types, and the YAML's values where it sets them."""
+    import inspect
+
+    from echo2.config import AsyncSourceConfig, RelayBroadcasterConfig, schema_of
+    from echo2.coordinator.broadcaster import RelayBroadcaster
+    from echo2.rollout.async_source import AsyncRolloutSource
+    from echo2.settings import LivenessSettings
+
+    for cls, schema in ((AsyncRolloutSource, AsyncSourceConfig), (RelayBroadcaster, RelayBroadcasterConfig)):
+        params = {n: p.default for n, p in inspect.signature(cls).parameters.items() if p.default is not p.empty}
+        fields = {f.name: f for f in dataclasses.fields(schema) if f.name != "_target_"}
+        assert set(fields) == set(params) - {"link", "liveness"} | ({"liveness"} if "liveness" in params else set())
+        for name, f in fields.items():
+            if name != "liveness":
+                assert f.default == params[name], name
+    liveness = AsyncSourceConfig().liveness
+    assert dataclasses.asdict(liveness) == dataclasses.asdict(LivenessSettings())
+
+    class Thing:
+        def __init__(self, parts, *, rate: float = 2.5, hosts: list[str] | None = None, mode: str | None = "a"):
+            pass
+
+    thing = schema_of(Thing)()
+    assert (thing._target_.endswith("Thing"), thing.rate, thing.hosts, thing.mode) == (True, 2.5, None, "a")
+    cfg = compose(["rollout.source.port=7001", "rollout.source.liveness.share=0.25", "broadcast.sender.fanout=3"])
+    assert (cfg.rollout.source.port, cfg.rollout.source.liveness.share, cfg.broadcast.sender.fanout) == (7001, 0.25, 3)
+    assert cfg.rollout.source.liveness.strikes == 3 and cfg.broadcast.sender.chunk_mb == 4
 
 
 def test_wrong_type_fails_at_compose_time():
@@ -96,6 +136,10 @@ def test_deepspeed_settings_are_overridable():
     ("rollout.stalenes=4", "did you mean rollout.staleness"), ("+rollout.stalenes=4", "did you mean rollout.staleness"),
     ("++run.stepz=3", "did you mean run.steps"), ("task.levl=mod10", "did you mean task.level"),
     ("sede=1", "did you mean seed"), ("rollout.stalenes=0,2,4", "no such option in rollout"),
+    ("rollout.source.min_worker=2", "did you mean rollout.source.min_workers"),
+    ("rollout.source.liveness.strike=2", "did you mean rollout.source.liveness.strikes"),
+    ("broadcast.sender.fanuot=3", "did you mean broadcast.sender.fanout"),
+    ("rollout.source.deadline_floor_s=1", "no such option in rollout.source"),
 ])
 def test_an_override_that_names_no_option_is_refused_before_composing(override, why):
     from echo2.config import check_overrides

@@ -36,6 +36,19 @@ def test_every_schema_field_is_in_its_yaml(node, files):
         assert fields <= keys, f"{path.name} lacks {sorted(fields - keys)}"
 
 
+@pytest.mark.parametrize("node, files, section", [
+    (schema.AsyncSourceConfig, "rollout/async.yaml", "source"), (schema.SyncSourceConfig, "rollout/sync.yaml", "source"),
+    (schema.LaggedSourceConfig, "rollout/lagged.yaml", "source"),
+    (schema.RelayBroadcasterConfig, "broadcast/pipelined.yaml", "sender"),
+])
+def test_every_component_option_is_in_its_yaml(node, files, section):
+    """The options of a component's config node (its schema, read from its constructor) are those its YAML lists."""
+    fields = {f.name for f in dataclasses.fields(node) if f.name != "_target_"}
+    for path in CONF.glob(files):
+        keys = {o.key.split(".")[1] for o in options(path) if o.key.startswith(section + ".")}
+        assert keys == fields, f"{path.name}: missing {sorted(fields - keys)}, not options {sorted(keys - fields)}"
+
+
 def test_run_options_match_the_schema():
     keys = {o.key.split(".", 1)[1] for o in options(CONF / "config.yaml") if o.key.startswith("run.")}
     assert keys == {f.name for f in dataclasses.fields(schema.RunConfig)}

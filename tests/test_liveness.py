@@ -270,8 +270,8 @@ def test_a_client_that_holds_work_and_heartbeats_cannot_stop_the_run(tmp_path):
     start = time.monotonic()
     try:
         _, trainer, source, acc, _ = train(tmp_path, [
-            "pool.engine=hf", "run.steps=30", "rollout.source.deadline_floor_s=1", "rollout.source.deadline_cap_s=2",
-            "rollout.source.worker_share=0.25", "rollout.source.deadline_strikes=2"], hook)
+            "pool.engine=hf", "run.steps=30", "rollout.source.liveness.floor_s=1", "rollout.source.liveness.cap_s=2",
+            "rollout.source.liveness.share=0.25", "rollout.source.liveness.strikes=2"], hook)
     finally:
         if "hoarder" in ev:
             ev["hoarder"].close()

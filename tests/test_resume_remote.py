@@ -15,6 +15,7 @@ from echo2.coordinator.broadcaster import RelayBroadcaster
 from echo2 import rendezvous
 from echo2.worker.agent import Agent
 from echo2.coordinator.coordinator import Coordinator
+from echo2.settings import CoordinatorSettings
 from echo2.scoring import Scorer
 from echo2.records import Completion
 from echo2.tasks.arith import ArithTask
@@ -49,10 +50,10 @@ def learner(tiny_model_dir, epoch, version, port=0):
     task = ArithTask(level="copy", train_size=20)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     bc = RelayBroadcaster("secret", topology="chain", chunk_mb=1, retry_s=0.5)
-    coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, token="secret", staleness=2, prompts_per_step=2,
-                        group_size=G, vocab_size=len(tok), port=port, broadcaster=bc, epoch=epoch, version=version,
-                        heartbeat_timeout_s=4.0, long_poll_s=0.2,
-                        sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}).start()
+    coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, CoordinatorSettings(
+        token="secret", staleness=2, prompts_per_step=2, group_size=G, vocab_size=len(tok), port=port, epoch=epoch,
+        version=version, heartbeat_timeout_s=4.0, long_poll_s=0.2,
+        sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}), bc).start()
     return coord, bc
 
 

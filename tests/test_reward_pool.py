@@ -110,6 +110,7 @@ def test_heartbeats_are_answered_while_a_reward_chews_on_a_huge_power(tmp_path):
     the coordinator's own process, holding its GIL), another heartbeats meanwhile: every heartbeat is answered
     within a second, the push within the reward limit, and the books balance."""
     from echo2.rollout.service import CoordinatorProcess
+    from echo2.settings import CoordinatorSettings
     from echo2.tasks.gsm8k import Gsm8kTask
     from echo2.transport import Client
 
@@ -117,10 +118,10 @@ def test_heartbeats_are_answered_while_a_reward_chews_on_a_huge_power(tmp_path):
     task = Gsm8kTask(data_dir=str(FIXTURES / "gsm8k"), chat=False, max_completion_length=64)
     coord = CoordinatorProcess(
         task=task, tokenizer=tok, log_path=str(tmp_path / "coordinator.log"),
-        broadcaster={"_target_": f"{__name__}._NoBroadcast"},
-        coordinator_kwargs=dict(token="secret", staleness=1, prompts_per_step=2, group_size=G, vocab_size=len(tok),
-                                long_poll_s=0.0,
-                                sampling={"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
+        settings=CoordinatorSettings(token="secret", staleness=1, prompts_per_step=2, group_size=G,
+                                     vocab_size=len(tok), long_poll_s=0.0,
+                                     broadcaster={"_target_": f"{__name__}._NoBroadcast"},
+                                     sampling={"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
     try:
         client = Client(coord.url, "secret", timeout_s=60)
         pusher = client.post("/register", {})["worker_id"]

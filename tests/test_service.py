@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from conftest import ROOT, alive
 from echo2.worker.peer import SnapshotReceiver
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
+from echo2.settings import CoordinatorSettings
 from echo2.transport import Client
 from echo2.tasks.arith import ArithTask
 
@@ -26,10 +27,11 @@ def start(tiny_model_dir, tmp_path, token="secret"):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     return CoordinatorProcess(
         task=ArithTask(level="copy", train_size=20), tokenizer=tok, log_path=str(tmp_path / "coordinator.log"),
-        broadcaster={"_target_": "echo2.coordinator.broadcaster.RelayBroadcaster", "timeout_s": 5},
-        coordinator_kwargs=dict(token=token, staleness=1, prompts_per_step=2, group_size=G, vocab_size=len(tok),
-                                long_poll_s=0.0, sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0,
-                                                           "top_k": 0}))
+        settings=CoordinatorSettings(token=token, staleness=1, prompts_per_step=2, group_size=G, vocab_size=len(tok),
+                                     broadcaster={"_target_": "echo2.coordinator.broadcaster.RelayBroadcaster",
+                                                  "timeout_s": 5},
+                                     long_poll_s=0.0,
+                                     sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
 
 
 def fill(url, token, groups, receiver=None):

@@ -55,13 +55,12 @@ def test_the_learner_decides_tls_from_its_addresses_and_logs_the_opt_out(tmp_pat
 
     from echo2.rollout.async_source import AsyncRolloutSource
 
-    source = SimpleNamespace(broadcaster={"host": sender_host}, run_dir=str(tmp_path),
-                             kwargs={})
+    source = SimpleNamespace(broadcaster={"host": sender_host}, run_dir=str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="echo2.rollout.async_source"):
-        pin = AsyncRolloutSource._tls(source, mode, host)
-    assert (pin is not None) == tls and ("tls_dir" in source.kwargs) == tls
+        pin, tls_dir = AsyncRolloutSource._tls(source, mode, host)
+    assert (pin is not None) == tls and (tls_dir is not None) == tls
     if tls:
-        assert pin == RunCA(source.kwargs["tls_dir"]).fingerprint
+        assert pin == RunCA(tls_dir).fingerprint
     opted_out = [r.getMessage() for r in caplog.records if "tls=off" in r.getMessage()]
     assert bool(opted_out) == warns, opted_out
     if warns:

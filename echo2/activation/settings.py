@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
+from echo2.broadcast.topology import FANOUT
+
 T = TypeVar("T")
 
 
@@ -32,7 +34,7 @@ class BroadcastShape:
     """How snapshots travel, as the capacity model needs it. Defaults: RelayBroadcaster's."""
 
     topology: str = "auto"  # auto, chain, tree, stripes or star (broadcast.sender.topology)
-    fanout: int = 2  # children per relaying peer in a tree, stripes (broadcast.sender.fanout)
+    fanout: int = FANOUT  # children per relaying peer in a tree, stripes (broadcast.sender.fanout)
     interval: int = 1  # κ: a snapshot every this many learner steps (broadcast.interval)
 
     @classmethod

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from echo2 import capacity
+from echo2.broadcast.topology import FANOUT
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class System:
     broadcast: str = "pipelined"  # the relay topology: chain, tree or star (capacity.TOPOLOGIES)
     load_s: float = 0.0
     batch_s: float = 0.0
-    fanout: int = 2  # children per relaying peer in a tree
+    fanout: int = FANOUT  # children per relaying peer in a tree
     min_utilization: float = 0.0
 
 

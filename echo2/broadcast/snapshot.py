@@ -128,17 +128,23 @@ class MemoryFile(mmap.mmap):
     """
 
     def __new__(cls, size: int, name: str = "echo2-snapshot"):
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd, path = new_memory_fd(name)
         try:
             os.ftruncate(fd, size)
             self = super().__new__(cls, fd, size)
         except BaseException:
             os.close(fd)
             raise
-        self.fd = fd
-        self.path = f"/proc/{os.getpid()}/fd/{fd}"
+        self.fd, self.path = fd, path
         weakref.finalize(self, os.close, fd)
         return self
+
+
+def new_memory_fd(name: str = "echo2-snapshot") -> tuple[int, str]:
+    """An empty memory file (see MemoryFile for why one): its descriptor, and the path another local process of
+    the same user opens it by while the descriptor is open."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    return fd, f"/proc/{os.getpid()}/fd/{fd}"
 
 
 def memory_file(data: bytes | memoryview) -> MemoryFile:

@@ -35,6 +35,9 @@ import math
 from dataclasses import dataclass
 
 KINDS = ("auto", "chain", "tree", "stripes", "star")
+FANOUT = 2
+"""The default fan-out: children per relaying peer in a tree, the most stripes for ``stripes``
+(broadcast.sender.fanout; every default of it reads this one)."""
 
 RTT_TIE_S = 1e-3  # round-trip times in the same millisecond are the same distance: no reordering on noise
 RATE_TIE = 1.1  # download rates within this factor are the same link class: then the lower RTT goes first
@@ -104,7 +107,7 @@ def order(peers: list[PeerLink]) -> list[PeerLink]:
     return sorted(peers, key=lambda p: (rate_class(p), rtt_class(p), p.peer_id))
 
 
-def plan(peers: list[PeerLink], kind: str = "chain", fanout: int = 2) -> dict[str, list[str]]:
+def plan(peers: list[PeerLink], kind: str = "chain", fanout: int = FANOUT) -> dict[str, list[str]]:
     """For every peer, the peers it should pull from, nearest ancestor first (the origin is implied after them).
     One tree: chain, tree or star (stripes: ``plan_stripes``)."""
     if kind not in ("chain", "tree", "star"):

@@ -120,7 +120,7 @@ class Peer:
 
 
 class RelayBroadcaster:
-    def __init__(self, secret: str, topology: str = "auto", fanout: int = 2, chunk_mb: float = 4.0,
+    def __init__(self, secret: str, topology: str = "auto", fanout: int = topo.FANOUT, chunk_mb: float = 4.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, timeout_s: float = 600.0,
                  retry_s: float = 5.0, sparse_delta: bool = True, link: Any = None,
                  deadline_floor_s: float = DEADLINE_FLOOR_S, deadline_slack: float = DEADLINE_SLACK):

@@ -44,9 +44,8 @@ from collections import Counter, deque
 from typing import Any
 
 from echo2.activation.planner import OnlinePlanner
-from echo2.activation.settings import ActivationSettings, BroadcastShape
 from echo2.models.identity import mismatch
-from echo2.settings import CheckSettings, LivenessSettings
+from echo2.settings import CoordinatorSettings
 from echo2.coordinator import intake, schemas
 from echo2.coordinator.activation import OnChangeHook
 from echo2.coordinator.buffer import StalenessBuffer, worth_dispatching
@@ -74,35 +73,25 @@ class CannotServe(BadRequest):
 
 
 class Coordinator:
-    def __init__(self, dataset: Any, scorer: Any, tokenizer: Any, *, token: str, staleness: int,
-                 prompts_per_step: int, group_size: int, sampling: dict[str, Any], vocab_size: int,
-                 host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
-                 groups_per_pull: int = 4, long_poll_s: float = 2.0, seed: int = 0, broadcaster: Any = None,
-                 activation: ActivationSettings | None = None, broadcast_shape: BroadcastShape | None = None,
-                 journal: str | None = None, recover: dict | None = None, version: int = 0,
-                 liveness: LivenessSettings | None = None, tls_dir: str | None = None, epoch: str | None = None,
-                 checks: CheckSettings | None = None, requires: dict | None = None):
+    def __init__(self, dataset: Any, scorer: Any, tokenizer: Any, settings: CoordinatorSettings,
+                 broadcaster: Any = None):
         """``scorer``: anything with ``score_many(groups)``, ``metrics()`` and ``close()`` (a scoring.Scorer, or a
         reward_pool.RewardPool); ``broadcaster``: a seams.Broadcaster, or None. The coordinator owns both: its
-        ``close`` and ``abort`` close them.
-        ``journal``: file for the ledger's journal (None: none). ``recover``: start from it instead of afresh:
-        ``{"restart": True}`` after a coordinator died, ``{"resume_offset": N}`` for a learner resumed from a
-        checkpoint taken at journal length N; ``version``: the learner's version then. ``liveness``: deadlines,
-        per-credential share, strikes (liveness.py). ``tls_dir``: the run CA's directory (transport.RunCA);
-        set, every server of the rollout plane speaks TLS and workers get their certificates here. ``epoch``:
-        names the learner process (a resumed learner is a new epoch); told to workers at registration, so that one
-        holding another epoch's weights waits for this one's instead of generating with them. ``checks``: the rollout checks'
-        thresholds (trust.py). ``requires``: what a worker must serve, ``{"model": identity, "max_model_len": tokens}``
-        (echo2/models/identity.py); None: no check."""
-        self.requires = requires
-        self.scorer, self.tokenizer, self.token = scorer, tokenizer, token
-        self.S, self.P, self.G = staleness, prompts_per_step, group_size
-        self.sampling, self.vocab_size = sampling, vocab_size
-        self.heartbeat_timeout_s, self.groups_per_pull = heartbeat_timeout_s, groups_per_pull
-        self.long_poll_s = min(long_poll_s, heartbeat_timeout_s / 4)
-        self.broadcaster, self.epoch = broadcaster, epoch
-        self.liveness = Liveness(**dataclasses.asdict(liveness or LivenessSettings()))
-        self.checks = Checks(**dataclasses.asdict(checks or CheckSettings()))
+        ``close`` and ``abort`` close them. ``settings``: everything else (echo2/settings.py). A ``recover``ed
+        coordinator starts from the journal instead of afresh; ``requires`` None: no check of what workers
+        serve."""
+        s = self.settings = settings
+        staleness, group_size, journal, recover, version = (s.staleness, s.group_size, s.journal, s.recover,
+                                                            s.version)
+        self.requires = s.requires
+        self.scorer, self.tokenizer, self.token = scorer, tokenizer, s.token
+        self.staleness, self.P, self.G = staleness, s.prompts_per_step, group_size
+        self.sampling, self.vocab_size = s.sampling, s.vocab_size
+        self.heartbeat_timeout_s, self.groups_per_pull = s.heartbeat_timeout_s, s.groups_per_pull
+        self.long_poll_s = min(s.long_poll_s, s.heartbeat_timeout_s / 4)
+        self.broadcaster, self.epoch = broadcaster, s.epoch
+        self.liveness = Liveness(**dataclasses.asdict(s.liveness))
+        self.checks = Checks(**dataclasses.asdict(s.checks))
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
         self.version = version
@@ -118,20 +107,20 @@ class Coordinator:
         self.last_taken: list[tuple] = []  # (group id, worker id, row) of the last batch: what the checks judge
         self.reg = Registry(self.liveness)
         self.dataset = dataset
-        self.ledger = open_ledger(journal, recover, group_size, len(dataset), seed)
+        self.ledger = open_ledger(journal, recover, group_size, len(dataset), s.seed)
         self.registered = 0
         self.deadline_misses = self.reaper_errors = 0
         self.closed = False
-        activation, shape = activation or ActivationSettings(), broadcast_shape or BroadcastShape()
+        activation, shape = s.activation, s.broadcast_shape
         self.activation = OnlinePlanner(activation, shape, staleness=staleness,
-                                        rollouts_per_step=prompts_per_step * group_size)
+                                        rollouts_per_step=s.prompts_per_step * group_size)
         log.info("activation: %s solver, planned for a %s relay (fanout %d), a snapshot every %d steps",
                  activation.solver, shape.topology, shape.fanout, shape.interval)
         self.on_change = OnChangeHook(activation.on_change, run_dir=os.path.dirname(journal) if journal else None)
-        self.gate = Gate(token, os.path.dirname(journal) if journal else None, fresh=not recover, tls_dir=tls_dir)
+        self.gate = Gate(s.token, os.path.dirname(journal) if journal else None, fresh=not recover, tls_dir=s.tls_dir)
         trust = self.gate.trust
-        self.tls, self.exposed = trust is not None, not is_loopback(host)
-        self.server = JsonServer(host, port, token, name="coordinator", tls=trust and trust.server,
+        self.tls, self.exposed = trust is not None, not is_loopback(s.host)
+        self.server = JsonServer(s.host, s.port, s.token, name="coordinator", tls=trust and trust.server,
                                  public=Gate.PUBLIC_ROUTES, authorize=self.gate.authorize, routes={
             **self.gate.routes(), "POST /revoke": self._revoke,
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
@@ -142,14 +131,14 @@ class Coordinator:
         if broadcaster is not None:
             broadcaster.on_delivered = self._snapshot_delivered
             broadcaster.on_ordered = self._snapshot_ordered
-            broadcaster.epoch = epoch  # in every manifest and order: a worker refuses another epoch's
+            broadcaster.epoch = s.epoch  # in every manifest and order: a worker refuses another epoch's
             if trust is not None:
                 broadcaster.use_tls(trust)
 
     def start(self) -> "Coordinator":
         self.server.start()
         self.reaper.start()
-        log.info("coordinator on %s (S=%d, P=%d, G=%d)", self.url, self.S, self.P, self.G)
+        log.info("coordinator on %s (S=%d, P=%d, G=%d)", self.url, self.staleness, self.P, self.G)
         return self
 
     @property
@@ -268,11 +257,11 @@ class Coordinator:
                 self.reg.workers:
             return work  # deactivated (until a re-plan turns it on), or it holds no weights it may generate with
         principal = self.reg.principals[worker.principal]
-        room = self.reg.limit(principal, (self.S + 1) * self.P, self.groups_per_pull, self.activation.is_active)
+        room = self.reg.limit(principal, (self.staleness + 1) * self.P, self.groups_per_pull, self.activation.is_active)
         room -= principal.held
         while len(work) < min(want, room) and not self.closed:
             ahead = len(self.buffer) + len(self.reg.in_flight)
-            if not worth_dispatching(max(self.version, self.batches_taken), worker.version, ahead, self.P, self.S):
+            if not worth_dispatching(max(self.version, self.batches_taken), worker.version, ahead, self.P, self.staleness):
                 break
             gid, index = self.ledger.draw()
             try:
@@ -303,7 +292,7 @@ class Coordinator:
             outcomes = intake.score(self.scorer, claimed, self.G, int(self.sampling["max_tokens"]), self.vocab_size)
             with self.lock:
                 accepted = intake.settle(self.reg, self.ledger, self.buffer, worker, outcomes, rejected,
-                                         version=self.version, staleness=self.S, group_size=self.G,
+                                         version=self.version, staleness=self.staleness, group_size=self.G,
                                          claimed_at=claimed_at, reported_rate=req.rollouts_per_s)
                 self.lock.notify_all()
         finally:
@@ -325,7 +314,7 @@ class Coordinator:
         with self.lock:
             worker = self.reg.workers.get(worker_id)
             if worker is not None:
-                horizon = intake.delivery_horizon(self.version, self.S)
+                horizon = intake.delivery_horizon(self.version, self.staleness)
                 setattr(worker, versions, {v for v in getattr(worker, versions) if v >= horizon} | {version})
                 if versions == "delivered":
                     self.lock.notify_all()  # a long poll waiting with an older version is told to apply it

@@ -1,7 +1,7 @@
 """The coordinator process: what it runs, and how it answers the learner (whose side is echo2/rollout/service.py).
 
-The learner spawns it with ``serve`` as its entry point; ``serve`` builds the reward pool, the broadcaster (from
-its config) and the Coordinator, then runs the Coordinator method each message from the learner names (``CALLS``)
+The learner spawns it with ``serve`` as its entry point and hands it one frozen CoordinatorSettings
+(echo2/settings.py); ``serve`` builds the reward pool, the broadcaster (from its config) and the Coordinator, then runs the Coordinator method each message from the learner names (``CALLS``)
 until ``close``, or until the learner's process is gone.
 """
 
@@ -18,11 +18,13 @@ from hydra.utils import instantiate
 
 from echo2.coordinator.coordinator import Coordinator
 from echo2.coordinator.reward_pool import RewardPool
+from echo2.seams import CoordinatorCalls
 
 log = logging.getLogger(__name__)
 
-CALLS = frozenset({"take", "set_version", "publish", "metrics", "status", "mark", "check"})
-"""The Coordinator methods the learner may call through the pipe (besides ``close``, which ends the process)."""
+CALLS = frozenset(name for name in vars(CoordinatorCalls) if not name.startswith("_")) - {"close"}
+"""The Coordinator methods the learner may call through the pipe (seams.CoordinatorCalls; ``close`` ends the
+process)."""
 
 
 def serve(conn: Any, spec: dict[str, Any]) -> None:
@@ -30,10 +32,11 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
     if spec["cores"]:  # before any thread exists, so that all of them inherit it
         os.sched_setaffinity(0, set(spec["cores"]))
     _configure_logging(spec["log_path"], spec["log_level"])
-    task, tokenizer, settings = spec["task"], spec["tokenizer"], spec["coordinator_kwargs"]
-    rewards = RewardPool(task, tokenizer, **spec["rewards"])  # reward functions in processes of their own
-    broadcaster = instantiate(spec["broadcaster"], secret=settings["token"]) if spec["broadcaster"] else None
-    coordinator = Coordinator(task.train_dataset(), rewards, tokenizer, broadcaster=broadcaster, **settings).start()
+    task, tokenizer, settings = spec["task"], spec["tokenizer"], spec["settings"]
+    # reward functions in processes of their own
+    rewards = RewardPool(task, tokenizer, processes=settings.reward_processes, timeout_s=settings.reward_timeout_s)
+    broadcaster = instantiate(settings.broadcaster, secret=settings.token) if settings.broadcaster else None
+    coordinator = Coordinator(task.train_dataset(), rewards, tokenizer, settings, broadcaster).start()
     _exit_with_parent()
     conn.send(("ok", coordinator.url))
     while True:

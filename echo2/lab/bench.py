@@ -44,6 +44,8 @@ import threading
 import time
 from pathlib import Path
 
+from echo2.broadcast.topology import FANOUT
+
 ROOT = Path(__file__).resolve().parents[2]
 MODES = {"pipelined": "auto", "one_to_many": "star", "chain": "chain", "stripes": "stripes", "tree": "tree"}
 
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mode", choices=sorted(MODES), default="pipelined",
                    help="pipelined (auto: chain or stripes, as broadcast=pipelined runs), chain, stripes, tree "
                         "(relay tree), one_to_many (star)")
-    p.add_argument("--fanout", type=int, default=2,
+    p.add_argument("--fanout", type=int, default=FANOUT,
                    help="tree: children per node; stripes: the most stripes (broadcast.sender.fanout; pipelined, "
                         "topology auto, picks its own)")
     p.add_argument("--workers", type=int, default=4)

@@ -37,7 +37,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import nanstd, pad
 
-from echo2.learner.corrections import CORRECTIONS, Correction, importance_weights, m2po_keep
+from echo2.learner.corrections import SCALE_REWARDS, Correction, importance_weights, m2po_keep
 from echo2.learner.weights import PolicyWeights
 from echo2.seams import RolloutSource
 from echo2.records import RolloutGroup
@@ -61,7 +61,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
             raise ValueError("scale_rewards='batch' needs the batch std")
         adv = adv / (batch_std + 1e-4)
     elif scale != "none":
-        raise ValueError(f"scale_rewards={scale!r}: expected group, batch or none")
+        raise ValueError(f"scale_rewards={scale!r}: expected one of {', '.join(SCALE_REWARDS)}")
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
@@ -70,8 +70,6 @@ class Echo2GRPOTrainer(GRPOTrainer):
                  is_bounds: tuple[float, float] = (0.5, 2.0), icepop_bounds: tuple[float, float] = (0.5, 5.0),
                  m2_threshold: float = 0.04, seq_bounds: tuple[float, float] = (0.5, 2.0), **kwargs):
         super().__init__(*args, **kwargs)
-        if correction not in CORRECTIONS:
-            raise ValueError(f"rollout.correction={correction!r}: expected one of {CORRECTIONS}")
         self.correction, self.is_bounds = correction, is_bounds
         # rollout.correction with its thresholds (echo2/learner/corrections.py); self.correction stays its name.
         self.correction_spec = Correction(correction, is_bounds=tuple(is_bounds), icepop_bounds=tuple(icepop_bounds),

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -41,13 +42,12 @@ from echo2.activation.settings import ActivationSettings, BroadcastShape, detach
 from echo2.models.identity import model_identity
 from echo2.models.probe import probe_tokens
 from echo2 import rendezvous
-from echo2.records import RolloutGroup, SamplingParams
+from echo2.records import RolloutGroup
 from echo2.rendezvous import journal_path
-from echo2.rollout.pool import LocalPool, StaticPool
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
 from echo2.scoring import longest_prompt
-from echo2.seams import RunStopped, Weights
-from echo2.settings import CheckSettings, LivenessSettings
+from echo2.seams import RunParts, RunStopped, Weights
+from echo2.settings import CheckSettings, CoordinatorSettings, LivenessSettings
 from echo2.transport import RunCA, is_loopback
 
 log = logging.getLogger(__name__)
@@ -74,23 +74,23 @@ class AsyncRolloutSource:
     needs_policy = False  # remote: the learner never lends it the policy
     max_staleness = None  # any S
 
-    def __init__(self, *, task: Any, tokenizer: Any, sampling: SamplingParams, model_path: str, run_dir: str,
-                 seed: int, staleness: int, prompts_per_step: int, publish_interval: int, token: str,
-                 broadcaster: dict[str, Any] | None, pool: LocalPool | StaticPool,
-                 activation: ActivationSettings | None = None, broadcast_shape: BroadcastShape | None = None,
-                 resume: dict | None = None, host: str = "127.0.0.1", port: int = 0,
-                 heartbeat_timeout_s: float = 30.0, take_timeout_s: float = 900.0, groups_per_pull: int = 4,
-                 coordinator_cores: list[int] | None = None, coordinator_restarts: int = 3,
-                 restart_window_s: float = 600.0, min_workers: int = 0, wait_log_s: float = 30.0,
-                 deadline_floor_s: float = 10.0, deadline_cap_s: float = 600.0, deadline_slack: float = 4.0,
-                 worker_share: float = 0.5, deadline_strikes: int = 3, tls: str = "auto", check_every_steps: int = 0,
-                 check_max_abs_log_ratio: float = 2.0, check_evidence_nats: float = 12.0, reward_processes: int = 2,
-                 reward_timeout_s: float = 10.0):
-        """The run's parts, by name (train.py passes those this constructor names): the ``task`` and ``tokenizer``
-        the coordinator scores with, the ``sampling`` workers use, the ``model_path`` and ``token`` they join with,
-        ``broadcaster``: the broadcast.sender config (built in the coordinator's process), the worker ``pool``, the planner's
-        ``activation`` settings and ``broadcast_shape``, and ``resume``: what ``checkpoint()`` returned, when the
-        learner resumes from one. The rest are conf/rollout/async.yaml's options."""
+    def __init__(self, parts: RunParts, *, host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
+                 take_timeout_s: float = 900.0, groups_per_pull: int = 4, coordinator_cores: list[int] | None = None,
+                 coordinator_restarts: int = 3, restart_window_s: float = 600.0, min_workers: int = 0,
+                 wait_log_s: float = 30.0, liveness: LivenessSettings = LivenessSettings(), tls: str = "auto",
+                 check_every_steps: int = 0, check_max_abs_log_ratio: float = 2.0, check_evidence_nats: float = 12.0,
+                 reward_processes: int = 2, reward_timeout_s: float = 10.0):
+        """``parts``: the run's parts (seams.RunParts): the ``task`` and ``tokenizer`` the coordinator scores with,
+        the ``sampling`` workers use, the ``model_path`` and ``token`` they join with, the ``broadcaster``'s config
+        (built in the coordinator's process), the worker ``pool``, the planner's ``activation`` settings and
+        ``broadcast_shape``, and ``resume``: what ``checkpoint()`` returned, when the learner resumes from one. The
+        rest are conf/rollout/async.yaml's options (each default is written here only: the config's schema is read
+        from this signature)."""
+        task, tokenizer, run_dir, token, resume = parts.task, parts.tokenizer, parts.run_dir, parts.token, parts.resume
+        sampling, model_path, publish_interval = parts.sampling, parts.model_path, parts.publish_interval
+        staleness, prompts_per_step, seed = parts.staleness, parts.prompts_per_step, parts.seed
+        broadcaster, pool, activation, broadcast_shape = (parts.broadcaster, parts.pool, parts.activation,
+                                                          parts.broadcast_shape)
         if publish_interval < 1:
             raise ValueError(f"broadcast.interval={publish_interval}: must be >= 1")
         s = sampling
@@ -105,33 +105,29 @@ class AsyncRolloutSource:
         self.weights: Weights | None = None  # the live weights, kept to republish after a coordinator restart
         self.republish = False  # a restarted coordinator's workers wait for the next snapshot
         self.probe_ids = probe_tokens(len(tokenizer))
-        self.kwargs = dict(
+        # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
+        self.settings = CoordinatorSettings(
             token=token, staleness=staleness, prompts_per_step=prompts_per_step, group_size=s.n,
             vocab_size=len(tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
             groups_per_pull=groups_per_pull, seed=seed, journal=journal_path(run_dir), sampling={
                 "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                 "stop_token_ids": list(s.stop_token_ids)},
-            activation=detached(ActivationSettings, activation),
-            broadcast_shape=detached(BroadcastShape, broadcast_shape),
-            # a bad value fails here, not in the coordinator's process
-            liveness=LivenessSettings(floor_s=deadline_floor_s, cap_s=deadline_cap_s, slack=deadline_slack,
-                                      share=worker_share, strikes=deadline_strikes))
+            activation=detached(ActivationSettings, activation) or ActivationSettings(),
+            broadcast_shape=detached(BroadcastShape, broadcast_shape) or BroadcastShape(),
+            liveness=detached(LivenessSettings, liveness),
+            checks=CheckSettings(max_abs_log_ratio=check_max_abs_log_ratio, evidence_nats=check_evidence_nats),
+            broadcaster=broadcaster, reward_processes=reward_processes, reward_timeout_s=reward_timeout_s,
+            epoch=os.urandom(8).hex(), version=self.version)  # a bad value fails here, not in the child
         self.check_every_steps = check_every_steps  # read by the learner (trainer._check)
-        self.kwargs["checks"] = CheckSettings(max_abs_log_ratio=check_max_abs_log_ratio,
-                                              evidence_nats=check_evidence_nats)
-        self.rewards = dict(processes=reward_processes, timeout_s=reward_timeout_s)  # the coordinator's reward pool
-        # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
-        self.kwargs["epoch"] = os.urandom(8).hex()
-        if reward_processes < 1 or not reward_timeout_s > 0:
-            raise ValueError(f"rollout.source.reward_processes={reward_processes} must be >= 1 and "
-                             f"reward_timeout_s={reward_timeout_s} > 0")
-        self.ca_hash = self._tls(tls, host)
-        self.kwargs["requires"] = self.requires = run_needs(task, tokenizer, model_path, s.max_tokens)
+        self.ca_hash, tls_dir = self._tls(tls, host)
+        self.requires = run_needs(task, tokenizer, model_path, s.max_tokens)
+        self.settings = replace(self.settings, tls_dir=tls_dir, requires=self.requires)
         if getattr(self.pool, "max_model_len", 0) is None:  # local agents get the context the run needs
             self.pool.max_model_len = self.requires["max_model_len"]
         recover = {"resume_offset": resume["journal_offset"]} if resume else None
         self.coordinator = self._spawn(recover)
-        self.kwargs["port"] = urlsplit(self.coordinator.url).port  # a restarted coordinator listens where this one did
+        # a restarted coordinator listens where this one did
+        self.settings = replace(self.settings, port=urlsplit(self.coordinator.url).port)
         rendezvous.write(run_dir, self.coordinator.url, self.requires, ca_hash=self.ca_hash)
         self.pool.start(self.coordinator.url, token, model_path, run_dir, ca_hash=self.ca_hash)
         self.min_workers, self.wait_log_s = min_workers, wait_log_s
@@ -153,7 +149,7 @@ class AsyncRolloutSource:
                                f"{self._waiting_on()}")
         if self._stranded():
             raise RuntimeError(f"waiting for {what}, but every local worker has exited and no other can join (the "
-                               f"coordinator listens on {self.kwargs['host']} only): {self._waiting_on()}")
+                               f"coordinator listens on {self.settings.host} only): {self._waiting_on()}")
         if now - last_log >= self.wait_log_s:
             log.warning("waiting %.0f s for %s: %s", now - start, what, self._waiting_on())
             return now
@@ -163,7 +159,7 @@ class AsyncRolloutSource:
         """Nothing can ever feed this run: every local worker has exited (none restarts by itself), none is
         connected, and the coordinator listens on loopback only, so no worker from elsewhere can join. Waiting out
         take_timeout_s would only hide why (their errors are in the waiting line)."""
-        if not (is_loopback(str(self.kwargs["host"])) and self.pool.all_exited()):
+        if not (is_loopback(str(self.settings.host)) and self.pool.all_exited()):
             return False
         return not self._retry(CoordinatorProcess.status)["workers"]
 
@@ -178,8 +174,9 @@ class AsyncRolloutSource:
                 f"rollout.source.min_workers={self.min_workers}), {st['buffered_groups']} groups buffered, "
                 f"{st['in_flight_groups']} in flight; {where}").rstrip("; ")
 
-    def _tls(self, mode: str, host: str) -> str | None:
-        """Decide TLS for the rollout plane; returns the run CA's fingerprint, or None for plain HTTP."""
+    def _tls(self, mode: str, host: str) -> tuple[str | None, str | None]:
+        """Decide TLS for the rollout plane; returns the run CA's fingerprint and directory, or None, None for plain
+        HTTP."""
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"rollout.source.tls={mode!r}: expected auto, on or off")
         hosts = [host, (self.broadcaster or {}).get("host") or "127.0.0.1"]
@@ -188,11 +185,10 @@ class AsyncRolloutSource:
             if exposed:
                 log.warning("rollout.source.tls=off: plain HTTP on %s; tokens and weights cross the network in the "
                             "clear", ", ".join(map(str, exposed)))
-            return None
+            return None, None
         ca = RunCA(os.path.join(self.run_dir, "tls"))
-        self.kwargs["tls_dir"] = ca.dir
         log.info("TLS on: run CA %s (fingerprint %s)", ca.ca_file, ca.fingerprint)
-        return ca.fingerprint
+        return ca.fingerprint, ca.dir
 
     def _wait_for_workers(self, n: int) -> None:
         """Block until ``n`` workers have registered (rollout.source.min_workers), so that the first steps are not
@@ -207,9 +203,8 @@ class AsyncRolloutSource:
 
     def _spawn(self, recover: dict | None) -> CoordinatorProcess:
         return CoordinatorProcess(
-            task=self.task, tokenizer=self.tokenizer, broadcaster=self.broadcaster,
-            log_path=os.path.join(self.run_dir, "coordinator.log"), cores=self.cores, rewards=self.rewards,
-            coordinator_kwargs=dict(self.kwargs, recover=recover, version=self.version))
+            task=self.task, tokenizer=self.tokenizer, log_path=os.path.join(self.run_dir, "coordinator.log"),
+            cores=self.cores, settings=replace(self.settings, recover=recover, version=self.version))
 
     def _retry(self, call: Callable[[CoordinatorProcess], T]) -> T:
         """``call(coordinator)``; if the coordinator process is gone, restart it (within budget) and call again."""
@@ -303,7 +298,7 @@ class AsyncRolloutSource:
         try:
             accounting = self.coordinator.close()
         except CoordinatorDied as e:  # died at the very end (close() has reaped it): the journal has the books
-            log.error("%s; the books are in %s", e, self.kwargs["journal"])
+            log.error("%s; the books are in %s", e, self.settings.journal)
             accounting = {}
         accounting["coordinator_restarts"] = self.restarts
         log.info("rollout accounting: %s", accounting)

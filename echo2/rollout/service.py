@@ -12,8 +12,8 @@ learner's GIL or core (the child's side: echo2/coordinator/process.py).
        checks    check(stats)        request → reply (the workers whose groups in the batch are not trained on)
        close     close()             request → reply (the rollout accounting); then the process exits
 
-Each call sends the name of the Coordinator method that serves it with its arguments: CoordinatorProcess.take
-is Coordinator.take in the child. The learner imports nothing of the coordinator: the child's entry point and
+Each call sends the name of the method that serves it with its arguments: CoordinatorProcess.take sends
+CoordinatorCalls.take (echo2/seams.py), which is Coordinator.take in the child. The learner imports nothing of the coordinator: the child's entry point and
 the broadcaster go by name (``COORDINATOR_MAIN``, the ``broadcast.sender`` config's ``_target_``).
 
     waits for (learner): a reply to take, i.e. P admissible groups;   unblocked by: worker pushes in the child
@@ -38,7 +38,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from echo2.broadcast.snapshot import new_memory_fd
 from echo2.env import run_named
+from echo2.seams import CoordinatorCalls
+from echo2.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +56,14 @@ class CoordinatorDied(RuntimeError):
 class CoordinatorProcess:
     """The learner's handle on the coordinator process; the same calls as an in-process Coordinator."""
 
-    def __init__(self, *, task: Any, tokenizer: Any, broadcaster: dict[str, Any] | None,
-                 coordinator_kwargs: dict[str, Any], log_path: str | None = None, cores: list[int] | None = None,
-                 start_timeout_s: float = 120.0, rewards: dict[str, Any] | None = None):
-        """``broadcaster``: the broadcaster's config (``_target_`` and its options; None: none), built in the
-        child with the run's token as ``secret``. ``rewards``: the reward pool's settings (``processes``,
-        ``timeout_s``)."""
+    def __init__(self, *, task: Any, tokenizer: Any, settings: CoordinatorSettings, log_path: str | None = None,
+                 cores: list[int] | None = None, start_timeout_s: float = 120.0):
+        """``settings``: what the coordinator runs with (its broadcaster's config among them, built in the child
+        with the run's token as ``secret``); ``log_path``, ``cores``: where the child logs and runs."""
         self.log_path = log_path
         self.staged: deque[int] = deque()  # memory files of the last published snapshots (see _handoff)
-        spec = dict(task=task, tokenizer=tokenizer, broadcaster=broadcaster,
-                    coordinator_kwargs=coordinator_kwargs, log_path=log_path, log_level=logging.getLogger().level,
-                    cores=list(cores) if cores else None, rewards=dict(rewards or {}))
+        spec = dict(task=task, tokenizer=tokenizer, settings=settings, log_path=log_path,
+                    log_level=logging.getLogger().level, cores=list(cores) if cores else None)
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads and a model
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(target=run_named, args=(COORDINATOR_MAIN, child_conn, spec),
@@ -80,10 +80,10 @@ class CoordinatorProcess:
     # ------------------------------------------------------------------ calls
 
     def take(self, n: int, timeout_s: float | None = None) -> list:
-        return self._call("take", n, timeout_s)
+        return self._call(CoordinatorCalls.take, n, timeout_s)
 
     def set_version(self, version: int) -> None:
-        self._send("set_version", version)
+        self._send(CoordinatorCalls.set_version, version)
 
     def publish(self, version: int, blob: bytes, probe: dict | None = None) -> None:
         """Hand snapshot bytes to the broadcaster in the child; returns once they are written to memory."""
@@ -96,34 +96,34 @@ class CoordinatorProcess:
     def _handoff(self, version: int, write, probe: dict | None) -> None:
         """Write the snapshot into a new memory file and tell the child its path; the child maps it (no copy).
 
-        Why a memory file and not /dev/shm: containers mount /dev/shm at 64 MB by default, and a disk file would
-        put every snapshot through the disk. The file lives until two newer ones are published: by then the
-        child, which handles calls in order, has mapped it (its map keeps the memory after we close ours)."""
-        fd = os.memfd_create(f"echo2-snapshot-v{version}", os.MFD_CLOEXEC)
+        A memory file (snapshot.MemoryFile says why), not a disk file, which would put every snapshot through
+        the disk. The file lives until two newer ones are published: by then the child, which handles calls in
+        order, has mapped it (its map keeps the memory after we close ours)."""
+        fd, path = new_memory_fd(f"echo2-snapshot-v{version}")
         try:
-            write(f"/proc/self/fd/{fd}")
+            write(path)
         except BaseException:
             os.close(fd)
             raise
         self.staged.append(fd)
         while len(self.staged) > 2:
             os.close(self.staged.popleft())
-        self._send("publish", version, f"/proc/{os.getpid()}/fd/{fd}", probe)
+        self._send(CoordinatorCalls.publish, version, path, probe)
 
     def metrics(self) -> dict[str, float]:
-        return self._call("metrics")
+        return self._call(CoordinatorCalls.metrics)
 
     def mark(self) -> int:
         """The journal's length now: a learner checkpoint taken between steps resumes from here."""
-        return self._call("mark")
+        return self._call(CoordinatorCalls.mark)
 
     def status(self) -> dict[str, Any]:
-        return self._call("status")
+        return self._call(CoordinatorCalls.status)
 
     def check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
         """The learner's per-worker scores of behaviour logprobs (rollout checks); returns the workers whose groups
         in the checked batch must not be trained on."""
-        return self._call("check", stats)
+        return self._call(CoordinatorCalls.check, stats)
 
     def close(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """Stop serving and return the accounting (what was buffered or in flight counted as at the end)."""
@@ -131,7 +131,7 @@ class CoordinatorProcess:
             return {}
         self.closed = True
         try:
-            self._send("close", reply=True)  # the child answers, then exits
+            self._send(CoordinatorCalls.close, reply=True)  # the child answers, then exits
             if not self.conn.poll(timeout_s):
                 raise CoordinatorDied(f"coordinator did not answer close within {timeout_s} s ({self._where()})")
             return self._reply()
@@ -149,10 +149,11 @@ class CoordinatorProcess:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _send(self, method: str, *args: Any, reply: bool = False) -> None:
-        """Ask the child to run the Coordinator's ``method`` with ``args``; one-way unless ``reply``."""
+    def _send(self, method: Callable, *args: Any, reply: bool = False) -> None:
+        """Ask the child to run ``method`` (a CoordinatorCalls method: the Coordinator's of that name) with
+        ``args``; one-way unless ``reply``. The message names the method."""
         try:
-            self.conn.send((method, args, reply))
+            self.conn.send((method.__name__, args, reply))
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
             raise CoordinatorDied(f"coordinator process is gone ({self._where()})") from e
 
@@ -167,7 +168,7 @@ class CoordinatorProcess:
             raise (TimeoutError if kind == "TimeoutError" else RuntimeError)(f"coordinator: {message}")
         return value
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: Callable, *args: Any) -> Any:
         self._send(method, *args, reply=True)
         return self._reply()
 

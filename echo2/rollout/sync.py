@@ -12,9 +12,9 @@ import logging
 import time
 from typing import Any
 
-from echo2.seams import Engine
+from echo2.records import Rollout, RolloutGroup
 from echo2.scoring import Scorer, encode_prompt
-from echo2.records import Rollout, RolloutGroup, SamplingParams
+from echo2.seams import Engine, RunParts
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +24,10 @@ class SyncRolloutSource:
     max_staleness = 0  # on-policy by construction
     check_every_steps = 0  # the learner generated every rollout itself: nothing to check
 
-    def __init__(self, *, engine: Engine, scorer: Scorer, tokenizer: Any, sampling: SamplingParams):
-        self.engine, self.scorer, self.tokenizer, self.sampling = engine, scorer, tokenizer, sampling
+    def __init__(self, parts: RunParts):
+        self.engine: Engine = parts.engine
+        self.scorer: Scorer = parts.scorer
+        self.tokenizer, self.sampling = parts.tokenizer, parts.sampling
         self._generated = 0
         self._generate_s = 0.0
 
