@@ -332,7 +332,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if remote and world_size > 1 and r.source.get("check_every_steps", 0):
         errors.append("rollout.source.check_every_steps > 0 with a multi-process learner is not supported yet (the "
                       "check's forward would run on rank 0 alone); set it to 0 or use one learner process")
-    if getattr(source, "single_process", False) and world_size > 1:
+    if source.single_process and world_size > 1:
         errors.append(f"rollout.source: {source.__name__} runs with one learner process only (it keeps whole copies "
                       f"of the weights); launched with {world_size}")
     if remote and not 1 <= cfg.broadcast.interval <= r.staleness + 1:
@@ -376,6 +376,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if not 0 <= a.min_utilization <= 1 or a.hysteresis < 0 or a.learner_usd_per_hour < 0:
         errors.append("activation: need 0 <= min_utilization <= 1, hysteresis >= 0, learner_usd_per_hour >= 0")
     if cfg.learner.scale_rewards not in SCALE_REWARDS:
-        errors.append(f"learner.scale_rewards={cfg.learner.scale_rewards!r}: expected one of {', '.join(SCALE_REWARDS)}")
+        errors.append(f"learner.scale_rewards={cfg.learner.scale_rewards!r}: expected one of "
+                      f"{', '.join(SCALE_REWARDS)}")
     if errors:
         raise ValueError("invalid config:\n  " + "\n  ".join(errors))

@@ -63,6 +63,7 @@ class Weights(Protocol):
 
     dtype: str  # the snapshot's dtype, e.g. "bfloat16": what the workers will serve
     local: bool  # True: this process can write the snapshot alone; False: sharded, every learner rank joins write()
+    written: bool  # whether write() has started (its gathers are collectives: a rank that failed before joins them)
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """Called before each publish (by every learner rank when sharded): the policy's logprobs of fixed tokens."""
@@ -83,6 +84,8 @@ class RolloutSource(Protocol):
     needs_policy: bool
     max_staleness: int | None
     """The largest ``rollout.staleness`` the source supports (None: any); config validation reads it."""
+    single_process: bool
+    """True where the source works with one learner process only (config validation reads it)."""
 
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
         """Called once per learner step, before the loss, with the step's prompt rows (one per group) and the

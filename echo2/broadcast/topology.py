@@ -19,14 +19,14 @@ parent, cut-through forwarding, failover up each stripe's own tree), at the pric
 and parents that share their uplink between s children.
 
 Peers are placed fastest first (download rate, rates within 10 % counting as equal; then lower RTT, by the
-millisecond; then by id): in a tree an inner node uploads to ``fanout`` children, so the best-connected peers
-belong near the root; in a chain the slowest link bounds the rate wherever it sits, but putting slow peers last
-keeps their stalls from delaying the others' bytes. Both numbers are the learner's measurements
-(echo2/coordinator/broadcaster.py), never a peer's report of itself: a peer that claimed a fast link would otherwise take the head of the chain, and
-every byte would pass through it. A peer with no measurement (new, or its last transfer failed) goes last, where
-it can do least harm: no successor in a chain, none but leaves in a tree or a stripe's tree.
-Each peer's source list is its ancestors, nearest first (per stripe, in that stripe's tree); the origin is
-always the last resort, so a dead or stalled relay is routed around by moving one step up the tree.
+millisecond; then by id): in a tree an inner node uploads to ``fanout`` children, so the best-connected peers belong
+near the root; in a chain the slowest link bounds the rate wherever it sits, but putting slow peers last keeps their
+stalls from delaying the others' bytes. Both numbers are the learner's measurements
+(echo2/coordinator/broadcaster.py), never a peer's report of itself: a peer that claimed a fast link would otherwise
+take the head of the chain, and every byte would pass through it. A peer with no measurement (new, or its last
+transfer failed) goes last, where it can do least harm: no successor in a chain, none but leaves in a tree or a
+stripe's tree. Each peer's source list is its ancestors, nearest first (per stripe, in that stripe's tree); the
+origin is always the last resort, so a dead or stalled relay is routed around by moving one step up the tree.
 """
 
 from __future__ import annotations

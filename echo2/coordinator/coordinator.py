@@ -24,8 +24,8 @@
             then on and re-queues its work
 
 It runs as threads (an HTTP server and a reaper) of its own process (process.py; the learner's side:
-echo2/rollout/service.py), which answers the learner's ``take`` / ``set_version`` calls over a pipe; the learner only blocks in ``take`` when the buffer is short, which
-is the idle time ``train/learner_idle_s`` reports.
+echo2/rollout/service.py), which answers the learner's ``take`` / ``set_version`` calls over a pipe; the learner
+only blocks in ``take`` when the buffer is short, which is the idle time ``train/learner_idle_s`` reports.
 
 Accounting (rollouts, G per group): dispatched = consumed + dropped[reason] + lost[reason] + in flight + buffered,
 kept by the ledger (ledger.py), which journals every transition so that a restarted coordinator, or a learner

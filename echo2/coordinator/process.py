@@ -1,8 +1,9 @@
 """The coordinator process: what it runs, and how it answers the learner (whose side is echo2/rollout/service.py).
 
 The learner spawns it with ``serve`` as its entry point and hands it one frozen CoordinatorSettings
-(echo2/settings.py); ``serve`` builds the reward pool, the broadcaster (from its config) and the Coordinator, then runs the Coordinator method each message from the learner names (``CALLS``)
-until ``close``, or until the learner's process is gone.
+(echo2/settings.py); ``serve`` builds the reward pool, the broadcaster (from its config) and the Coordinator, then
+runs the Coordinator method each message from the learner names (``CALLS``) until ``close``, or until the learner's
+process is gone.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 CORRECTIONS = ("none", "tis", "mask", "icepop", "m2po", "seq_mask")
-SCALE_REWARDS = ("group", "batch", "none")  # learner.scale_rewards: how advantages are scaled (trainer.group_advantages)
+SCALE_REWARDS = ("group", "batch", "none")  # learner.scale_rewards: advantages' scale (trainer.group_advantages)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class ShardedSource:
 
     needs_policy = False
     max_staleness = None
+    single_process = False
 
     def __init__(self, source: RemoteSource | None, rank: int, world_size: int):
         if (source is None) != (rank != 0):
@@ -116,7 +117,7 @@ class ShardedSource:
                 status = {"ok": True, "value": None}
             except BaseException as e:  # noqa: BLE001
                 status = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-                if not getattr(weights, "written", True):  # failed before the gathers: join them, as the others do
+                if not weights.written:  # failed before the gathers: join them, as the others do
                     weights.write(None)
             self._broadcast(status)
             if not status["ok"]:

@@ -16,11 +16,12 @@ neither the learner's GIL nor its core. The learner never generates and never wa
 only when fewer than P admissible groups are buffered (``train/learner_idle_s``). Prompts come from the task's
 training set in the coordinator's own seeded order, so the rows TRL's sampler hands to ``collect`` are unused.
 
-Restarts. If the coordinator process dies, the next call starts a new one on the same port from the ledger's
-journal (echo2/coordinator/ledger.py: what was in flight or buffered is counted lost / dropped,
-``coordinator_restart``, and its prompts re-queued), republishes the current weights, and repeats the call; workers
-reconnect by themselves (echo2/worker/agent.py). At most ``coordinator_restarts`` times within ``restart_window_s``
-(a crash loop is an error). A learner resumed from a checkpoint starts its coordinator from the journal length the checkpoint recorded (``resume``), with the data position of then.
+Restarts. If the coordinator process dies, the next call starts a new one on the same port from the ledger's journal
+(echo2/coordinator/ledger.py: what was in flight or buffered is counted lost / dropped, ``coordinator_restart``, and
+its prompts re-queued), republishes the current weights, and repeats the call; workers reconnect by themselves
+(echo2/worker/agent.py). At most ``coordinator_restarts`` times within ``restart_window_s`` (a crash loop is an
+error). A learner resumed from a checkpoint starts its coordinator from the journal length the checkpoint recorded
+(``resume``), with the data position of then.
 
 TLS (``tls``): ``auto`` turns it on when the coordinator or the learner's relay origin listens on a non-loopback
 address; the run's CA lives in ``<run dir>/tls`` (kept across coordinator restarts and learner resumes, so a
@@ -73,13 +74,18 @@ def run_needs(task: Any, tokenizer: Any, model_path: str, max_tokens: int) -> di
 class AsyncRolloutSource:
     needs_policy = False  # remote: the learner never lends it the policy
     max_staleness = None  # any S
+    single_process = False  # several learner processes: rank 0 holds it (echo2/learner/distributed.py)
 
-    def __init__(self, parts: RunParts, *, host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_s: float = 30.0,
-                 take_timeout_s: float = 900.0, groups_per_pull: int = 4, coordinator_cores: list[int] | None = None,
+    # The coordinator's own settings default to CoordinatorSettings's (echo2/settings.py): one place for each.
+    def __init__(self, parts: RunParts, *, host: str = CoordinatorSettings.host, port: int = CoordinatorSettings.port,
+                 heartbeat_timeout_s: float = CoordinatorSettings.heartbeat_timeout_s, take_timeout_s: float = 900.0,
+                 groups_per_pull: int = CoordinatorSettings.groups_per_pull, coordinator_cores: list[int] | None = None,
                  coordinator_restarts: int = 3, restart_window_s: float = 600.0, min_workers: int = 0,
                  wait_log_s: float = 30.0, liveness: LivenessSettings = LivenessSettings(), tls: str = "auto",
-                 check_every_steps: int = 0, check_max_abs_log_ratio: float = 2.0, check_evidence_nats: float = 12.0,
-                 reward_processes: int = 2, reward_timeout_s: float = 10.0):
+                 check_every_steps: int = 0, check_max_abs_log_ratio: float = CheckSettings.max_abs_log_ratio,
+                 check_evidence_nats: float = CheckSettings.evidence_nats,
+                 reward_processes: int = CoordinatorSettings.reward_processes,
+                 reward_timeout_s: float = CoordinatorSettings.reward_timeout_s):
         """``parts``: the run's parts (seams.RunParts): the ``task`` and ``tokenizer`` the coordinator scores with,
         the ``sampling`` workers use, the ``model_path`` and ``token`` they join with, the ``broadcaster``'s config
         (built in the coordinator's process), the worker ``pool``, the planner's ``activation`` settings and
@@ -122,8 +128,7 @@ class AsyncRolloutSource:
         self.ca_hash, tls_dir = self._tls(tls, host)
         self.requires = run_needs(task, tokenizer, model_path, s.max_tokens)
         self.settings = replace(self.settings, tls_dir=tls_dir, requires=self.requires)
-        if getattr(self.pool, "max_model_len", 0) is None:  # local agents get the context the run needs
-            self.pool.max_model_len = self.requires["max_model_len"]
+        self.pool.fit_context(self.requires["max_model_len"])
         recover = {"resume_offset": resume["journal_offset"]} if resume else None
         self.coordinator = self._spawn(recover)
         # a restarted coordinator listens where this one did
@@ -167,7 +172,7 @@ class AsyncRolloutSource:
         """What the rollout plane holds now, and where workers should come from."""
         st = self._retry(CoordinatorProcess.status)
         url = rendezvous.advertised_url(self.coordinator.url)
-        where = self.pool.describe(url) if hasattr(self.pool, "describe") else ""
+        where = self.pool.describe(url)
         benched = st.get("benched") or []  # struck out: they get no more work (coordinator.log says why)
         benched = f", {len(benched)} of them benched ({', '.join(benched)}: see coordinator.log)" if benched else ""
         return (f"{len(st['workers'])} workers connected{benched} ({st['registered']} registered since the start, "
@@ -229,7 +234,7 @@ class AsyncRolloutSource:
         log.error("%s: starting a new one from the journal (restart %d)", e, self.restarts)
         self.coordinator.abandon()
         self.coordinator = self._spawn({"restart": True})
-        if self.weights is not None and getattr(self.weights, "local", True):
+        if self.weights is not None and self.weights.local:
             self.publish(self.version, self.weights)
         else:
             self.republish = True
@@ -276,7 +281,7 @@ class AsyncRolloutSource:
         try:
             self.coordinator.publish_written(version, weights.write, manifest_probe)
         except CoordinatorDied as e:  # not retried here: a sharded write is a collective, done once per version
-            self.weights = self.weights if getattr(weights, "local", True) else None
+            self.weights = self.weights if weights.local else None
             self._restart(e)
 
     def on_check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:

@@ -64,6 +64,10 @@ class StaticPool:
                  "%s%s --model %s --listen-host 0.0.0.0 --advertise-host <its public address>",
                  coordinator_url, pin, model_path)
 
+    def fit_context(self, tokens: int) -> None:
+        """The context the run needs (its longest prompt plus completion): listed workers were started elsewhere,
+        with their own; registration refuses one whose context is shorter."""
+
     def all_exited(self) -> bool:
         """Whether every worker this pool started has exited (never: it starts none)."""
         return False
@@ -177,6 +181,12 @@ class LocalPool:
                  f"GPU {env['CUDA_VISIBLE_DEVICES']}" if self.gpus else
                  f"vLLM threads on core {core}{', pinned' if pin else ''}")
         return proc
+
+    def fit_context(self, tokens: int) -> None:
+        """The context the run needs (its longest prompt plus completion): agents started here get it, unless
+        ``max_model_len`` was set."""
+        if self.max_model_len is None:
+            self.max_model_len = tokens
 
     def all_exited(self) -> bool:
         """Whether every worker this pool started has exited (none restarts by itself)."""

@@ -13,8 +13,9 @@ learner's GIL or core (the child's side: echo2/coordinator/process.py).
        close     close()             request → reply (the rollout accounting); then the process exits
 
 Each call sends the name of the method that serves it with its arguments: CoordinatorProcess.take sends
-CoordinatorCalls.take (echo2/seams.py), which is Coordinator.take in the child. The learner imports nothing of the coordinator: the child's entry point and
-the broadcaster go by name (``COORDINATOR_MAIN``, the ``broadcast.sender`` config's ``_target_``).
+CoordinatorCalls.take (echo2/seams.py), which is Coordinator.take in the child. The learner imports nothing of the
+coordinator: the child's entry point and the broadcaster go by name (``COORDINATOR_MAIN``, the ``broadcast.sender``
+config's ``_target_``).
 
     waits for (learner): a reply to take, i.e. P admissible groups;   unblocked by: worker pushes in the child
 

@@ -23,6 +23,7 @@ class SyncRolloutSource:
     needs_policy = True
     max_staleness = 0  # on-policy by construction
     check_every_steps = 0  # the learner generated every rollout itself: nothing to check
+    single_process = False
 
     def __init__(self, parts: RunParts):
         self.engine: Engine = parts.engine
