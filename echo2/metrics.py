@@ -3,6 +3,11 @@
 Every key is namespaced (``train/ reward/ rollout/ buffer/ broadcast/ activation/ cost/ eval/``). TRL's own
 log keys (``loss``, ``grad_norm``, ``clip_ratio/...``) are moved under ``train/``. Only rank 0 writes; the
 same calls work with wandb off (``run.wandb=disabled``).
+
+Every key the library writes or reads is a constant below, one per key, grouped by namespace; a key made per
+worker, credential or reward function is a prefix constant (``..._PREFIX``, ending in ``/``) the caller appends
+the name to. The strings are what ``metrics.jsonl``, wandb dashboards, BENCHMARKS.md and the tests read: change
+one and they no longer find it.
 """
 
 from __future__ import annotations
@@ -15,9 +20,95 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# ---------------------------------------------------------------------------------------------------- train/
+# The learner's step (echo2/learner/); TRL's own keys come in through ``namespaced`` below.
+TRAIN_LR = "train/lr"  # learning rate of the step (TRL's ``learning_rate``)
+TRAIN_STEP_TIME_S = "train/step_time_s"  # time in the step's ``training_step`` calls, s (TRL's ``step_time``)
+TRAIN_GRAD_NORM = "train/grad_norm"  # gradient norm of the step, before clipping (TRL's ``grad_norm``)
+TRAIN_LEARNER_IDLE_S = "train/learner_idle_s"  # time the step spent obtaining its rollouts, s
+TRAIN_LEARNER_UTILIZATION = "train/learner_utilization"  # 1 - idle / wall since the first batch, 0 to 1
+TRAIN_PUBLISH_S = "train/publish_s"  # time the previous step spent publishing its snapshot (rank 0), s
+TRAIN_LR_STALENESS_FACTOR = "train/lr_staleness_factor"  # factor the step's rate was scaled by (0 to 1)
+
+# --------------------------------------------------------------------------------------------------- reward/
+# Over every rollout of the step's batch (all processes).
+REWARD_MEAN = "reward/mean"  # mean reward (the weighted sum of the task's rewards)
+REWARD_STD = "reward/std"  # standard deviation of that reward
+REWARD_FRAC_ZERO_STD_GROUPS = "reward/frac_zero_std_groups"  # share of groups whose G rewards are all equal
+REWARD_FUNCTION_PREFIX = "reward/"  # + a reward function's name: the mean of that function's reward
+
+# -------------------------------------------------------------------------------------------------- rollout/
+# Counts are cumulative over the run, in rollouts (G per group) where they count rollouts.
+ROLLOUT_DISPATCHED = "rollout/dispatched"  # rollouts handed to workers
+ROLLOUT_RECEIVED = "rollout/received"  # rollouts received from workers (sync source: generated)
+ROLLOUT_CONSUMED = "rollout/consumed"  # rollouts the learner trained on (the learner's own count)
+ROLLOUT_DROPPED = "rollout/dropped"  # rollouts dropped, every reason (stale, invalid, untrusted, ...)
+ROLLOUT_DROPPED_UNTRUSTED = "rollout/dropped_untrusted"  # rollouts dropped by the rollout checks
+ROLLOUT_LOST = "rollout/lost"  # rollouts lost, every reason (worker dead, deadline, restarts, ...)
+ROLLOUT_LOST_DEADLINE = "rollout/lost_deadline"  # rollouts lost past their deadline
+ROLLOUT_REFUSED_RESULTS = "rollout/refused_results"  # results refused at a push (late, duplicate, not in flight)
+ROLLOUT_REJECTED_REQUESTS = "rollout/rejected_requests"  # HTTP requests and connections the coordinator refused
+ROLLOUT_WORKERS = "rollout/workers"  # workers registered now
+ROLLOUT_BENCHED_WORKERS = "rollout/benched_workers"  # workers registered now that get no more work (strikes)
+ROLLOUT_FLAGGED_WORKERS = "rollout/flagged_workers"  # credentials (not worker ids) the rollout checks flagged
+ROLLOUT_DEADLINE_MISSES = "rollout/deadline_misses"  # misses for groups past their deadline (per credential, per check)
+ROLLOUT_INVALID_STRIKES = "rollout/invalid_strikes"  # misses for invalid pushes
+ROLLOUT_REAPER_ERRORS = "rollout/reaper_errors"  # errors in the coordinator's reaper loop
+ROLLOUT_JOURNAL_ERRORS = "rollout/journal_errors"  # failed writes to the rollout journal
+ROLLOUT_REWARD_PROCESS_RESTARTS = "rollout/reward_process_restarts"  # reward processes replaced
+ROLLOUT_COORDINATOR_RESTARTS = "rollout/coordinator_restarts"  # coordinator processes restarted by the learner
+ROLLOUT_GENERATE_S = "rollout/generate_s"  # sync source: time the step spent generating, s
+ROLLOUT_COMPLETION_LEN_MEAN = "rollout/completion_len_mean"  # mean completion length in the step's batch, tokens
+ROLLOUT_THROUGHPUT_PREFIX = "rollout/throughput/"  # + a worker id: its measured rate, rollouts/s
+ROLLOUT_CHECK_LOG_RATIO_PREFIX = "rollout/check_log_ratio/"  # + a credential: mean log-ratio so far, nats/token
+ROLLOUT_CHECK_ABS_LOG_RATIO_PREFIX = "rollout/check_abs_log_ratio/"  # + a credential: mean |log-ratio|, nats/token
+# The off-policy correction (``rollout.correction``), per step over the batch's real tokens; w = π_prox / π_behaviour.
+ROLLOUT_IS_RATIO_MEAN = "rollout/is_ratio_mean"  # mean raw importance ratio w
+ROLLOUT_IS_RATIO_MAX = "rollout/is_ratio_max"  # largest raw importance ratio w
+ROLLOUT_IS_LOG_RATIO_M2 = "rollout/is_log_ratio_m2"  # second moment of log w (M2PO's M2)
+ROLLOUT_IS_LOG_RATIO_M2_KEPT = "rollout/is_log_ratio_m2_kept"  # second moment of log w over the tokens kept
+ROLLOUT_IS_WEIGHT_MEAN = "rollout/is_weight_mean"  # mean weight after the correction
+ROLLOUT_IS_FRAC_MASKED = "rollout/is_frac_masked"  # share of tokens dropped (weight 0)
+ROLLOUT_IS_FRAC_TRUNCATED = "rollout/is_frac_truncated"  # share of tokens given a lower, non-zero weight
+ROLLOUT_IS_FRAC_CORRECTED = "rollout/is_frac_corrected"  # share of tokens dropped or truncated
+
+# --------------------------------------------------------------------------------------------------- buffer/
+BUFFER_GROUPS = "buffer/groups"  # groups scored and waiting for the learner, now
+BUFFER_IN_FLIGHT_GROUPS = "buffer/in_flight_groups"  # groups out at workers, now
+BUFFER_DROPPED_STALE = "buffer/dropped_stale"  # rollouts dropped as too stale to train on, cumulative
+BUFFER_STALENESS_MEAN = "buffer/staleness_mean"  # mean policy lag of the step's batch, versions
+BUFFER_STALENESS_MAX = "buffer/staleness_max"  # largest policy lag in the step's batch, versions
+
+# ------------------------------------------------------------------------------------------------ broadcast/
+# The coordinator's broadcaster (echo2/coordinator/broadcaster.py); "round": one version sent to the peers.
+BROADCAST_TIME_S = "broadcast/time_s"  # the last round, from publish to its close, s
+BROADCAST_BYTES = "broadcast/bytes"  # bytes of the last round's largest order (full snapshot or delta)
+BROADCAST_PREPARE_S = "broadcast/prepare_s"  # time to digest, sign and delta-encode the last snapshot, s
+BROADCAST_DELTA_RATIO = "broadcast/delta_ratio"  # size of the last delta / the full snapshot (1: no delta)
+BROADCAST_STRIPES = "broadcast/stripes"  # stripes of the last round's layout (1: not striped)
+BROADCAST_ROUNDS = "broadcast/rounds"  # rounds run, cumulative
+BROADCAST_FAILURES = "broadcast/failures"  # orders peers failed (an error, or no proof they hold it), cumulative
+BROADCAST_LATE = "broadcast/late"  # peers a round closed without (past their deadline), cumulative
+BROADCAST_ORIGIN_BYTES = "broadcast/origin_bytes"  # bytes the origin (the coordinator's relay) served, cumulative
+BROADCAST_REFUSED = "broadcast/refused"  # requests and connections the origin's relay refused, cumulative
+
+# ----------------------------------------------------------------------------------------------- activation/
+ACTIVATION_ACTIVE_WORKERS = "activation/active_workers"  # workers the plan has working
+ACTIVATION_REPLANS = "activation/replans"  # plans made, cumulative
+ACTIVATION_OPTIMALITY_GAP = "activation/optimality_gap"  # plan's cost / its proven lower bound - 1 (0: exact)
+
+# ----------------------------------------------------------------------------------------------------- cost/
+COST_USD = "cost/usd"  # dollars spent on the learner and active workers so far
+COST_USD_PER_STEP = "cost/usd_per_step"  # dollars of the last learner step
+COST_USD_PER_HOUR = "cost/usd_per_hour"  # dollars per hour of the learner and active workers now
+
+# ----------------------------------------------------------------------------------------------------- eval/
+EVAL_ACCURACY = "eval/accuracy"  # held-out (greedy) accuracy, 0 to 1
+EVAL_EXAMPLES = "eval/examples"  # held-out examples evaluated
+
 NAMESPACES = ("train/", "reward/", "rollout/", "buffer/", "broadcast/", "activation/", "cost/", "eval/")
 # TRL log keys with an obvious better name; the rest go under train/ as they are.
-_RENAME = {"step_time": "train/step_time_s", "learning_rate": "train/lr", "epoch": None, "total_flos": None}
+_RENAME = {"step_time": TRAIN_STEP_TIME_S, "learning_rate": TRAIN_LR, "epoch": None, "total_flos": None}
 
 
 def namespaced(logs: dict[str, Any]) -> dict[str, Any]:

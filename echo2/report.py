@@ -43,6 +43,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from echo2.metrics import (BROADCAST_TIME_S, BUFFER_STALENESS_MEAN, COST_USD, EVAL_ACCURACY, REWARD_MEAN,
+                           ROLLOUT_IS_FRAC_MASKED, ROLLOUT_IS_RATIO_MAX, TRAIN_GRAD_NORM, TRAIN_LEARNER_IDLE_S,
+                           TRAIN_LEARNER_UTILIZATION)
+
 
 def load(run_dir: str | Path) -> dict[str, Any]:
     d = Path(run_dir)
@@ -85,31 +89,31 @@ def row(run: dict) -> dict[str, Any]:
     """The numbers of one run (from its summary, else its last records)."""
     recs, s = run["records"], run["summary"]
     last = recs[-1] if recs else {}
-    rewards = [r["reward/mean"] for r in recs if r.get("reward/mean") is not None]
+    rewards = [r[REWARD_MEAN] for r in recs if r.get(REWARD_MEAN) is not None]
     tail = rewards[-20:]
     lags = staleness(run)
     acc = s.get("rollout_accounting") or {}
-    evals = s.get("eval_accuracy_by_step") or {str(r["step"]): r["eval/accuracy"] for r in recs
-                                                if r.get("eval/accuracy") is not None}
+    evals = s.get("eval_accuracy_by_step") or {str(r["step"]): r[EVAL_ACCURACY] for r in recs
+                                                if r.get(EVAL_ACCURACY) is not None}
     return {
         "steps": s.get("steps", last.get("step", 0)),
         "wall_s": s.get("wall_s", last.get("time_s")),
         "reward_first": rewards[0] if rewards else None,
         "reward_last20": sum(tail) / len(tail) if tail else None,
         "eval_accuracy": evals[max(evals, key=int)] if evals else None,
-        "utilization": last.get("train/learner_utilization"),
+        "utilization": last.get(TRAIN_LEARNER_UTILIZATION),
         "staleness_mean": sum(k * n for k, n in lags.items()) / sum(lags.values()) if lags else
-        _mean([r.get("buffer/staleness_mean") for r in recs]),
+        _mean([r.get(BUFFER_STALENESS_MEAN) for r in recs]),
         "consumed": acc.get("consumed"), "dropped": sum((acc.get("dropped") or {}).values()) if acc else None,
         "lost": sum((acc.get("lost") or {}).values()) if acc else None,
-        "usd": last.get("cost/usd"),
+        "usd": last.get(COST_USD),
     }
 
 
 def evaluations(run: dict) -> list[tuple[int, float, float]]:
     """(step, wall-clock s, accuracy) of each held-out evaluation; step 0 is at time 0 (before training)."""
     by_step = run["summary"].get("eval_accuracy_by_step") or {
-        str(r["step"]): r["eval/accuracy"] for r in run["records"] if r.get("eval/accuracy") is not None}
+        str(r["step"]): r[EVAL_ACCURACY] for r in run["records"] if r.get(EVAL_ACCURACY) is not None}
     times = {r["step"]: r["time_s"] for r in run["records"]}
     return sorted((int(s), times.get(int(s), 0.0), a) for s, a in by_step.items() if int(s) == 0 or int(s) in times)
 
@@ -186,11 +190,11 @@ def plot(runs: list[dict], out: Path, smooth: int = 10) -> list[Path]:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for name, run in zip(names, runs, strict=True):
-        recs = [r for r in run["records"] if r.get("reward/mean") is not None]
-        y = ma([r["reward/mean"] for r in recs])
+        recs = [r for r in run["records"] if r.get(REWARD_MEAN) is not None]
+        y = ma([r[REWARD_MEAN] for r in recs])
         axes[0].plot([r["step"] for r in recs], y, label=name)
         axes[1].plot([r["time_s"] for r in recs], y, label=name)
-        cost = [(r.get("cost/usd"), v) for r, v in zip(recs, y, strict=True) if r.get("cost/usd") is not None]
+        cost = [(r.get(COST_USD), v) for r, v in zip(recs, y, strict=True) if r.get(COST_USD) is not None]
         if cost and max(c for c, _ in cost) > 0:
             axes[2].plot([c for c, _ in cost], [v for _, v in cost], label=name)
     for ax, xl in zip(axes, ("learner step", "wall-clock s", "cumulative $"), strict=True):
@@ -247,7 +251,7 @@ def plot(runs: list[dict], out: Path, smooth: int = 10) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, run in zip(names, runs, strict=True):
-        pts = [(r["time_s"], r["broadcast/time_s"]) for r in run["records"] if r.get("broadcast/time_s")]
+        pts = [(r["time_s"], r[BROADCAST_TIME_S]) for r in run["records"] if r.get(BROADCAST_TIME_S)]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker=".", linestyle="none", label=name)
     ax.set_xlabel("wall-clock s")
@@ -267,7 +271,7 @@ def utilization_series(records: list[dict], window: int = 10) -> tuple[list[floa
     for i in range(window, len(records), max(1, window // 2)):
         a, b = records[i - window], records[i]
         wall = b["time_s"] - a["time_s"]
-        idle = sum(r.get("train/learner_idle_s", 0.0) for r in records[i - window + 1:i + 1])
+        idle = sum(r.get(TRAIN_LEARNER_IDLE_S, 0.0) for r in records[i - window + 1:i + 1])
         if wall > 0:
             t.append(b["time_s"])
             u.append(max(0.0, 1 - idle / wall))
@@ -327,17 +331,17 @@ def cell_row(runs: list[dict], threshold: float | None, window: int) -> dict[str
     rows = [row(r) for r in runs]
     reached_steps, reached_s, drops, dips, grad, ratio, masked = [], [], [], [], [], [], []
     for run in runs:
-        recs = [r for r in run["records"] if r.get("reward/mean") is not None]
-        ma = moving_average([r["reward/mean"] for r in recs], window)
+        recs = [r for r in run["records"] if r.get(REWARD_MEAN) is not None]
+        ma = moving_average([r[REWARD_MEAN] for r in recs], window)
         hit = next((i for i, v in enumerate(ma) if threshold is not None and v >= threshold), None)
         reached_steps.append(recs[hit]["step"] if hit is not None else None)
         reached_s.append(recs[hit]["time_s"] if hit is not None else None)
-        tail = [r["reward/mean"] for r in recs[-20:]]
+        tail = [r[REWARD_MEAN] for r in recs[-20:]]
         drops.append(max(ma) - sum(tail) / len(tail) if tail else None)
         dips.append(worst_dip(ma))
-        grad += [r["train/grad_norm"] for r in run["records"] if r.get("train/grad_norm") is not None]
-        ratio += [r["rollout/is_ratio_max"] for r in run["records"] if r.get("rollout/is_ratio_max") is not None]
-        masked += [r["rollout/is_frac_masked"] for r in run["records"] if r.get("rollout/is_frac_masked") is not None]
+        grad += [r[TRAIN_GRAD_NORM] for r in run["records"] if r.get(TRAIN_GRAD_NORM) is not None]
+        ratio += [r[ROLLOUT_IS_RATIO_MAX] for r in run["records"] if r.get(ROLLOUT_IS_RATIO_MAX) is not None]
+        masked += [r[ROLLOUT_IS_FRAC_MASKED] for r in run["records"] if r.get(ROLLOUT_IS_FRAC_MASKED) is not None]
     lags = sum((staleness(r) for r in runs), Counter())
     done = [s for s in reached_steps if s is not None]
     return {
@@ -401,7 +405,7 @@ def plot_grouped(groups: dict[tuple, list[dict]], by: str, panels: str | None, o
         for (p, value), runs in groups.items():
             if p != panel:
                 continue
-            curves = [moving_average([r["reward/mean"] for r in run["records"] if r.get("reward/mean") is not None],
+            curves = [moving_average([r[REWARD_MEAN] for r in run["records"] if r.get(REWARD_MEAN) is not None],
                                      window) for run in runs]
             n = min(len(c) for c in curves)
             steps = list(range(1, n + 1))

@@ -23,6 +23,8 @@ from typing import Any
 from echo2.activation.online import OnlineActivation
 from echo2.activation.settings import ActivationSettings, BroadcastShape
 from echo2.activation.solve import System, Worker
+from echo2.metrics import (ACTIVATION_ACTIVE_WORKERS, ACTIVATION_OPTIMALITY_GAP, ACTIVATION_REPLANS, COST_USD,
+                           COST_USD_PER_HOUR, COST_USD_PER_STEP)
 
 TRAIN_STEP_EMA = 0.2
 """Weight of the newest step in the running estimate of T_train: a few steps' memory, so one slow step (a
@@ -112,12 +114,12 @@ class OnlinePlanner:
         return Change(new, new - before, (before & live) - new, self.online.replans)
 
     def metrics(self, workers: dict[str, Any]) -> dict[str, float]:
-        return {"cost/usd": self.usd, "cost/usd_per_step": self.step_usd,
-                "cost/usd_per_hour": self.usd_per_hour(workers),
-                "activation/active_workers": float(sum(self.is_active(w) for w in workers)),
-                "activation/replans": float(self.online.replans),
+        return {COST_USD: self.usd, COST_USD_PER_STEP: self.step_usd,
+                COST_USD_PER_HOUR: self.usd_per_hour(workers),
+                ACTIVATION_ACTIVE_WORKERS: float(sum(self.is_active(w) for w in workers)),
+                ACTIVATION_REPLANS: float(self.online.replans),
                 # how far the plan may be from the optimum (0: the exact DP's; the bounded search states its own)
-                **({"activation/optimality_gap": float(self.online.last.gap)}
+                **({ACTIVATION_OPTIMALITY_GAP: float(self.online.last.gap)}
                    if self.online.last is not None and self.online.last.gap is not None else {})}
 
 

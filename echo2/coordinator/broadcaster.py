@@ -63,6 +63,9 @@ from echo2.broadcast.manifest import (FULL, MAX_SOURCES, make_manifest, manifest
                                       order_credential, possession_proof, signing_key)
 from echo2.broadcast.relay import MAX_CONNS, SUSPECT_S, RelayServer
 from echo2.broadcast.store import Snapshot, Store
+from echo2.metrics import (BROADCAST_BYTES, BROADCAST_DELTA_RATIO, BROADCAST_FAILURES, BROADCAST_LATE,
+                           BROADCAST_ORIGIN_BYTES, BROADCAST_PREPARE_S, BROADCAST_REFUSED, BROADCAST_ROUNDS,
+                           BROADCAST_STRIPES, BROADCAST_TIME_S)
 from echo2.transport import PEER_NAME, Client, reachable_host
 
 log = logging.getLogger(__name__)
@@ -226,13 +229,13 @@ class RelayBroadcaster:
             self._send_key(pid)
 
     def metrics(self) -> dict[str, float]:
-        return {"broadcast/time_s": self.last_time_s, "broadcast/bytes": float(self.last_bytes),
-                "broadcast/failures": float(self.failures), "broadcast/rounds": float(self.rounds),
-                "broadcast/late": float(self.late),
-                "broadcast/origin_bytes": float(self.server.served_bytes),
-                "broadcast/refused": float(self.server.refused),
-                "broadcast/delta_ratio": self.last_delta_ratio, "broadcast/prepare_s": self.last_prepare_s,
-                "broadcast/stripes": float(self.last_layout.stripes if self.last_layout else 1)}
+        return {BROADCAST_TIME_S: self.last_time_s, BROADCAST_BYTES: float(self.last_bytes),
+                BROADCAST_FAILURES: float(self.failures), BROADCAST_ROUNDS: float(self.rounds),
+                BROADCAST_LATE: float(self.late),
+                BROADCAST_ORIGIN_BYTES: float(self.server.served_bytes),
+                BROADCAST_REFUSED: float(self.server.refused),
+                BROADCAST_DELTA_RATIO: self.last_delta_ratio, BROADCAST_PREPARE_S: self.last_prepare_s,
+                BROADCAST_STRIPES: float(self.last_layout.stripes if self.last_layout else 1)}
 
     def close(self) -> None:
         with self.cond:

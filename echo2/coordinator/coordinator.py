@@ -44,6 +44,12 @@ from collections import Counter, deque
 from typing import Any
 
 from echo2.activation.planner import OnlinePlanner
+from echo2.metrics import (BROADCAST_BYTES, BUFFER_DROPPED_STALE, BUFFER_GROUPS, BUFFER_IN_FLIGHT_GROUPS,
+                           ROLLOUT_BENCHED_WORKERS, ROLLOUT_CHECK_ABS_LOG_RATIO_PREFIX, ROLLOUT_CHECK_LOG_RATIO_PREFIX,
+                           ROLLOUT_DEADLINE_MISSES, ROLLOUT_DISPATCHED, ROLLOUT_DROPPED, ROLLOUT_DROPPED_UNTRUSTED,
+                           ROLLOUT_FLAGGED_WORKERS, ROLLOUT_INVALID_STRIKES, ROLLOUT_JOURNAL_ERRORS, ROLLOUT_LOST,
+                           ROLLOUT_LOST_DEADLINE, ROLLOUT_REAPER_ERRORS, ROLLOUT_RECEIVED, ROLLOUT_REFUSED_RESULTS,
+                           ROLLOUT_REJECTED_REQUESTS, ROLLOUT_THROUGHPUT_PREFIX, ROLLOUT_WORKERS)
 from echo2.models.identity import mismatch
 from echo2.settings import CoordinatorSettings
 from echo2.coordinator import intake, schemas
@@ -396,7 +402,7 @@ class Coordinator:
         self.on_change.reap()
         bcast = self.broadcaster.metrics() if self.broadcaster is not None else {}
         workers = list(self.reg.workers.values())
-        change = self.activation.replan(workers, float(bcast.get("broadcast/bytes", 0.0)), now)
+        change = self.activation.replan(workers, float(bcast.get(BROADCAST_BYTES, 0.0)), now)
         if change is not None:
             self.on_change(change, workers, self.activation.settings.solver)
             self.lock.notify_all()
@@ -512,27 +518,27 @@ class Coordinator:
     def metrics(self) -> dict[str, float]:
         with self.lock:
             led = self.ledger
-            out = {"buffer/groups": float(len(self.buffer)), "buffer/in_flight_groups": float(len(self.in_flight)),
-                   "buffer/dropped_stale": float(led.dropped["stale"]),
-                   "rollout/dispatched": float(led.rollouts["dispatched"]),
-                   "rollout/received": float(led.rollouts["received"]),
-                   "rollout/dropped": float(sum(led.dropped.values())),
-                   "rollout/lost": float(sum(led.lost.values())), "rollout/workers": float(len(self.workers)),
-                   "rollout/rejected_requests": float(sum(self.server.rejected.values())),
-                   "rollout/refused_results": float(sum(led.refused.values())),
-                   "rollout/lost_deadline": float(led.lost["deadline"]),
-                   "rollout/flagged_workers": float(len(self.checks.flagged)),
-                   "rollout/dropped_untrusted": float(led.dropped["untrusted"]),
-                   "rollout/deadline_misses": float(self.deadline_misses),
-                   "rollout/invalid_strikes": float(self.reg.invalid_strikes),
-                   "rollout/reaper_errors": float(self.reaper_errors),
-                   "rollout/journal_errors": float(led.journal_errors),
-                   "rollout/benched_workers": float(sum(self.reg.benched(w) for w in self.workers.values()))}
+            out = {BUFFER_GROUPS: float(len(self.buffer)), BUFFER_IN_FLIGHT_GROUPS: float(len(self.in_flight)),
+                   BUFFER_DROPPED_STALE: float(led.dropped["stale"]),
+                   ROLLOUT_DISPATCHED: float(led.rollouts["dispatched"]),
+                   ROLLOUT_RECEIVED: float(led.rollouts["received"]),
+                   ROLLOUT_DROPPED: float(sum(led.dropped.values())),
+                   ROLLOUT_LOST: float(sum(led.lost.values())), ROLLOUT_WORKERS: float(len(self.workers)),
+                   ROLLOUT_REJECTED_REQUESTS: float(sum(self.server.rejected.values())),
+                   ROLLOUT_REFUSED_RESULTS: float(sum(led.refused.values())),
+                   ROLLOUT_LOST_DEADLINE: float(led.lost["deadline"]),
+                   ROLLOUT_FLAGGED_WORKERS: float(len(self.checks.flagged)),
+                   ROLLOUT_DROPPED_UNTRUSTED: float(led.dropped["untrusted"]),
+                   ROLLOUT_DEADLINE_MISSES: float(self.deadline_misses),
+                   ROLLOUT_INVALID_STRIKES: float(self.reg.invalid_strikes),
+                   ROLLOUT_REAPER_ERRORS: float(self.reaper_errors),
+                   ROLLOUT_JOURNAL_ERRORS: float(led.journal_errors),
+                   ROLLOUT_BENCHED_WORKERS: float(sum(self.reg.benched(w) for w in self.workers.values()))}
             for w in self.workers.values():
-                out[f"rollout/throughput/{w.worker_id}"] = w.rollouts_per_s
+                out[f"{ROLLOUT_THROUGHPUT_PREFIX}{w.worker_id}"] = w.rollouts_per_s
             for key in self.checks.tokens:  # rollout checks, per credential (#w3: a run-secret worker)
-                out[f"rollout/check_log_ratio/{key}"] = self.checks.mean(key)
-                out[f"rollout/check_abs_log_ratio/{key}"] = self.checks.mean_abs(key)
+                out[f"{ROLLOUT_CHECK_LOG_RATIO_PREFIX}{key}"] = self.checks.mean(key)
+                out[f"{ROLLOUT_CHECK_ABS_LOG_RATIO_PREFIX}{key}"] = self.checks.mean_abs(key)
             out.update(self.activation.metrics(self.workers))
         out.update(self.scorer.metrics())
         if self.broadcaster is not None:

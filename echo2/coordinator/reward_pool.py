@@ -41,6 +41,7 @@ from collections import Counter
 from multiprocessing.connection import Connection
 from typing import Any
 
+from echo2.metrics import ROLLOUT_REWARD_PROCESS_RESTARTS
 from echo2.scoring import RewardFunctions, decode
 from echo2.records import RolloutGroup
 
@@ -205,7 +206,7 @@ class RewardPool:
         proc.kill()
 
     def metrics(self) -> dict[str, float]:
-        return {"rollout/reward_process_restarts": float(self.counts["restarts"])}
+        return {ROLLOUT_REWARD_PROCESS_RESTARTS: float(self.counts["restarts"])}
 
     def close(self) -> None:
         """Stop every reward process (by handle)."""

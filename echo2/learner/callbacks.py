@@ -25,7 +25,8 @@ from tqdm import tqdm
 from transformers import TrainerCallback
 
 from echo2.learner.distributed import ShardedSource
-from echo2.metrics import MetricsSink, namespaced
+from echo2.metrics import (BUFFER_STALENESS_MEAN, COST_USD, EVAL_ACCURACY, REWARD_MEAN, TRAIN_LEARNER_UTILIZATION,
+                           MetricsSink, namespaced)
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class Evaluation(TrainerCallback):
     def __init__(self, trainer: Any, evaluator: Any, every_steps: int, previous: list[dict] = ()):
         self.trainer, self.evaluator, self.every_steps = trainer, evaluator, every_steps
         self.pending: dict[str, float] = {}
-        self.results = [(r["step"], r["eval/accuracy"]) for r in previous if r.get("eval/accuracy") is not None]
+        self.results = [(r["step"], r[EVAL_ACCURACY]) for r in previous if r.get(EVAL_ACCURACY) is not None]
 
     def _evaluate(self, step: int) -> None:
         if self.evaluator is None:
@@ -108,7 +109,7 @@ class Evaluation(TrainerCallback):
         with self.trainer.live_policy() as policy:
             result = self.evaluator(policy)
         self.pending.update(result)
-        self.results.append((step, result["eval/accuracy"]))
+        self.results.append((step, result[EVAL_ACCURACY]))
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.global_step:
@@ -129,7 +130,7 @@ class StepLog(TrainerCallback):
         self.t0 = 0.0
         self.last: dict[str, Any] | None = None
         # a resumed run's summary covers the whole run
-        self.rewards = [r.get("reward/mean", float("nan")) for r in (sink.previous if sink is not None else [])]
+        self.rewards = [r.get(REWARD_MEAN, float("nan")) for r in (sink.previous if sink is not None else [])]
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.t0 = time.perf_counter()  # after the step-0 evaluation
@@ -147,7 +148,7 @@ class StepLog(TrainerCallback):
         record = {"step": state.global_step, "version": self.trainer.version,
                   "time_s": time.perf_counter() - self.t0, **namespaced(logs), **self.evaluation.pending}
         self.evaluation.pending.clear()
-        self.rewards.append(record.get("reward/mean", float("nan")))
+        self.rewards.append(record.get(REWARD_MEAN, float("nan")))
         if self.sink is not None and state.is_world_process_zero:
             self.sink.log(record)
         self.last = record
@@ -193,13 +194,13 @@ class ProgressBar(TrainerCallback):
 
 def progress_fields(record: dict[str, Any], evals: list[tuple[int, float]]) -> dict[str, str]:
     """The progress bar's fields: reward, mean lag of the batch, learner utilization, dollars, eval accuracy."""
-    out = {"reward": f"{record.get('reward/mean', float('nan')):.3f}"}
-    if record.get("buffer/staleness_mean") is not None:
-        out["lag"] = f"{record['buffer/staleness_mean']:.1f}"
-    if record.get("train/learner_utilization") is not None:
-        out["util"] = f"{record['train/learner_utilization']:.2f}"
-    if record.get("cost/usd") is not None:
-        out["$"] = f"{record['cost/usd']:.4f}"
+    out = {"reward": f"{record.get(REWARD_MEAN, float('nan')):.3f}"}
+    if record.get(BUFFER_STALENESS_MEAN) is not None:
+        out["lag"] = f"{record[BUFFER_STALENESS_MEAN]:.1f}"
+    if record.get(TRAIN_LEARNER_UTILIZATION) is not None:
+        out["util"] = f"{record[TRAIN_LEARNER_UTILIZATION]:.2f}"
+    if record.get(COST_USD) is not None:
+        out["$"] = f"{record[COST_USD]:.4f}"
     if evals:
         out["eval"] = f"{evals[-1][1]:.3f}"
     return out

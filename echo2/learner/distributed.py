@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+from echo2.metrics import TRAIN_PUBLISH_S
 from echo2.records import RolloutGroup
 from echo2.seams import RemoteSource, RunStopped
 
@@ -131,7 +132,7 @@ class ShardedSource:
         """Rank 0's source's metrics, and the time the previous step spent publishing (probe, gather, handoff)."""
         if self.rank != 0:
             return {}  # logged by rank 0 only
-        return {**self.source.metrics(), "train/publish_s": self.publish_s}
+        return {**self.source.metrics(), TRAIN_PUBLISH_S: self.publish_s}
 
     def on_check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
         return self._share(lambda: self.source.on_check(stats))

@@ -16,6 +16,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from echo2.metrics import BUFFER_STALENESS_MEAN, TRAIN_LR_STALENESS_FACTOR
+
 
 def lr_factor(lag: float, ref_lag: float) -> float:
     return min(1.0, (1.0 + ref_lag) / (1.0 + max(lag, 0.0)))
@@ -29,7 +31,7 @@ class StalenessLR(TrainerCallback):
         """After the step's gradients, before the optimizer applies them: the batch's lag is known (its
         ``buffer/staleness_mean``, recorded when the batch was built)."""
         metrics = self.trainer._metrics["train"]
-        factor = lr_factor(metrics["buffer/staleness_mean"][-1], self.ref_lag)
+        factor = lr_factor(metrics[BUFFER_STALENESS_MEAN][-1], self.ref_lag)
         for group in (optimizer or self.trainer.optimizer).param_groups:
             group["lr"] = group["lr"] * factor
-        metrics["train/lr_staleness_factor"].append(factor)
+        metrics[TRAIN_LR_STALENESS_FACTOR].append(factor)

@@ -39,6 +39,12 @@ from trl.trainer.utils import nanstd, pad
 
 from echo2.learner.corrections import SCALE_REWARDS, Correction, importance_weights, m2po_keep
 from echo2.learner.weights import PolicyWeights
+from echo2.metrics import (BUFFER_STALENESS_MAX, BUFFER_STALENESS_MEAN, REWARD_FRAC_ZERO_STD_GROUPS,
+                           REWARD_FUNCTION_PREFIX, REWARD_MEAN, REWARD_STD, ROLLOUT_COMPLETION_LEN_MEAN,
+                           ROLLOUT_CONSUMED, ROLLOUT_IS_FRAC_CORRECTED, ROLLOUT_IS_FRAC_MASKED,
+                           ROLLOUT_IS_FRAC_TRUNCATED, ROLLOUT_IS_LOG_RATIO_M2, ROLLOUT_IS_LOG_RATIO_M2_KEPT,
+                           ROLLOUT_IS_RATIO_MAX, ROLLOUT_IS_RATIO_MEAN, ROLLOUT_IS_WEIGHT_MEAN, TRAIN_LEARNER_IDLE_S,
+                           TRAIN_LEARNER_UTILIZATION)
 from echo2.seams import RolloutSource
 from echo2.records import RolloutGroup
 
@@ -174,21 +180,21 @@ class Echo2GRPOTrainer(GRPOTrainer):
         lengths = self.accelerator.gather(completion_mask.sum(1).float())
         self.rollouts_consumed += len(all_rewards)
         metrics = {
-            "reward/mean": torch.nanmean(all_rewards).item(),
-            "reward/std": nanstd(all_rewards).item(),
-            "reward/frac_zero_std_groups": self._zero_std_fraction(all_rewards),
-            "buffer/staleness_mean": all_lags.mean().item(),
-            "buffer/staleness_max": all_lags.max().item(),
-            "rollout/completion_len_mean": lengths.mean().item(),
-            "rollout/consumed": float(self.rollouts_consumed),
+            REWARD_MEAN: torch.nanmean(all_rewards).item(),
+            REWARD_STD: nanstd(all_rewards).item(),
+            REWARD_FRAC_ZERO_STD_GROUPS: self._zero_std_fraction(all_rewards),
+            BUFFER_STALENESS_MEAN: all_lags.mean().item(),
+            BUFFER_STALENESS_MAX: all_lags.max().item(),
+            ROLLOUT_COMPLETION_LEN_MEAN: lengths.mean().item(),
+            ROLLOUT_CONSUMED: float(self.rollouts_consumed),
             # Idle = time this step spent obtaining rollouts (generating, for the sync source; waiting on the
             # buffer, for remote workers); utilization = 1 - idle / wall, cumulative since the first batch.
-            "train/learner_idle_s": self._idle_s,
-            "train/learner_utilization": 1.0 - self._idle_total_s / max(time.perf_counter() - self._t_start, 1e-9),
+            TRAIN_LEARNER_IDLE_S: self._idle_s,
+            TRAIN_LEARNER_UTILIZATION: 1.0 - self._idle_total_s / max(time.perf_counter() - self._t_start, 1e-9),
         }
         for name in rollouts[0].rewards:
             vals = torch.tensor([r.rewards[name] for r in rollouts], dtype=torch.float32, device=device)
-            metrics[f"reward/{name}"] = torch.nanmean(self.accelerator.gather(vals)).item()
+            metrics[f"{REWARD_FUNCTION_PREFIX}{name}"] = torch.nanmean(self.accelerator.gather(vals)).item()
         metrics.update(self.rollout_source.metrics())
         for key, value in metrics.items():
             self._metrics["train"][key].append(value)
@@ -287,11 +293,11 @@ class Echo2GRPOTrainer(GRPOTrainer):
         raw_max = self.accelerator.gather((raw.max() if raw.numel() else raw.new_zeros(())).reshape(1)).max().item()
         n = max(n, 1.0)
         for key, value in {
-            "rollout/is_ratio_mean": raw_sum / n, "rollout/is_ratio_max": raw_max,
-            "rollout/is_log_ratio_m2": sq_sum / n, "rollout/is_log_ratio_m2_kept": sq_kept / max(n_kept, 1.0),
-            "rollout/is_weight_mean": kept_sum / n,
-            "rollout/is_frac_masked": n_dropped / n, "rollout/is_frac_truncated": n_truncated / n,
-            "rollout/is_frac_corrected": (n_dropped + n_truncated) / n,
+            ROLLOUT_IS_RATIO_MEAN: raw_sum / n, ROLLOUT_IS_RATIO_MAX: raw_max,
+            ROLLOUT_IS_LOG_RATIO_M2: sq_sum / n, ROLLOUT_IS_LOG_RATIO_M2_KEPT: sq_kept / max(n_kept, 1.0),
+            ROLLOUT_IS_WEIGHT_MEAN: kept_sum / n,
+            ROLLOUT_IS_FRAC_MASKED: n_dropped / n, ROLLOUT_IS_FRAC_TRUNCATED: n_truncated / n,
+            ROLLOUT_IS_FRAC_CORRECTED: (n_dropped + n_truncated) / n,
         }.items():
             self._metrics["train"][key].append(value)
 

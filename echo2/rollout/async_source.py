@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from echo2.activation.settings import ActivationSettings, BroadcastShape, detached
+from echo2.metrics import ROLLOUT_COORDINATOR_RESTARTS
 from echo2.models.identity import model_identity
 from echo2.models.probe import probe_tokens
 from echo2 import rendezvous
@@ -295,7 +296,7 @@ class AsyncRolloutSource:
 
     def metrics(self) -> dict[str, float]:
         out = self._retry(CoordinatorProcess.metrics)  # the coordinator's and the broadcaster's
-        out["rollout/coordinator_restarts"] = float(self.restarts)
+        out[ROLLOUT_COORDINATOR_RESTARTS] = float(self.restarts)
         return out
 
     def close(self) -> dict[str, Any]:

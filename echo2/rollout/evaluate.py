@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from echo2.metrics import EVAL_ACCURACY, EVAL_EXAMPLES
 from echo2.models.generate import HFEngine
 from echo2.scoring import encode_prompt
 from echo2.records import SamplingParams
@@ -29,4 +30,4 @@ class Evaluator:
             for row, (comp,) in zip(self.rows[start : start + self.batch_size], outs, strict=True):
                 text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
                 correct += bool(self.task.is_correct(text, row))
-        return {"eval/accuracy": correct / max(1, len(self.rows)), "eval/examples": float(len(self.rows))}
+        return {EVAL_ACCURACY: correct / max(1, len(self.rows)), EVAL_EXAMPLES: float(len(self.rows))}

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any
 
+from echo2.metrics import ROLLOUT_GENERATE_S, ROLLOUT_RECEIVED
 from echo2.records import Rollout, RolloutGroup
 from echo2.scoring import Scorer, encode_prompt
 from echo2.seams import Engine, RunParts
@@ -57,7 +58,7 @@ class SyncRolloutSource:
         pass
 
     def metrics(self) -> dict[str, float]:
-        return {"rollout/received": float(self._generated), "rollout/generate_s": self._generate_s}
+        return {ROLLOUT_RECEIVED: float(self._generated), ROLLOUT_GENERATE_S: self._generate_s}
 
     def request_stop(self) -> None:
         pass  # it never waits: the step in progress ends, then the callback stops the run
