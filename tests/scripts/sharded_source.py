@@ -11,6 +11,7 @@ import sys
 
 class Stub:
     needs_policy = False
+    check_every_steps = 0
 
     def __init__(self):
         self.calls = 0
