@@ -243,7 +243,8 @@ def unknown_key(dotted: str) -> str | None:
     """Why ``dotted`` (an override's key, e.g. ``rollout.stalenes``) is not an option, or None if it may be one.
     Walks the structured configs; below a field typed ``Any`` or ``dict`` (``pool``, ``learner.trl``,
     ``learner.deepspeed``) anything goes. ``task`` keys are checked against every task's schema, ``rollout.source``
-    against every source's and ``broadcast.sender`` against the broadcaster's."""
+    against every source's and ``broadcast.sender`` against the broadcaster's; a key added with ``+`` below these
+    two may be an option of a component of your own (named by ``_target_``): validate() judges it once composed."""
     parts = dotted.lstrip("+~").split(".")
     if parts[0] == "hydra" or "/" in parts[0]:
         return None
@@ -266,6 +267,8 @@ def unknown_key(dotted: str) -> str | None:
         if depth == 0 and key == "task":
             nodes = TASK_SCHEMAS
         elif tuple(parts[:depth + 1]) in COMPONENT_SCHEMAS:
+            if dotted.startswith("+"):
+                return None
             nodes = COMPONENT_SCHEMAS[tuple(parts[:depth + 1])]
         elif dataclasses.is_dataclass(hint):
             nodes = (hint,)
@@ -289,11 +292,13 @@ def check_overrides(argv: list[str]) -> list[str]:
         overrides = OverridesParser.create().parse_overrides(candidates)
     except Exception:
         return []  # not ours to judge: Hydra reports malformed overrides itself
-    return [why for o in overrides if not o.is_delete() and (why := unknown_key(o.key_or_group))]
+    added = lambda o: "+" if o.is_add() or o.is_force_add() else ""  # noqa: E731 (a key added with + or ++)
+    return [why for o in overrides if not o.is_delete() and (why := unknown_key(added(o) + o.key_or_group))]
 
 
 def unknown_keys(cfg: Any) -> list[str]:
-    """Keys of a composed config that its structured configs do not declare (e.g. added with ``+``)."""
+    """Keys of a composed config that its structured configs do not declare (e.g. added with ``+``). A component
+    whose ``_target_`` is not its schema's (a source or broadcaster of your own) is not judged: its constructor is."""
     from omegaconf import DictConfig, OmegaConf
 
     out = []
@@ -302,6 +307,9 @@ def unknown_keys(cfg: Any) -> list[str]:
         if not isinstance(node, DictConfig):
             return
         kind = OmegaConf.get_type(node)
+        target = getattr(kind, "_target_", None)  # a schema_of() schema names its class
+        if target is not None and node.get("_target_") != target:
+            return
         for key in node.keys():
             dotted = f"{prefix}{key}"
             if dataclasses.is_dataclass(kind) and key not in {f.name for f in dataclasses.fields(kind)}:

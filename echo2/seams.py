@@ -185,6 +185,11 @@ class Broadcaster(Protocol):
         fetch from nor serve the live workers."""
         ...
 
+    def use_tls(self, trust: Any) -> None:
+        """Called by the coordinator before it starts, when the run speaks TLS (``trust``: transport.Trust, the run
+        CA's certificates): the broadcaster's servers and its calls to workers use it."""
+        ...
+
     def metrics(self) -> dict[str, float]:
         """``broadcast/*`` counters, read once per learner step."""
         ...

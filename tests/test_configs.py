@@ -148,6 +148,17 @@ def test_an_override_that_names_no_option_is_refused_before_composing(override, 
     assert len(errors) == 1 and why in errors[0] and "+" not in errors[0], errors
 
 
+def test_a_component_of_your_own_takes_its_own_options():
+    """``_target_`` may name a source or broadcaster of your own: keys added with ``+`` below it pass the check before
+    composing, and validate() leaves them to its constructor; the same key under the registered class is refused."""
+    from echo2.config import check_overrides, unknown_keys
+
+    own = ["broadcast.sender._target_=benchmarks.coordinator_crowd.NullBroadcaster", "+broadcast.sender.version_file=v"]
+    assert check_overrides(own) == [] and unknown_keys(compose(own)) == []
+    assert unknown_keys(compose(own[1:])) == ["broadcast.sender.version_file: no such option in broadcast.sender; "
+                                              "every option is listed in docs/config.md"]
+
+
 @pytest.mark.parametrize("override", [
     "rollout.staleness=4", "rollout=sync", "hydra/launcher=slurm", "experiment=mod10", "+learner.trl.top_entropy=1",
     "rollout.source.min_workers=2", "pool.workers=3", "learner.deepspeed.zero_optimization.overlap_comm=true",

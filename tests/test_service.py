@@ -34,6 +34,21 @@ def start(tiny_model_dir, tmp_path, token="secret"):
                                      sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
 
 
+def test_a_remote_source_without_a_broadcaster_is_refused(tmp_path):
+    """No snapshot would ever reach its workers: refused when the source is built, before any process starts."""
+    from types import SimpleNamespace
+
+    from echo2.rollout.async_source import AsyncRolloutSource
+    from echo2.seams import RunParts
+
+    parts = RunParts(task=None, tokenizer=None, scorer=None, sampling=None, engine=None, model_path="m",
+                     run_dir=str(tmp_path), seed=0, staleness=1, prompts_per_step=2, publish_interval=1, token="t",
+                     broadcaster=None, pool=SimpleNamespace(), activation=None, broadcast_shape=None)
+    with pytest.raises(ValueError, match="needs a broadcaster"):
+        AsyncRolloutSource(parts)
+    assert not list(tmp_path.iterdir())
+
+
 def fill(url, token, groups, receiver=None):
     """A worker impersonator: register, pull ``groups`` groups, push valid results for all of them."""
     c = Client(url, token)

@@ -30,6 +30,19 @@ def torchrun(script: str, *args: str, timeout: float = 300) -> subprocess.Comple
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def test_rollout_checks_with_several_learner_processes_fail_at_once_on_rank_zero():
+    """Checks are a one-process feature: with several, rank 0's on_check would be a collective the other ranks never
+    join; it fails when the source is wrapped instead of hanging at the first checked step."""
+    from types import SimpleNamespace
+
+    from echo2.learner.distributed import ShardedSource
+
+    with pytest.raises(ValueError, match="check_every_steps > 0 with a multi-process learner"):
+        ShardedSource(SimpleNamespace(check_every_steps=10), rank=0, world_size=2)
+    assert ShardedSource(SimpleNamespace(check_every_steps=10), rank=0, world_size=1).check_every_steps == 10
+    assert ShardedSource(None, rank=1, world_size=2).check_every_steps == 0
+
+
 @pytest.mark.slow
 def test_rank_zero_hands_out_whole_groups_and_its_errors_reach_every_rank(tmp_path):
     """2 ranks: each gets its own half of rank 0's batch; when rank 0's source fails (a take timeout while

@@ -553,6 +553,8 @@ class Coordinator:
     def publish(self, version: int, snapshot: str | bytes, probe: dict | None = None) -> None:
         """Hand snapshot ``version`` to the broadcaster: its bytes, or the path of the learner's memory file, mapped
         read-only (no copy; the memory stays while the map does)."""
+        if self.broadcaster is None:
+            raise RuntimeError(f"snapshot v{version}: this coordinator has no broadcaster")
         if isinstance(snapshot, str):
             with open(snapshot, "rb") as f:
                 snapshot = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -564,14 +566,18 @@ class Coordinator:
             self.closed = True
             self.ledger.close()
             self.lock.notify_all()
-        self.server.close()
-        self._close_parts()
+        try:
+            self.server.close()
+        finally:
+            self._close_parts()
 
     def _close_parts(self) -> None:
         """The broadcaster and the scorer (a reward pool's processes) end with the coordinator."""
-        if self.broadcaster is not None:
-            self.broadcaster.close()
-        self.scorer.close()
+        try:
+            if self.broadcaster is not None:
+                self.broadcaster.close()
+        finally:
+            self.scorer.close()
 
     def close(self) -> dict[str, Any]:
         """Stop serving; what is still buffered or in flight is counted (dropped / lost at shutdown)."""
@@ -584,8 +590,10 @@ class Coordinator:
                 self.reg.remember(gid, self.reg.land(gid), "in_flight_at_end")
                 self.ledger.lose(gid, "in_flight_at_end", requeue=False)
             self.lock.notify_all()
-        self.server.close()
-        self._close_parts()
+        try:
+            self.server.close()
+        finally:
+            self._close_parts()
         accounting = self.accounting()
         self.ledger.close()
         return accounting

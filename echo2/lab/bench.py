@@ -7,7 +7,7 @@
     python -m echo2.lab.bench ... --tls both            # the same broadcast over plain TCP, then over TLS
 
 Every worker is a separate process running the worker agent's own snapshot receiver (worker/peer.py); the
-learner is a process running the coordinator's broadcaster (broadcast/broadcaster.py). ``--testbed netns``
+learner is a process running the coordinator's broadcaster (coordinator/broadcaster.py). ``--testbed netns``
 (default where root and iptables are available) puts each in its own network namespace behind HTB-shaped links and
 a delay line, and checks the shaped RTT and rate before measuring; ``inproc`` shapes in the application instead (it knows no slow
 start, no header overhead: an optimistic model for tests, not the benchmark).

@@ -43,8 +43,10 @@ class ShardedSource:
         if (source is None) != (rank != 0):
             raise ValueError("only rank 0 holds the rollout source")
         self.source, self.rank, self.world_size = source, rank, world_size
-        # rollout checks run with one learner process only (config.validate): rank 0's source decides
+        # rollout checks run with one learner process only: with several, on_check would be rank 0's collective alone
         self.check_every_steps = source.check_every_steps if source is not None else 0
+        if self.check_every_steps and world_size > 1:
+            raise ValueError("rollout.source.check_every_steps > 0 with a multi-process learner is not supported yet")
         self.last_batch: list[RolloutGroup] = []  # the whole step's groups (rank 0 logs them as consumed)
         self.resumed: tuple[int, Any] | None = None  # restored weights to publish before the first collect
         self.publish_s = 0.0  # the last on_version's wall time: gather + publish of a snapshot, when one was due

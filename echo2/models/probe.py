@@ -12,8 +12,6 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 
 def probe_tokens(vocab_size: int, n: int = 33) -> list[int]:
     """The fixed tokens whose logprobs check a worker's weights: a seeded draw over the whole vocabulary, so that
@@ -22,11 +20,13 @@ def probe_tokens(vocab_size: int, n: int = 33) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(n)]
 
 
-@torch.no_grad()
 def probe_logprobs(model: Any, token_ids: Sequence[int]) -> list[float]:
     """log p(token_ids[i] | token_ids[:i]) at temperature 1 for i >= 1: the learner's side of a worker's check that
     it serves the version it claims (the worker computes the same with its engine after applying it)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(token_ids)], device=device)
-    logps = model(ids).logits[0, :-1].float().log_softmax(-1)
-    return logps.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+    import torch  # here, not at the top: composing a config reads the async source's module, which imports this
+
+    with torch.no_grad():
+        device = next(model.parameters()).device
+        ids = torch.tensor([list(token_ids)], device=device)
+        logps = model(ids).logits[0, :-1].float().log_softmax(-1)
+        return logps.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()

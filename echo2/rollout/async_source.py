@@ -11,10 +11,10 @@ With several learner processes only rank 0 holds this source (echo2/learner/dist
 slice and runs the snapshot's gather on every rank); nothing here knows how many learner processes there are.
 
 The coordinator and the broadcaster run in a process of their own (service.py; its code: echo2/coordinator/), so
-serving workers takes
-neither the learner's GIL nor its core. The learner never generates and never waits for a broadcast; it waits
-only when fewer than P admissible groups are buffered (``train/learner_idle_s``). Prompts come from the task's
-training set in the coordinator's own seeded order, so the rows TRL's sampler hands to ``collect`` are unused.
+serving workers takes neither the learner's GIL nor its core. The learner never generates and never waits for a
+broadcast; it waits only when fewer than P admissible groups are buffered (``train/learner_idle_s``). Prompts come
+from the task's training set in the coordinator's own seeded order, so the rows TRL's sampler hands to ``collect``
+are unused.
 
 Restarts. If the coordinator process dies, the next call starts a new one on the same port from the ledger's journal
 (echo2/coordinator/ledger.py: what was in flight or buffered is counted lost / dropped, ``coordinator_restart``, and
@@ -98,6 +98,9 @@ class AsyncRolloutSource:
         staleness, prompts_per_step, seed = parts.staleness, parts.prompts_per_step, parts.seed
         broadcaster, pool, activation, broadcast_shape = (parts.broadcaster, parts.pool, parts.activation,
                                                           parts.broadcast_shape)
+        if not broadcaster:
+            raise ValueError("broadcast.sender: a source fed by remote workers needs a broadcaster (no snapshot would "
+                             "ever reach them)")
         if publish_interval < 1:
             raise ValueError(f"broadcast.interval={publish_interval}: must be >= 1")
         s = sampling
