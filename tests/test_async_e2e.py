@@ -87,6 +87,9 @@ def test_a_worker_killed_mid_run_does_not_stop_training(tmp_path, worker_tmp):
             proc = source.pool.procs[0]
             os.kill(proc.pid, signal.SIGKILL)
             killed.append(proc.pid)
+        if step == 10:  # the run must not end before the heartbeat timeout has passed (one CI run did, in 2 s)
+            wait_until(lambda: len(source.coordinator.status()["workers"]) == 1, timeout_s=60,
+                       what="the killed worker declared dead")
 
     # heartbeat timeout shrunk from 30 s so that the death is noticed within the run
     _, trainer, _, acc, _ = train(tmp_path, ["pool.engine=hf", "run.steps=60", "rollout.source.heartbeat_timeout_s=2"],
