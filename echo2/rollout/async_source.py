@@ -45,7 +45,6 @@ from echo2.models.identity import model_identity
 from echo2.models.probe import probe_tokens
 from echo2 import rendezvous
 from echo2.records import RolloutGroup
-from echo2.rendezvous import journal_path
 from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
 from echo2.scoring import longest_prompt
 from echo2.seams import RunParts, RunStopped, Weights
@@ -115,11 +114,10 @@ class AsyncRolloutSource:
         self.weights: Weights | None = None  # the live weights, kept to republish after a coordinator restart
         self.republish = False  # a restarted coordinator's workers wait for the next snapshot
         self.probe_ids = probe_tokens(len(tokenizer))
-        # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
         self.settings = CoordinatorSettings(
             token=token, staleness=staleness, prompts_per_step=prompts_per_step, group_size=s.n,
             vocab_size=len(tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
-            groups_per_pull=groups_per_pull, seed=seed, journal=journal_path(run_dir), sampling={
+            groups_per_pull=groups_per_pull, seed=seed, journal=rendezvous.journal_path(run_dir), sampling={
                 "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                 "stop_token_ids": list(s.stop_token_ids)},
             activation=detached(ActivationSettings, activation) or ActivationSettings(),
@@ -127,6 +125,7 @@ class AsyncRolloutSource:
             liveness=detached(LivenessSettings, liveness),
             checks=CheckSettings(max_abs_log_ratio=check_max_abs_log_ratio, evidence_nats=check_evidence_nats),
             broadcaster=broadcaster, reward_processes=reward_processes, reward_timeout_s=reward_timeout_s,
+            # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
             epoch=os.urandom(8).hex(), version=self.version)  # a bad value fails here, not in the child
         self.check_every_steps = check_every_steps  # read by the learner (trainer._check)
         self.ca_hash, tls_dir = self._tls(tls, host)
@@ -188,7 +187,7 @@ class AsyncRolloutSource:
         HTTP."""
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"rollout.source.tls={mode!r}: expected auto, on or off")
-        hosts = [host, (self.broadcaster or {}).get("host") or "127.0.0.1"]
+        hosts = [host, self.broadcaster.get("host") or "127.0.0.1"]
         exposed = [h for h in hosts if not is_loopback(str(h))]
         if mode == "off" or (mode == "auto" and not exposed):
             if exposed:
