@@ -112,6 +112,13 @@ def test_a_real_agent_with_its_own_credential_is_revoked_mid_run(tmp_path, tiny_
             # nothing new is dispatched)
             wait_until(lambda: source.coordinator.status()["registered"] >= 3, timeout_s=120)
         delivered = source.coordinator.status()["by_worker"].get("w2", 0) if step > 2 else 0
+        # the joiner still loads its model and the first snapshot after it registers, and 58 tiny steps can end
+        # before it is ready (one CI run did): slow the learner, a second a step at most, until it has delivered
+        # (not a hold: the learner goes on consuming, so new work is dispatched and the joiner can get some)
+        until = time.monotonic() + 1.0
+        while step > 2 and not delivered and "revoke" not in ev and time.monotonic() < until:
+            time.sleep(0.1)
+            delivered = source.coordinator.status()["by_worker"].get("w2", 0)
         if delivered and "revoke" not in ev:
             ev["delivered"] = delivered
             env = dict(os.environ, ECHO2_TOKEN=source.token)
