@@ -197,3 +197,23 @@ def _source_of(fn) -> str:
 def wait_registered(source, n, timeout_s=300):
     wait_until(lambda: source.coordinator.status()["registered"] >= n, timeout_s,
                what=f"{n} workers registered with the coordinator")
+
+
+def delivered_by(source, *workers: str) -> bool:
+    by_worker = source.coordinator.status()["by_worker"]
+    return all(by_worker.get(w, 0) > 0 for w in workers)
+
+
+def slow_until(condition, at_most_s: float = 1.0) -> bool:
+    """From a step hook: give ``condition`` up to ``at_most_s`` to come true, then let the step go on; says whether it
+    did. For a worker that joins late and must deliver before the run ends: it registers before it has loaded its
+    model and the first snapshot, and a short run can end first (CI runs did). Not a hold, which would not help: a
+    held learner consumes nothing, so a full buffer dispatches nothing new; a slowed one goes on consuming."""
+    import time
+
+    until = time.monotonic() + at_most_s
+    while not condition():
+        if time.monotonic() >= until:
+            return False
+        time.sleep(0.1)
+    return True

@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from conftest import alive, balanced, descendants, train, wait_registered, wait_until
+from conftest import alive, balanced, delivered_by, descendants, slow_until, train, wait_registered, wait_until
 
 require_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="require_vllm: vllm not installed")
 
@@ -71,6 +71,8 @@ def test_a_worker_joining_mid_run_gets_work(tmp_path):
             source.pool.add()
         if step == 10:
             wait_registered(source, 2)
+        if step > 10:
+            slow_until(lambda: delivered_by(source, "w0", "w1"))
 
     _, _, _, acc, _ = train(tmp_path, ["pool.engine=hf", "pool.workers=1", "run.steps=60"], hook)
     assert len(acc["by_worker"]) == 2 and all(n > 0 for n in acc["by_worker"].values()), acc["by_worker"]

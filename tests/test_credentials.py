@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import ROOT, balanced, small_coordinator, train, wait_until
+from conftest import ROOT, balanced, delivered_by, slow_until, small_coordinator, train, wait_until
 from echo2.broadcast.manifest import verify_key
 from echo2.transport import Client, RemoteError, credential_name, relay_key, worker_credential
 
@@ -111,16 +110,8 @@ def test_a_real_agent_with_its_own_credential_is_revoked_mid_run(tmp_path, tiny_
             # hold the learner until it has joined (not until it delivers: a held learner consumes nothing, so
             # nothing new is dispatched)
             wait_until(lambda: source.coordinator.status()["registered"] >= 3, timeout_s=120)
-        delivered = source.coordinator.status()["by_worker"].get("w2", 0) if step > 2 else 0
-        # the joiner still loads its model and the first snapshot after it registers, and 58 tiny steps can end
-        # before it is ready (one CI run did): slow the learner, a second a step at most, until it has delivered
-        # (not a hold: the learner goes on consuming, so new work is dispatched and the joiner can get some)
-        until = time.monotonic() + 1.0
-        while step > 2 and not delivered and "revoke" not in ev and time.monotonic() < until:
-            time.sleep(0.1)
-            delivered = source.coordinator.status()["by_worker"].get("w2", 0)
-        if delivered and "revoke" not in ev:
-            ev["delivered"] = delivered
+        if step > 2 and "revoke" not in ev and slow_until(lambda: delivered_by(source, "w2")):
+            ev["delivered"] = source.coordinator.status()["by_worker"]["w2"]
             env = dict(os.environ, ECHO2_TOKEN=source.token)
             ev["revoke"] = subprocess.run(
                 [sys.executable, "-m", "echo2.credential", "box17", "--revoke", "--coordinator", source.coordinator.url,

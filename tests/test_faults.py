@@ -14,7 +14,8 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import ROOT, alive, balanced, descendants, read_jsonl, train, wait_registered, wait_until
+from conftest import (ROOT, alive, balanced, delivered_by, descendants, read_jsonl, slow_until, train, wait_registered,
+                      wait_until)
 from echo2.rollout.pool import terminate
 
 pytestmark = pytest.mark.slow
@@ -50,6 +51,8 @@ def test_a_stopped_worker_is_retired_and_rejoins_when_continued(tmp_path):
             ev["continued"] = time.monotonic()
         if step == 10:
             wait_registered(source, 3)  # it came back
+        if step > 10:
+            slow_until(lambda: delivered_by(source, "w2"))
 
     cfg, trainer, source, acc, _ = train(tmp_path, ["pool.engine=hf", "run.steps=40",
                                                     "rollout.source.heartbeat_timeout_s=2"], hook)
@@ -74,6 +77,8 @@ def test_the_coordinator_killed_mid_run_is_restarted_and_workers_reconnect(tmp_p
         if step == 12:
             ev["new_pid"] = source.coordinator.proc.pid
             wait_registered(source, 2)  # both back, in the new coordinator
+        if step > 12:
+            slow_until(lambda: delivered_by(source, "w2", "w3"))
 
     _, trainer, source, acc, records = train(tmp_path, ["pool.engine=hf", "run.steps=40"], hook)
     assert trainer.state.global_step == 40 and ev["new_pid"] != ev["old_pid"]
