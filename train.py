@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from echo2.config import check_overrides, register_configs, validate
+from echo2.config import check_experiments, check_overrides, register_configs, validate
 from echo2.env import configure_process, run_token, world
 from echo2.seams import RunParts, RunStopped
 
@@ -236,6 +236,7 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
-    if bad := check_overrides(sys.argv[1:]):  # before Hydra: its message would suggest adding the key with +
-        sys.exit("invalid override:\n  " + "\n  ".join(bad))
+    # before Hydra: its message would suggest adding the key with +, or name a mistyped key without a near one
+    if bad := check_overrides(sys.argv[1:]) + check_experiments(sys.argv[1:]):
+        sys.exit("invalid setting:\n  " + "\n  ".join(bad))
     main()

@@ -14,6 +14,7 @@ import inspect
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -294,6 +295,51 @@ def check_overrides(argv: list[str]) -> list[str]:
         return []  # not ours to judge: Hydra reports malformed overrides itself
     added = lambda o: "+" if o.is_add() or o.is_force_add() else ""  # noqa: E731 (a key added with + or ++)
     return [why for o in overrides if not o.is_delete() and (why := unknown_key(added(o) + o.key_or_group))]
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def check_experiments(argv: list[str], conf_dir: Path = CONF_DIR) -> list[str]:
+    """The errors of keys that name no option in the experiment files the command line selects (``experiment=x``,
+    or ``experiment=x,y`` in a sweep), each with "did you mean" where a near option exists; the keys of their
+    ``hydra.sweeper.params`` are judged as overrides. Hydra refuses such a key too, when it merges the file, but
+    names only the key. A file that is not in ``conf_dir/experiment``, or not ``@package _global_``, is left to
+    Hydra, and so is a source or broadcaster of your own (a ``_target_`` that is not the registered class)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    candidates = [a for a in argv if a.lstrip("+").startswith("experiment=")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except Exception:
+        return []  # Hydra reports malformed overrides itself
+    names = [n for o in overrides
+             for n in (o.sweep_string_iterator() if o.is_sweep_override() else [o.value()]) if isinstance(n, str)]
+    own = {path: {getattr(kind, "_target_", None) for kind in kinds} for path, kinds in COMPONENT_SCHEMAS.items()}
+    errors: list[str] = []
+    for name in dict.fromkeys(names):
+        path = conf_dir / "experiment" / f"{name}.yaml"
+        if not path.is_file() or "@package _global_" not in path.read_text().split("\n", 1)[0]:
+            continue
+        tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        where = f"{path.parent.name}/{path.name}"
+        params = ((tree.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+        errors += [f"{where}: {why}" for key in params if (why := unknown_key(str(key)))]
+
+        def walk(node: dict, parts: tuple[str, ...]) -> None:
+            target = node.get("_target_")
+            if parts in own and target is not None and target not in own[parts]:
+                return  # a component of your own: its constructor judges its options
+            for key, value in node.items():
+                dotted = ".".join((*parts, str(key)))
+                if why := unknown_key(dotted):
+                    errors.append(f"{where}: {why}")
+                elif isinstance(value, dict):
+                    walk(value, (*parts, str(key)))
+
+        walk({k: v for k, v in tree.items() if k not in ("defaults", "hydra")}, ())
+    return errors
 
 
 def unknown_keys(cfg: Any) -> list[str]:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 
 import pytest
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from conftest import CONF, FIXTURES, compose
+from conftest import CONF, FIXTURES, ROOT, compose
 from echo2.config import validate
 
 
@@ -157,6 +159,38 @@ def test_a_component_of_your_own_takes_its_own_options():
     assert check_overrides(own) == [] and unknown_keys(compose(own)) == []
     assert unknown_keys(compose(own[1:])) == ["broadcast.sender.version_file: no such option in broadcast.sender; "
                                               "every option is listed in docs/config.md"]
+
+
+def test_a_mistyped_key_in_an_experiment_file_is_refused_before_composing_with_a_near_option(tmp_path):
+    """Hydra refuses it too, but names no near key; a sweep's keys are judged as overrides; a component of your own
+    keeps its options; the shipped experiments pass."""
+    from echo2.config import CONF_DIR, check_experiments
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "typo.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /task: kuhn\nrollout:\n  staleness: 2\n  source:\n    hots: 2\n"
+        "    liveness:\n      strike: 3\nrun:\n  stepz: 3\nhydra:\n  sweeper:\n    params:\n      sede: 0,1\n"
+        "      rollout.staleness: 0,4\n")
+    (tmp_path / "experiment" / "own.yaml").write_text(
+        "# @package _global_\nbroadcast:\n  sender:\n    _target_: my.Broadcaster\n    version_file: v\n")
+    errors = check_experiments(["-m", "experiment=typo,own", "seed=1"], tmp_path)
+    assert [e.split(": no such option")[0] for e in errors] == [
+        "experiment/typo.yaml: sede", "experiment/typo.yaml: rollout.source.hots",
+        "experiment/typo.yaml: rollout.source.liveness.strike", "experiment/typo.yaml: run.stepz"], errors
+    assert "did you mean rollout.source.host?" in errors[1] and "did you mean run.steps?" in errors[3], errors
+    shipped = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+    assert shipped and check_experiments([f"experiment={','.join(shipped)}"]) == []
+
+
+def test_train_py_names_a_near_option_for_a_typo_in_an_experiment_file():
+    experiment = CONF / "experiment" / "zz_test_typo.yaml"
+    experiment.write_text("# @package _global_\nrollout:\n  stalenes: 3\n")
+    try:
+        out = subprocess.run([sys.executable, "train.py", "experiment=zz_test_typo", "--cfg", "job"], cwd=ROOT,
+                             capture_output=True, text=True)
+    finally:
+        experiment.unlink()
+    assert out.returncode == 1 and "did you mean rollout.staleness?" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("override", [
