@@ -36,8 +36,14 @@ class LivenessSettings:
 class CheckSettings:
     """The rollout checks' thresholds (echo2/coordinator/trust.py)."""
 
-    max_abs_log_ratio: float = 2.0  # b: mean |log-ratio| per token an honest worker stays under, in nats
-    evidence_nats: float = 12.0  # E: CUSUM of excess nats at which a principal is retired (E/4: flagged)
+    # b: mean |log-ratio| per token an honest worker stays under, in nats. 2, not 1: on the tiny model at learning rate
+    # 3e-3 one large learner step moved an honest worker's lagged tokens by ~1.1 nats each, and at b = 1 a soak
+    # retired its only honest worker (its mean over 28k tokens: 0.05); forged tokens sit 3-10 nats out.
+    max_abs_log_ratio: float = 2.0
+    # E: CUSUM of excess nats at which a principal is retired (E/4: flagged). 12: the demo task's fabricated answer
+    # (16 tokens a group at ~3 nats) is one group's evidence at b = 2 (at 24 it needed two groups in checked batches,
+    # and a forger holding one group at a time slipped through a 30-step run checked every 10th batch)
+    evidence_nats: float = 12.0
 
     def __post_init__(self):
         if not self.max_abs_log_ratio > 0 or not self.evidence_nats > 0:

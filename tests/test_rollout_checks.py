@@ -27,12 +27,12 @@ G = 2
     ({"w0": (300, 600.0, 600.0)}, [], ["w0"], ["w0"]),  # too confident the other way
 ])
 def test_checks_flag_retire_and_reject(stats, flagged, retired, rejected):
-    assert Checks(max_abs_log_ratio=1.0, evidence_nats=32.0).update(stats) == Verdict(flagged, retired, rejected)
+    assert Checks(CheckSettings(max_abs_log_ratio=1.0, evidence_nats=32.0)).update(stats) == Verdict(flagged, retired, rejected)
 
 
 def test_honest_history_banks_no_credit_for_cheating_later():
     """The evidence is a CUSUM: a long honest past does not hide a forger that starts now (a plain mean would)."""
-    checks = Checks(max_abs_log_ratio=1.0, evidence_nats=32.0)
+    checks = Checks(CheckSettings(max_abs_log_ratio=1.0, evidence_nats=32.0))
     for _ in range(100):
         assert checks.update({"w0": (1000, -20.0, 100.0)}) == Verdict([], [], [])
     assert checks.update({"w0": (16, 0.0, 64.0)}).retire == ["w0"]

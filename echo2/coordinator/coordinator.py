@@ -97,7 +97,7 @@ class Coordinator:
         self.long_poll_s = min(s.long_poll_s, s.heartbeat_timeout_s / 4)
         self.broadcaster, self.epoch = broadcaster, s.epoch
         self.liveness = Liveness(**dataclasses.asdict(s.liveness))
-        self.checks = Checks(**dataclasses.asdict(s.checks))
+        self.checks = Checks(s.checks)
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
         self.version = version

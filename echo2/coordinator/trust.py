@@ -42,22 +42,12 @@ class Verdict:
 
 @dataclass
 class Checks:
-    # b: mean |log-ratio| per token an honest worker stays under, in nats. 2, not 1: on the tiny model at learning rate
-    # 3e-3 one large learner step moved an honest worker's lagged tokens by ~1.1 nats each, and at b = 1 a soak
-    # retired its only honest worker (its mean over 28k tokens: 0.05); forged tokens sit 3-10 nats out.
-    max_abs_log_ratio: float = 2.0
-    # E: CUSUM of excess nats at which a principal is retired (E/4: flagged). 12: the demo task's fabricated answer
-    # (16 tokens a group at ~3 nats) is one group's evidence at b = 2 (at 24 it needed two groups in checked batches,
-    # and a forger holding one group at a time slipped through a 30-step run checked every 10th batch)
-    evidence_nats: float = 12.0
+    settings: CheckSettings = field(default_factory=CheckSettings)  # b and E
     tokens: dict = field(default_factory=dict)  # principal -> tokens scored
     sums: dict = field(default_factory=dict)  # principal -> Σ δ (signed: the mean shows drift in metrics)
     abs_sums: dict = field(default_factory=dict)  # principal -> Σ |δ|
     evidence: dict = field(default_factory=dict)  # principal -> the CUSUM e
     flagged: set = field(default_factory=set)
-
-    def __post_init__(self):
-        CheckSettings(self.max_abs_log_ratio, self.evidence_nats)  # the values' rules live there
 
     def update(self, stats: dict[str, tuple[int, float, float]]) -> Verdict:
         """Add one checked batch, ``{principal: (tokens, Σ δ, Σ |δ|)}``."""
@@ -67,14 +57,14 @@ class Checks:
             self.tokens[who] = self.tokens.get(who, 0) + n
             self.sums[who] = self.sums.get(who, 0.0) + total
             self.abs_sums[who] = self.abs_sums.get(who, 0.0) + total_abs
-            excess = total_abs - self.max_abs_log_ratio * n
+            excess = total_abs - self.settings.max_abs_log_ratio * n
             e = self.evidence[who] = max(0.0, self.evidence.get(who, 0.0) + excess)
-            if e >= self.evidence_nats:
+            if e >= self.settings.evidence_nats:
                 retire.append(who)
-            elif e >= self.evidence_nats / 4 and who not in self.flagged:
+            elif e >= self.settings.evidence_nats / 4 and who not in self.flagged:
                 self.flagged.add(who)
                 flagged.append(who)
-            if excess > 0 or e >= self.evidence_nats:
+            if excess > 0 or e >= self.settings.evidence_nats:
                 reject.append(who)
         return Verdict(flagged, retire, reject)
 
