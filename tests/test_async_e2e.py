@@ -128,6 +128,8 @@ def test_vllm_workers_learn_survive_a_kill_and_welcome_a_joiner(tmp_path):
             events["killed_at"] = step
         if events.get("killed_at") == step - 5:
             wait_registered(source, 3)
+        if "killed_at" in events and step > events["killed_at"] + 5:
+            slow_until(lambda: delivered_by(source, "w2"))  # the joiner, registered, loads its first snapshot
 
     # heartbeat timeout shrunk so that the kill is noticed within the run
     _, trainer, _, acc, records = train(tmp_path, ["pool.engine=vllm", "run.steps=150", "rollout.staleness=2",
