@@ -84,7 +84,8 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
 
     trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
                                args=grpo_config(cfg, run_dir, world_size), train_dataset=train_set,
-                               rollout_source=source, correction=cfg.rollout.correction,
+                               rollout_source=source, staleness=cfg.rollout.staleness,
+                               correction=cfg.rollout.correction,
                                is_bounds=(cfg.rollout.is_min, cfg.rollout.is_max),
                                icepop_bounds=(cfg.rollout.icepop_min, cfg.rollout.icepop_max),
                                m2_threshold=cfg.rollout.m2_threshold,

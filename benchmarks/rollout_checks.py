@@ -7,7 +7,8 @@ any agent, so that it claims only versions it was delivered. The learner scores 
 (``rollout.source.check_every_steps=1``). Reported per run: whether the forger was retired as untrusted, the
 forged rollouts received before that less those dropped when it was (an upper bound on what was trained on),
 the honest workers flagged or retired (false alarms), and
-every credential's mean per-token |log-ratio| (learner logprob minus reported logprob) from ``metrics.jsonl``.
+every credential's mean per-token |log-ratio| (the learner's logprob, under the version the worker claims, minus
+the reported logprob) from ``metrics.jsonl``.
 
     python benchmarks/rollout_checks.py                      # S = 0 1 2 4, 40 steps each
     python benchmarks/rollout_checks.py --staleness 2 --steps 30

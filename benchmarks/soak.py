@@ -35,11 +35,12 @@ coordinator and to an honest worker's snapshot-control port), orders to a worker
 accepts connections and never answers. A reward slow on a crafted completion is task-specific: the copy task's
 reward parses an integer, so no completion makes it slow (tests/test_reward_pool.py covers a slow reward).
 
-The rollout checks run with b = check_max_abs_log_ratio = 2 nats a token (the default, since this soak): on the tiny model
-(learning rate 3e-3) a large learner step (grad norm 2.7 after a stretch of zero-gradient steps) moves an honest
-worker's lagged tokens by ~1.1 nats each, and with b = 1 the first short soak retired its only honest worker as
-untrusted (mean |log-ratio| 0.05 over 28k tokens) and the run stalled (the default was 1 then). The forger's
-tokens are ~10 nats off: b = 2 retires it as fast. Every honest worker is checked for it all the same (flagged, retired, struck: a failure).
+The rollout checks run with b = check_max_abs_log_ratio = 2 nats a token (the default). They score each worker's
+tokens under the version it claims: scored with the learner's current weights, on the tiny model (learning rate
+3e-3) a large learner step moved an honest worker's lagged tokens by ~1.1 nats each, the first short soak (b = 1
+then) retired its only honest worker as untrusted and stalled, and a later CI run's short soak did at b = 2. The
+forger's tokens are ~10 nats off. Every honest worker is checked for it all the same (flagged, retired, struck: a
+failure).
 
 Reported (and with --json as JSON): whether the run finished (the learner stopped by SIGTERM, summary.json
 written); the learner's steps/s in --window-s windows of the hostile phase against the calm phase's (goal: every
@@ -800,7 +801,7 @@ def main() -> None:
     h.add_argument("--window-s", type=float, default=30.0, help="the hostile phase's pace is judged per window")
     h.add_argument("--check-every-steps", type=int, default=5, help="rollout.source.check_every_steps")
     h.add_argument("--check-max-abs-log-ratio", type=float, default=2.0,
-                   help="rollout.source.check_max_abs_log_ratio, b (nats a token; see above why 2, not 1)")
+                   help="rollout.source.check_max_abs_log_ratio, b (nats a token)")
     h.add_argument("--heartbeat-s", type=float, default=10.0, help="rollout.source.heartbeat_timeout_s")
     h.add_argument("--deadline-floor-s", type=float, default=10.0, help="rollout.source.liveness.floor_s")
     h.add_argument("--half-open", type=int, default=100, help="the outsider's half-open connections per target")

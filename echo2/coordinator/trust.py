@@ -1,9 +1,12 @@
 """Checking what workers return against the policy they claim: the learner's logprobs of their tokens.
 
-A worker reports, with every token, the logprob its weights (version x) gave it. The learner, at version t,
-scores the same tokens; for an honest worker the per-token log-ratio δ = log π_t − log π_x is small (its mean
-is −KL(π_x ‖ π_t), which grows with the lag t − x and the learning rate), while invented logprobs or tokens the
-policy would not sample sit far out (a random token claimed at −0.05 scores about −log |V| under the policy).
+A worker reports, with every token, the logprob its weights (version x) gave it. The learner scores the same
+tokens under version x too (it keeps the weights of the last S versions for this: echo2/learner/past_policies.py),
+so for an honest worker the per-token log-ratio δ is numerics only (0 between two transformers models, the
+engines' rounding otherwise), whatever the lag and the learning rate; invented logprobs or tokens the policy
+would not sample sit far out (a random token claimed at −0.05 scores about −log |V| under the policy). Under
+ZeRO-3 no past weights are kept, and lagged tokens are scored with the current ones: δ then also carries what the
+learner learnt since x (its mean is −KL(π_x ‖ π_t), growing with the lag and the learning rate).
 The statistic is the per-token *absolute* log-ratio |δ|: a mean of signed ratios lets errors of ±4 nats in
 turn cancel out, the absolute values do not (and |mean δ| ≤ mean |δ|, so it catches all the mean did).
 
@@ -15,15 +18,15 @@ tokens an honest worker sends pull e down to 0, tokens beyond b on average push 
 tokens per check (2-3 per completion on the demo task), and the evidence a forgery needs scales with how far
 out it is, not with a fixed count: a fabricated answer whose logprobs are off by 3 nats a token needs
 E/(3−b) tokens, one group; and the reset at 0 means honest history banks no credit for cheating later.
-Honest tokens reach E only if their mean |δ| stays above b, i.e. the policy moved more than b nats a token
-within the lag S, at which point those rollouts' importance ratios (e^b) are useless to train on anyway.
+Honest tokens never reach E while b is above the engines' numerics (b = 2 leaves room for a half-precision
+engine's rounding); scored with the current weights instead (ZeRO-3), they would once the policy moved more than
+b nats a token within the lag S: on the tiny model at learning rate 3e-3 lag-2 tokens did, in a few steps.
 
 **A batch found bad is not trained on**: every principal whose batch alone averages more than b per token,
 or who is retired by this batch, has its groups in it dropped (``untrusted``) and masked by the learner.
 
 Pure numbers: the learner sends per-worker sums (every ``check_every_steps`` steps); the coordinator adds
-them up per principal and applies the verdict. Not done here: a per-lag calibration of b (one bound for
-every lag).
+them up per principal and applies the verdict.
 """
 
 from __future__ import annotations

@@ -40,12 +40,14 @@ class SourceVersions(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.past_policies.record(state.global_step, self.trainer.model)
         if state.global_step:  # resumed from a checkpoint: weights, optimizer, RNG and step are restored
             self.trainer.rollouts_consumed = state.global_step * (args.per_device_train_batch_size
                                                                   * args.gradient_accumulation_steps * args.world_size)
             self.trainer.rollout_source.on_resume(state.global_step, self.trainer.weights())
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.past_policies.record(state.global_step, self.trainer.model)
         self.trainer.rollout_source.on_version(state.global_step, self.trainer.weights())
 
     def on_save(self, args, state, control, **kwargs):

@@ -38,6 +38,7 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import nanstd, pad
 
 from echo2.learner.corrections import SCALE_REWARDS, Correction, importance_weights, m2po_keep
+from echo2.learner.past_policies import PastPolicies
 from echo2.learner.weights import PolicyWeights
 from echo2.metrics import (BUFFER_STALENESS_MAX, BUFFER_STALENESS_MEAN, REWARD_FRAC_ZERO_STD_GROUPS,
                            REWARD_FUNCTION_PREFIX, REWARD_MEAN, REWARD_STD, ROLLOUT_COMPLETION_LEN_MEAN,
@@ -72,7 +73,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
 
 
 class Echo2GRPOTrainer(GRPOTrainer):
-    def __init__(self, *args, rollout_source: RolloutSource, correction: str = "none",
+    def __init__(self, *args, rollout_source: RolloutSource, staleness: int = 0, correction: str = "none",
                  is_bounds: tuple[float, float] = (0.5, 2.0), icepop_bounds: tuple[float, float] = (0.5, 5.0),
                  m2_threshold: float = 0.04, seq_bounds: tuple[float, float] = (0.5, 2.0), **kwargs):
         super().__init__(*args, **kwargs)
@@ -89,6 +90,8 @@ class Echo2GRPOTrainer(GRPOTrainer):
                              "not supported (bnpo's per-slice normalisation is applied to the whole loss); use one "
                              "micro-batch or another loss_type")
         self.rollout_source = rollout_source
+        # the rollout checks score a worker's tokens under the version it claims (S past versions kept when checked)
+        self.past_policies = PastPolicies(staleness, rollout_source.check_every_steps)
         self._t_start = 0.0  # set at the first batch
         self._idle_s = self._idle_total_s = 0.0  # time spent obtaining rollouts, not training
         # echo2 writes its own per-step records and progress bar; drop HF's printer of raw log dicts.
@@ -303,16 +306,26 @@ class Echo2GRPOTrainer(GRPOTrainer):
 
     def _check(self, groups, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps,
                learner_logps=None) -> set[str]:
-        """Rollout checks (echo2/coordinator/trust.py): the learner's logprobs of each worker's tokens against the
-        behaviour logprobs it reported; per-worker sums (tokens, Σ log-ratio, Σ |log-ratio|) go to the source,
-        which judges; returns the workers whose groups in this batch must not be trained on."""
-        if learner_logps is None:
+        """Rollout checks (echo2/coordinator/trust.py): the learner's logprobs of each worker's tokens, under the
+        version the worker says generated them (echo2/learner/past_policies.py), against the behaviour logprobs it
+        reported; per-worker sums (tokens, Σ log-ratio, Σ |log-ratio|) go to the source, which judges; returns the
+        workers whose groups in this batch must not be trained on. ``learner_logps``: the current version's, if
+        computed already."""
+        def logps(rows=None):
+            ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+            if rows is not None:
+                ids, mask = ids[rows], mask[rows]
             with torch.no_grad():
-                learner_logps, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, torch.cat([prompt_ids, completion_ids], 1),
-                    torch.cat([prompt_mask, completion_mask], 1), completion_ids.size(1),
-                    batch_size=self.args.per_device_train_batch_size)
-        diff = (learner_logps - behaviour_logps) * completion_mask
+                return self._get_per_token_logps_and_entropies(
+                    self.model, ids, mask, completion_ids.size(1), batch_size=self.args.per_device_train_batch_size)[0]
+
+        scored = (logps() if learner_logps is None else learner_logps).clone()
+        versions = [g.version for g in groups for _ in g.rollouts]
+        for version in sorted(set(versions) & set(self.past_policies.kept) - {self.version}):
+            rows = torch.tensor([i for i, v in enumerate(versions) if v == version], device=scored.device)
+            with self.past_policies.weights_of(version, self.model):
+                scored[rows] = logps(rows)
+        diff = (scored - behaviour_logps) * completion_mask
         ratio, absolute = diff.sum(1).tolist(), diff.abs().sum(1).tolist()
         tokens = completion_mask.sum(1).tolist()
         stats: dict[str, list] = {}
