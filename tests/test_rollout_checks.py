@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import balanced, small_coordinator, train, wait_until
+from conftest import balanced, slow_until, small_coordinator, train, wait_until
 from echo2.worker.engines.hf import HFWorkerEngine
 from echo2.coordinator.trust import Checks, Verdict
 from echo2.settings import CheckSettings
@@ -209,9 +209,14 @@ def _run_with_forger(tmp_path, forge, overrides, **forger):
             ev["forger"] = _Forger(source, forge(source), **forger)
             ev["forger"].start()
             _wait_until_dispatched_to(ev["forger"], source.coordinator)
-        elif ev["forger"].agent.worker_id not in source.coordinator.status()["workers"]:
-            # retired: its next request is refused and ends it; the coordinator must still be up to refuse it (a
-            # CI run ended first, and the forger's last call met a closed port instead)
+            return
+        retired = lambda: ev["forger"].agent.worker_id not in source.coordinator.status()["workers"]  # noqa: E731
+        # The forger is a thread of this process: on a loaded machine the learner's steps can starve it until its
+        # groups arrive too stale to be consumed (a CI run: 26 pushed, none consumed in 30 steps). Slowed, not held
+        # (a held learner consumes nothing): a second a step at most, until it is retired.
+        if slow_until(retired):
+            # its next request is refused and ends it; the coordinator must still be up to refuse it (a CI run
+            # ended first, and the forger's last call met a closed port instead)
             wait_until(lambda: not ev["forger"].is_alive(), timeout_s=60, what="the retired forger to be refused")
 
     try:
