@@ -36,9 +36,11 @@ class LivenessSettings:
 class CheckSettings:
     """The rollout checks' thresholds (echo2/coordinator/trust.py)."""
 
-    # b: mean |log-ratio| per token an honest worker stays under, in nats. 2, not 1: on the tiny model at learning rate
-    # 3e-3 one large learner step moved an honest worker's lagged tokens by ~1.1 nats each, and at b = 1 a soak
-    # retired its only honest worker (its mean over 28k tokens: 0.05); forged tokens sit 3-10 nats out.
+    # b: mean |log-ratio| per token an honest worker stays under, in nats. Scored under the version it claims
+    # (echo2/learner/past_policies.py) an honest worker is off by the engines' numerics only (0 for the hf engine,
+    # ~1e-2 in half precision); forged tokens sit 3-10 nats out. 2 also covers ZeRO-3, which keeps no past versions:
+    # there one large step of the tiny model (learning rate 3e-3) moved lagged tokens by ~1.1 nats each, and at b = 1
+    # a soak retired its only honest worker.
     max_abs_log_ratio: float = 2.0
     # E: CUSUM of excess nats at which a principal is retired (E/4: flagged). 12: the demo task's fabricated answer
     # (16 tokens a group at ~3 nats) is one group's evidence at b = 2 (at 24 it needed two groups in checked batches,

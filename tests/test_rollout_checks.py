@@ -27,7 +27,8 @@ G = 2
     ({"w0": (300, 600.0, 600.0)}, [], ["w0"], ["w0"]),  # too confident the other way
 ])
 def test_checks_flag_retire_and_reject(stats, flagged, retired, rejected):
-    assert Checks(CheckSettings(max_abs_log_ratio=1.0, evidence_nats=32.0)).update(stats) == Verdict(flagged, retired, rejected)
+    checks = Checks(CheckSettings(max_abs_log_ratio=1.0, evidence_nats=32.0))
+    assert checks.update(stats) == Verdict(flagged, retired, rejected)
 
 
 def test_honest_history_banks_no_credit_for_cheating_later():
@@ -91,8 +92,8 @@ def test_a_batch_found_bad_is_not_trained_on_and_honest_ones_are(tiny_model_dir)
 
 def test_past_policies_keep_only_the_versions_a_check_asks_for_and_swap_back():
     """Checks at multiples of 5, S = 2: versions 3, 4 (for the check at 5) and 8, 9 (at 10) are kept, 3 and 4 dropped
-    once no check can ask for them; inside ``weights_of`` the model has the old weights, after it its own, even
-    when the block raises."""
+    once no check can ask for them; inside ``swapping`` the model has the weights loaded last, after it its own,
+    even when the block raises."""
     import torch
 
     from echo2.learner.past_policies import PastPolicies
@@ -106,12 +107,17 @@ def test_past_policies_keep_only_the_versions_a_check_asks_for_and_swap_back():
         with torch.no_grad():
             model.weight.fill_(version)
         past.record(version, model)
-        assert set(past.kept) == {3: {3}, 4: {3, 4}, 5: {3, 4}, 6: {4}, 7: set(), 8: {8}, 9: {8, 9}}.get(version,
-                                                                                                    set())
-    with past.weights_of(8, model):
+        kept = {3: {3}, 4: {3, 4}, 5: {3, 4}, 6: {4}, 8: {8}, 9: {8, 9}}
+        assert set(past.kept) == kept.get(version, set()), version
+    with past.swapping(model) as load:
+        load(8)
         assert (model.weight == 8).all()
+        load(9)
+        assert (model.weight == 9).all()
+        load(8)
     assert (model.weight == 9).all()
-    with pytest.raises(RuntimeError), past.weights_of(8, model):
+    with pytest.raises(RuntimeError), past.swapping(model) as load:
+        load(8)
         raise RuntimeError("a forward failed")
     assert (model.weight == 9).all()
 

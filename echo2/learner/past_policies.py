@@ -54,16 +54,19 @@ class PastPolicies:
         self.kept[version] = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
 
     @contextmanager
-    def weights_of(self, version: int, model: torch.nn.Module):
-        """``model`` with the weights of ``version`` (which must be kept) inside the block, its own after."""
+    def swapping(self, model: torch.nn.Module):
+        """Inside the block, ``load(version)`` (a kept one) puts that version's weights into ``model``; after it,
+        the model has its own again, also when the block raises. The live weights are copied aside once, however
+        many versions are loaded."""
         params = dict(model.named_parameters())
+
+        def put(weights: dict[str, torch.Tensor]) -> None:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(weights[name])
+
         own = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
         try:
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(self.kept[version][name])
-            yield model
+            yield lambda version: put(self.kept[version])
         finally:
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(own[name])
+            put(own)

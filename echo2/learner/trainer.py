@@ -321,10 +321,13 @@ class Echo2GRPOTrainer(GRPOTrainer):
 
         scored = (logps() if learner_logps is None else learner_logps).clone()
         versions = [g.version for g in groups for _ in g.rollouts]
-        for version in sorted(set(versions) & set(self.past_policies.kept) - {self.version}):
-            rows = torch.tensor([i for i, v in enumerate(versions) if v == version], device=scored.device)
-            with self.past_policies.weights_of(version, self.model):
-                scored[rows] = logps(rows)
+        lagged = sorted(set(versions) & set(self.past_policies.kept) - {self.version})
+        if lagged:
+            with self.past_policies.swapping(self.model) as load:
+                for version in lagged:
+                    load(version)
+                    rows = torch.tensor([i for i, v in enumerate(versions) if v == version], device=scored.device)
+                    scored[rows] = logps(rows)
         diff = (scored - behaviour_logps) * completion_mask
         ratio, absolute = diff.sum(1).tolist(), diff.abs().sum(1).tolist()
         tokens = completion_mask.sum(1).tolist()
