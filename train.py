@@ -59,7 +59,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     from echo2.learner.trainer import Echo2GRPOTrainer
     from echo2.metrics import MetricsSink
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
-    from echo2.rollout.evaluate import Evaluator
+    from echo2.learner.evaluate import Evaluator
 
     resolve_precision(cfg)
     model_path = instantiate(cfg.model.path)

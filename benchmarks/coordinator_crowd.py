@@ -14,8 +14,8 @@ One fresh run (learner, coordinator, clients) per N, in a process of its own:
                  ── register (a ramp), then the crowd window (--duration-s); the learner stops at its end
 
 A simulated worker does over the network what the agent (echo2/worker/agent.py) does, with a credential of its own
-(transport.worker_credential: what ``python -m echo2.credential NAME`` prints) and the run CA pinned by its
-fingerprint (transport.fetch_ca): /certificate, /relay-key, /register (declaring the learner's model), a heartbeat
+(credential.worker_credential: what ``python -m echo2.credential NAME`` prints) and the run CA pinned by its
+fingerprint (net.tls.fetch_ca): /certificate, /manifest-key, /register (declaring the learner's model), a heartbeat
 every ``heartbeat_s``, and pull -> push paced to rate/N rollouts/s (the agent's 4 groups per pull; after a pull that
 got nothing, which the coordinator held as a long poll, it waits ``wait_s``), over kept-alive connections of its own
 (asyncio + aiohttp: thousands of workers in one process). Its engine is null: each group gets G completions of
@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the coordinator's process imports NullBroadcaster from here
 
 HALF_OPEN_KINDS = ("tcp", "tls", "headers")
-JOIN_ROUTES = ("certificate", "relay-key", "register")  # timed whenever they happen (each worker's start)
+JOIN_ROUTES = ("certificate", "manifest-key", "register")  # timed whenever they happen (each worker's start)
 GRACE_S = 2.0  # the crowd keeps working this long after its window, while the learner stops
 JOIN_TIMEOUT_S = 60.0  # for a client process's workers to join (plus 1 s per 50 workers)
 
@@ -209,7 +209,7 @@ class Crowd:
         the coordinator no longer knows the worker (``register first``)."""
         import aiohttp
 
-        from echo2.transport import LEARNER_NAME
+        from echo2.net.tls import LEARNER_NAME
 
         start, t = time.time(), time.perf_counter()
         timed = self.rec.inside(start) or name in JOIN_ROUTES
@@ -248,7 +248,7 @@ class Crowd:
     async def worker(self, i: int, delay_start_s: float) -> None:
         import aiohttp
 
-        from echo2.transport import worker_credential
+        from echo2.credential import worker_credential
 
         name = f"{self.spec['prefix']}{i}"
         await asyncio.sleep(delay_start_s)
@@ -257,7 +257,7 @@ class Crowd:
         connector = aiohttp.TCPConnector(limit=2, ssl=self.ssl)
         async with aiohttp.ClientSession(connector=connector, headers={"Authorization": f"Bearer {credential}"},
                                          skip_auto_headers=("User-Agent",)) as s:
-            for route in ("/certificate", "/relay-key"):  # what the agent's join asks for first
+            for route in ("/certificate", "/manifest-key"):  # what the agent's join asks for first
                 while await self.call(s, route, {}, route.strip("/"), name) is None and not self.stop.is_set():
                     await asyncio.sleep(0.5)
             state = {"joined_at": 0, "wid": None}
@@ -370,7 +370,7 @@ class Crowd:
 
     async def half_open(self, slot: int) -> None:
         """One idle connection, kept open: reconnected whenever the server drops it."""
-        from echo2.transport import LEARNER_NAME
+        from echo2.net.tls import LEARNER_NAME
 
         kind = HALF_OPEN_KINDS[slot % len(HALF_OPEN_KINDS)]
         await asyncio.sleep(random.uniform(0, 2.0))
@@ -406,7 +406,7 @@ class Crowd:
         """Join, say ``ready``; read the window (a line on stdin), time it; on the next line, leave and report."""
         import ssl
 
-        from echo2.transport import fetch_ca
+        from echo2.net.tls import fetch_ca
 
         spec, loop = self.spec, asyncio.get_running_loop()
         ca_pem = await loop.run_in_executor(None, fetch_ca, self.url, spec["ca_hash"])  # pinned, as the agent's join
@@ -560,7 +560,7 @@ def one_run(args) -> dict:
 
     import train
     from echo2.env import configure_process
-    from echo2.rollout.pool import terminate
+    from echo2.learner.sources.pool import terminate
     from step_time import compose
 
     configure_process()

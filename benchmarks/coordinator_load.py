@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def load_client(url: str, token: str, seconds: float, threads: int, rate: float) -> None:
     """Worker impersonators: register, then pull and push valid groups, as fast as possible (rate 0) or paced
     to ``rate`` rollouts/s in all."""
-    from echo2.transport import Client
+    from echo2.net.http import Client
 
     def loop():
         c = Client(url, token)
@@ -116,7 +116,7 @@ def main() -> None:
     from echo2.models.tiny import build_tiny
     from echo2.coordinator.coordinator import Coordinator
     from echo2.scoring import Scorer
-    from echo2.rollout.service import CoordinatorProcess
+    from echo2.learner.sources.coordinator_process import CoordinatorProcess
     from echo2.settings import CoordinatorSettings
     from echo2.tasks.arith import ArithTask
     from step_time import StepTimer, compose

@@ -1,6 +1,6 @@
 """Hostile clients for the soak (``benchmarks/soak.py --hostile``): one process per kind, against a real learner's
 coordinator (TLS on, even over loopback), each with a worker credential of its own in $ECHO2_TOKEN (made with
-``python -m echo2.credential NAME`` or transport.worker_credential) except the outsider, which has none.
+``python -m echo2.credential NAME`` or credential.worker_credential) except the outsider, which has none.
 
     ECHO2_TOKEN=<credential> python benchmarks/hostile.py KIND --run-dir RUN_DIR --report OUT.json \
         [--go FILE] [--victim https://127.0.0.1:PORT]
@@ -64,7 +64,8 @@ from echo2.broadcast.manifest import order_credential, signing_key  # noqa: E402
 from echo2.worker.peer import SnapshotReceiver  # noqa: E402
 from echo2.worker.agent import Agent  # noqa: E402
 from echo2.records import Completion, SamplingParams  # noqa: E402
-from echo2.transport import LEARNER_NAME, PEER_NAME, BadRequest, Client, RemoteError, join  # noqa: E402
+from echo2.net.http import BadRequest, Client, RemoteError  # noqa: E402
+from echo2.net.tls import LEARNER_NAME, PEER_NAME, join  # noqa: E402
 
 RETRY_S = 5.0  # a refused client knocks again this often
 HUGE_BYTES = 400 << 20  # the body an outsider declares
@@ -155,7 +156,7 @@ class Hoarder:
 
     def serve(self, stop: threading.Event) -> None:
         client = self.run.client()
-        keys = client.post("/relay-key", {})
+        keys = client.post("/manifest-key", {})
         receivers = []
         for _ in range(self.RECEIVERS):
             r = SnapshotReceiver(None, lambda v, _b, _m: None, trust=self.run.trust)
@@ -253,7 +254,7 @@ class HostileAgent(Agent):
         return [Completion(list(self.fabricated), [-0.05] * len(self.fabricated), "length") for _ in range(params.n)]
 
     def serve(self, stop: threading.Event) -> None:
-        keys = self._retrying(lambda: self.client.post("/relay-key", {}))
+        keys = self._retrying(lambda: self.client.post("/manifest-key", {}))
         self.receiver.trust_learner(keys["manifest_key"])
         self.receiver.start()
         info = self._join()

@@ -66,7 +66,7 @@ def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
     from echo2.learner.args import grpo_config, resolve_precision
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
     from echo2.models.generate import HFEngine
-    from echo2.rollout.evaluate import Evaluator
+    from echo2.learner.evaluate import Evaluator
 
     configure_process()
     register_configs()

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from echo2.worker.engines.hf import HFWorkerEngine  # noqa: E402
 from echo2.records import Completion  # noqa: E402
-from echo2.transport import Client, RemoteError, worker_credential  # noqa: E402
+from echo2.net.http import Client, RemoteError, worker_credential  # noqa: E402
 
 
 class ForgingEngine(HFWorkerEngine):

@@ -255,7 +255,7 @@ class Soak:
 
     def cleanup(self) -> None:
         """Whatever happened, leave no process of ours behind (by handle, never by name)."""
-        from echo2.rollout.pool import terminate
+        from echo2.learner.sources.pool import terminate
 
         terminate([p for p in [getattr(self, "learner", None), *self.all_procs] if p is not None])
 
@@ -384,7 +384,7 @@ def cpu_used(before: dict, after: dict, wall_s: float) -> dict[str, float]:
 
 class HostileSoak:
     def __init__(self, args):
-        from echo2.transport import worker_credential
+        from echo2.credential import worker_credential
 
         self.args = args
         self.out = Path(args.out or tempfile.mkdtemp(prefix="echo2-hostile-soak-"))
@@ -399,7 +399,7 @@ class HostileSoak:
         self.t_go = None
 
     def _start(self, name: str, cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-        from echo2.rollout.pool import _child_setup
+        from echo2.learner.sources.pool import _child_setup
 
         self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                                             preexec_fn=_child_setup(None))
@@ -407,7 +407,7 @@ class HostileSoak:
 
     def start(self) -> None:
         from echo2.models.tiny import build_tiny
-        from echo2.rollout.pool import engine_core
+        from echo2.learner.sources.pool import engine_core
 
         a = self.args
         model = build_tiny()
@@ -439,7 +439,8 @@ class HostileSoak:
                         env, self.out / "hostile" / f"{kind}.log")
 
     def poll_status(self, phase: str) -> None:
-        from echo2.transport import LEARNER_NAME, Client
+        from echo2.net.http import Client
+        from echo2.net.tls import LEARNER_NAME
 
         if not hasattr(self, "client"):
             info = json.loads((self.out / "coordinator.json").read_text())
@@ -481,7 +482,7 @@ class HostileSoak:
                 self.poll_status(phase)
                 time.sleep(max(0.0, 1.0 - (time.monotonic() % 1.0)))
             self.cpu[phase] = cpu_used(cpu0, cpu_seconds(self.procs), time.monotonic() - t0)
-        from echo2.rollout.pool import terminate
+        from echo2.learner.sources.pool import terminate
 
         end_split = len(steps_of(self.out))  # the steps after this one come after the hostile clients
         terminate([self.procs[k] for k in HOSTILE_KINDS], timeout_s=30)  # first: each writes its report
@@ -505,7 +506,7 @@ class HostileSoak:
         return result
 
     def cleanup(self) -> None:
-        from echo2.rollout.pool import terminate
+        from echo2.learner.sources.pool import terminate
 
         terminate([p for p in self.procs.values() if p.poll() is None], timeout_s=30)
 

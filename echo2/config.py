@@ -23,9 +23,9 @@ from omegaconf import MISSING
 
 from echo2.activation.settings import ActivationSettings
 from echo2.coordinator.broadcaster import RelayBroadcaster
-from echo2.rollout.async_source import AsyncRolloutSource
-from echo2.rollout.lagged import LaggedRolloutSource
-from echo2.rollout.sync import SyncRolloutSource
+from echo2.learner.sources.async_source import AsyncRolloutSource
+from echo2.learner.sources.lagged import LaggedRolloutSource
+from echo2.learner.sources.sync import SyncRolloutSource
 
 
 def schema_of(cls: type, *, target: bool = True, skip: tuple[str, ...] = ()) -> type:

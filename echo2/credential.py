@@ -4,7 +4,7 @@
     python -m echo2.credential box17                     # prints box17's credential: give it to that worker
     python -m echo2.credential --revoke box17 --coordinator https://LEARNER:PORT --ca-file RUN_DIR/tls/ca.pem
 
-A credential is ``name:HMAC-SHA256(run secret, name)`` (echo2.transport.worker_credential): the coordinator
+A credential is ``name:HMAC-SHA256(run secret, name)`` (worker_credential below): the coordinator
 recognises it without a table, a worker never holds the run secret, and revoking one name (``POST /revoke``,
 run secret only) refuses that worker's requests from then on and re-queues its in-flight work (``lost:
 revoked``), while every other worker carries on. Revocations are kept in ``<run dir>/revoked.txt``.
@@ -13,11 +13,37 @@ revoked``), while every other worker carries on. Revocations are kept in ``<run 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import os
+import re
 import sys
 
-from echo2.transport import LEARNER_NAME, Client, worker_credential
+from echo2.net.http import Client
+
+from echo2.net.tls import LEARNER_NAME
+
+
+
+WORKER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def worker_credential(run_secret: str, name: str) -> str:
+    """Worker ``name``'s own credential, ``name:HMAC-SHA256(run secret, name)``: the learner recognises it without
+    a table, and revoking one name leaves every other worker's credential valid."""
+    if not WORKER_NAME.fullmatch(name):
+        raise ValueError(f"worker name {name!r}: 1-64 of A-Z a-z 0-9 _ . -")
+    mac = hmac.new(run_secret.encode(), b"echo2-worker:" + name.encode(), hashlib.sha256).hexdigest()
+    return f"{name}:{mac}"
+
+
+def credential_name(run_secret: str, credential: str) -> str | None:
+    """The worker name a valid worker credential carries; None if it is not one."""
+    name, sep, _ = credential.partition(":")
+    if not sep or not WORKER_NAME.fullmatch(name):
+        return None
+    return name if hmac.compare_digest(credential.encode(), worker_credential(run_secret, name).encode()) else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -171,27 +171,33 @@ def summary_table(summary: dict[str, Any], records: list[dict]) -> str:
 
 
 def plot(runs: list[dict], out: Path, smooth: int = 10) -> list[Path]:
+    """The run comparison's figures in ``out``: reward (against step, time and cost), held-out accuracy, the staleness
+    histogram, learner utilization and the broadcast timeline; one PNG each."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out.mkdir(parents=True, exist_ok=True)
     names = [textwrap.fill(n, 40) for n in labels(runs)]  # long override lists wrap in the legends
-    written = []
+    return [_save(figure(names, runs, smooth), out / f"{kind}.png")
+            for kind, figure in (("reward", _reward_figure), ("eval", _eval_figure), ("staleness", _staleness_figure),
+                                 ("utilization", _utilization_figure), ("broadcast", _broadcast_figure))]
 
-    def ma(xs):
-        acc, q = [], []
-        for x in xs:
-            q.append(x)
-            q = q[-smooth:]
-            acc.append(sum(q) / len(q))
-        return acc
+
+def _moving_average(xs: list[float], window: int) -> list[float]:
+    acc, q = [], []
+    for x in xs:
+        q = (q + [x])[-window:]
+        acc.append(sum(q) / len(q))
+    return acc
+
+
+def _reward_figure(names: list[str], runs: list[dict], smooth: int):
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for name, run in zip(names, runs, strict=True):
         recs = [r for r in run["records"] if r.get(REWARD_MEAN) is not None]
-        y = ma([r[REWARD_MEAN] for r in recs])
+        y = _moving_average([r[REWARD_MEAN] for r in recs], smooth)
         axes[0].plot([r["step"] for r in recs], y, label=name)
         axes[1].plot([r["time_s"] for r in recs], y, label=name)
         cost = [(r.get(COST_USD), v) for r, v in zip(recs, y, strict=True) if r.get(COST_USD) is not None]
@@ -205,7 +211,11 @@ def plot(runs: list[dict], out: Path, smooth: int = 10) -> list[Path]:
         axes[2].text(0.5, 0.5, "no cost recorded\n(every worker at $0/h)", ha="center", va="center",
                      transform=axes[2].transAxes)
     axes[0].legend(fontsize=8)
-    written.append(_save(fig, out / "reward.png"))
+    return fig
+
+
+def _eval_figure(names: list[str], runs: list[dict], _smooth: int):
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for name, run in zip(names, runs, strict=True):
@@ -220,7 +230,11 @@ def plot(runs: list[dict], out: Path, smooth: int = 10) -> list[Path]:
         axes[0].text(0.5, 0.5, "no evaluations (run.eval_every_steps=0)", ha="center", transform=axes[0].transAxes)
     else:
         axes[0].legend(fontsize=8)
-    written.append(_save(fig, out / "eval.png"))
+    return fig
+
+
+def _staleness_figure(names: list[str], runs: list[dict], _smooth: int):
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     hists = [(name, staleness(run)) for name, run in zip(names, runs, strict=True)]
@@ -236,7 +250,11 @@ def plot(runs: list[dict], out: Path, smooth: int = 10) -> list[Path]:
     if not any(h for _, h in hists):
         ax.text(0.5, 0.5, "no consumed.jsonl (sync runs have lag 0)", ha="center", transform=ax.transAxes)
     ax.legend(fontsize=8)
-    written.append(_save(fig, out / "staleness.png"))
+    return fig
+
+
+def _utilization_figure(names: list[str], runs: list[dict], smooth: int):
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, run in zip(names, runs, strict=True):
@@ -247,7 +265,11 @@ def plot(runs: list[dict], out: Path, smooth: int = 10) -> list[Path]:
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    written.append(_save(fig, out / "utilization.png"))
+    return fig
+
+
+def _broadcast_figure(names: list[str], runs: list[dict], _smooth: int):
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, run in zip(names, runs, strict=True):
@@ -261,8 +283,7 @@ def plot(runs: list[dict], out: Path, smooth: int = 10) -> list[Path]:
     else:
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    written.append(_save(fig, out / "broadcast.png"))
-    return written
+    return fig
 
 
 def utilization_series(records: list[dict], window: int = 10) -> tuple[list[float], list[float]]:

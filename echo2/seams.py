@@ -1,6 +1,6 @@
 """The seams between the processes' planes: what one plane calls of another, never its implementation.
 
-``RolloutSource``  the learner's view of where batches come from (echo2/rollout/); ``RemoteSource`` adds what a
+``RolloutSource``  the learner's view of where batches come from (echo2/learner/sources/); ``RemoteSource`` adds what a
                    source fed by remote workers does for a learner of several processes (echo2/learner/distributed.py)
 ``Weights``        the learner's live weights, as a source publishes them
 ``Engine``         generation in the learner's process (echo2/models/generate.py)
@@ -132,7 +132,7 @@ class RolloutSource(Protocol):
 
 
 class RemoteSource(RolloutSource, Protocol):
-    """A source fed by remote workers (echo2/rollout/async_source.py). With several learner processes, rank 0 alone
+    """A source fed by remote workers (echo2/learner/sources/async_source.py). With several learner processes, rank 0 alone
     holds it and echo2/learner/distributed.py splits ``on_version`` in two, since every rank must join a snapshot's
     gather: ``advance``, then, where due, the probe on every rank and ``publish``."""
 
@@ -186,7 +186,7 @@ class Broadcaster(Protocol):
         ...
 
     def use_tls(self, trust: Any) -> None:
-        """Called by the coordinator before it starts, when the run speaks TLS (``trust``: transport.Trust, the run
+        """Called by the coordinator before it starts, when the run speaks TLS (``trust``: net.tls.Trust, the run
         CA's certificates): the broadcaster's servers and its calls to workers use it."""
         ...
 
@@ -199,7 +199,7 @@ class Broadcaster(Protocol):
 
 class CoordinatorCalls(Protocol):
     """What the learner asks of the coordinator process: one message down the pipe per call, naming the method
-    (echo2/rollout/service.py sends it; the Coordinator, echo2/coordinator/coordinator.py, serves it in the child)."""
+    (echo2/learner/sources/coordinator_process.py sends it; the Coordinator, echo2/coordinator/coordinator.py, serves it in the child)."""
 
     def take(self, n: int, timeout_s: float | None = None) -> list[RolloutGroup]:
         """``n`` scored groups admissible at the learner's next step, oldest first; TimeoutError if they are not

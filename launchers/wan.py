@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from echo2.lab import testbed
-    from echo2.rollout.pool import engine_core
+    from echo2.learner.sources.pool import engine_core
 
     def stop_now(signum, _frame):  # a SIGTERM before the learner runs: unwind, so the namespaces are removed
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, ECHO2_TOKEN=os.environ.get("ECHO2_TOKEN") or secrets.token_urlsafe(24))
     up = args.learner_uplink_mbit or args.link_mbit
     links = [testbed.HostLink(up, up)] + [testbed.HostLink(args.link_mbit, args.link_mbit)] * args.workers
-    from echo2.transport import RunCA
+    from echo2.net.tls import RunCA
 
     ca = RunCA(str(Path(run_dir) / "tls"))  # made here, so that its fingerprint is known; the learner reuses it
     with testbed.NetnsTestbed(links, rtt_ms=args.rtt_ms) as tb:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # our Ctrl-C reached the learner too: it stops after its step
             code = learner.wait()
         finally:
-            from echo2.rollout.pool import terminate
+            from echo2.learner.sources.pool import terminate
 
             terminate(workers)
             if learner.poll() is None:

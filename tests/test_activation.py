@@ -256,7 +256,7 @@ def test_on_change_runs_from_where_train_py_was_started(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from echo2.activation.planner import Change
-    from echo2.coordinator.activation import OnChangeHook
+    from echo2.coordinator.on_change import OnChangeHook
 
     launch, run_dir = tmp_path / "launch", tmp_path / "run"
     launch.mkdir()

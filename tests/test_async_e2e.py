@@ -146,7 +146,7 @@ def test_vllm_workers_learn_survive_a_kill_and_welcome_a_joiner(tmp_path):
 
 
 def test_local_pool_passes_engine_settings_to_each_agent(monkeypatch, tmp_path):
-    from echo2.rollout import pool as pool_mod
+    from echo2.learner.sources import pool as pool_mod
 
     started = []
 

@@ -78,7 +78,7 @@ def test_the_components_schemas_are_read_from_their_constructors():
 
     from echo2.config import AsyncSourceConfig, RelayBroadcasterConfig, schema_of
     from echo2.coordinator.broadcaster import RelayBroadcaster
-    from echo2.rollout.async_source import AsyncRolloutSource
+    from echo2.learner.sources.async_source import AsyncRolloutSource
     from echo2.settings import LivenessSettings
 
     for cls, schema in ((AsyncRolloutSource, AsyncSourceConfig), (RelayBroadcaster, RelayBroadcasterConfig)):

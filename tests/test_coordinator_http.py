@@ -8,7 +8,7 @@ import pytest
 import requests
 
 from conftest import small_coordinator
-from echo2.transport import Client, RemoteError
+from echo2.net.http import Client, RemoteError
 
 G = 2
 

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import ROOT, balanced, delivered_by, slow_until, small_coordinator, train, wait_until
 from echo2.broadcast.manifest import verify_key
-from echo2.transport import Client, RemoteError, credential_name, relay_key, worker_credential
+from echo2.net.http import Client, RemoteError
+from echo2.credential import credential_name, worker_credential
 
 SECRET = "secret"  # small_coordinator's run secret
 
@@ -21,7 +22,7 @@ def test_a_credential_names_its_worker_and_cannot_be_forged():
     assert cred.startswith("box17:") and credential_name(SECRET, cred) == "box17"
     assert credential_name(SECRET, "box17:" + "0" * 64) is None  # a guessed MAC
     assert credential_name(SECRET, worker_credential("another-run", "box17")) is None
-    assert credential_name(SECRET, SECRET) is None and relay_key(SECRET) not in (SECRET, cred)
+    assert credential_name(SECRET, SECRET) is None
     for bad in ("", "a b", "x" * 65, "a:b"):
         with pytest.raises(ValueError):
             worker_credential(SECRET, bad)
@@ -46,8 +47,11 @@ def test_a_worker_acts_only_for_itself_and_only_the_secret_revokes(coord):
         b.post("/pull", {"worker_id": wa, "version": 0, "max_groups": 1})
     with pytest.raises(RemoteError, match="401.*run secret"):
         a.post("/revoke", {"name": "b"})
-    keys = a.post("/relay-key", {})  # what its snapshot receiver serves with, and checks manifests against
-    assert keys == {"key": relay_key(SECRET), "manifest_key": verify_key(SECRET)}
+    # what its snapshot receiver checks manifests and orders against; no secret-derived relay key is handed out (the
+    # relay key is random and comes with the learner's orders)
+    assert a.post("/manifest-key", {}) == {"manifest_key": verify_key(SECRET)}
+    with pytest.raises(RemoteError, match="404"):
+        a.post("/relay-key", {})
 
 
 def test_revoking_a_worker_refuses_it_requeues_its_work_and_spares_the_others(coord, tiny_model_dir, tmp_path):

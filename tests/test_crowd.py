@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from conftest import ROOT
-from echo2.httpd import Limits
+from echo2.net.httpd import Limits
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from conftest import (ROOT, alive, balanced, delivered_by, descendants, read_jsonl, slow_until, train, wait_registered,
                       wait_until)
-from echo2.rollout.pool import terminate
+from echo2.learner.sources.pool import terminate
 
 pytestmark = pytest.mark.slow
 
@@ -199,7 +199,7 @@ def test_a_worker_cut_off_the_network_is_retired_and_rejoins_when_reconnected(tm
         pytest.skip(f"require_netns: {why}")
     from echo2.models.tiny import build_tiny
 
-    from echo2.transport import RunCA
+    from echo2.net.tls import RunCA
 
     model, port, token = build_tiny(), 29517, "cut-" + os.urandom(6).hex()
     env = dict(os.environ, ECHO2_TOKEN=token)

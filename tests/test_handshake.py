@@ -113,7 +113,7 @@ def test_a_hub_model_without_hub_access_is_one_clear_error(tmp_path):
     (2, ["4", "6", "7"], ["6", "7"]),               # CUDA_VISIBLE_DEVICES=4,6,7 upstream: its names
 ])
 def test_gpu_assignment_for_n_local_agents(n, gpus, expect):
-    from echo2.rollout.pool import LocalPool, gpu_assignment
+    from echo2.learner.sources.pool import LocalPool, gpu_assignment
 
     assert gpu_assignment(n, gpus) == expect
     pool = LocalPool(workers=n, gpus=gpus, engine="vllm")
@@ -176,7 +176,7 @@ def test_the_wait_line_says_why_a_local_worker_exited(tmp_path):
     import subprocess
     import sys
 
-    from echo2.rollout.pool import LocalPool
+    from echo2.learner.sources.pool import LocalPool
 
     pool = LocalPool(workers=2, gpus=[])
     pool.log_dir = tmp_path

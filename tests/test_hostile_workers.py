@@ -14,7 +14,8 @@ import pytest
 
 from conftest import balanced, small_coordinator, wait_until
 from echo2.settings import LivenessSettings
-from echo2.transport import Client, RemoteError, worker_credential
+from echo2.net.http import Client, RemoteError
+from echo2.credential import worker_credential
 
 G = 2
 DONE = {"token_ids": [5, 1], "logprobs": [-1.0, -0.2], "finish_reason": "stop"}
@@ -59,7 +60,7 @@ def join(url, name=None, **declared):
     ("/release", {"worker_id": "w0", "reason": "bored", "group_ids": []}, "reason"),
     ("/leave", {"worker_id": 7}, "worker_id"),
     ("/revoke", {"name": "a b"}, "name"),
-    ("/relay-key", {"anything": 1}, "anything"),
+    ("/manifest-key", {"anything": 1}, "anything"),
 ])
 def test_bad_declarations_are_refused_naming_the_field(coord, route, body, field):
     client = Client(coord.url, "secret")
@@ -297,7 +298,7 @@ def test_a_worker_cannot_point_the_learner_host_anywhere(tiny_model_dir, tmp_pat
 
 
 def test_the_static_pool_never_tells_operators_to_hand_out_the_run_secret(caplog):
-    from echo2.rollout.pool import StaticPool
+    from echo2.learner.sources.pool import StaticPool
 
     pool = StaticPool()
     with caplog.at_level(logging.INFO):

@@ -39,9 +39,17 @@ def test_the_check_sees_an_import_of_the_lab(tmp_path):
 
 # ---------------------------------------------------------------------- the house by process
 
-PLANES = ("learner", "rollout", "coordinator", "worker")
-"""The code of each process: the learner (learner/, and its rollout sources in rollout/), the coordinator process
+PLANES = ("learner", "coordinator", "worker")
+"""The code of each process: the learner (learner/, its rollout sources in learner/sources/), the coordinator process
 (coordinator/) and the worker host (worker/)."""
+
+SHARED = ("net", "broadcast", "models", "tasks", "activation", "records", "seams", "settings", "scoring", "metrics",
+          "env", "capacity", "credential")
+"""What the processes share (each plane may import these, and they import no plane)."""
+
+TOOL_IMPORTS = {"echo2/config.py": {"echo2.coordinator.broadcaster", "echo2.coordinator.broadcaster.RelayBroadcaster"}}
+"""The imports of a plane by a tool that the learner process runs: train.py composes its config with echo2/config.py,
+which reads the coordinator's broadcaster constructor as the ``broadcast.sender`` schema (its class, no instance)."""
 
 TOOLS = ("lab", "sim", "cost", "plan", "report", "config", "config_reference")
 """What wires the planes or studies them from outside (like train.py, tests and benchmarks): may import any."""
@@ -78,12 +86,24 @@ def test_no_plane_imports_another_and_shared_modules_import_no_plane():
     assert sideways_imports(ROOT) == []
 
 
+def test_every_module_has_a_known_room_and_the_learner_process_imports_the_coordinator_only_where_named():
+    """Every top-level name under echo2/ is a plane, a shared module or a tool (a new room is placed here on purpose),
+    and of the tools the learner process runs (config.py, through train.py) only the named imports reach another
+    process's code."""
+    rooms = {p.stem for p in (ROOT / "echo2").iterdir()
+             if (p.is_dir() and p.name not in ("__pycache__", "sim_inputs")) or (p.suffix == ".py" and p.stem != "__init__")}
+    assert rooms - set(PLANES) - set(SHARED) - set(TOOLS) == set()
+    for rel, allowed in TOOL_IMPORTS.items():
+        reached = {name for name in _imports(ROOT / rel) if _plane(name) in ("coordinator", "worker")}
+        assert reached == allowed, rel
+
+
 def test_the_check_sees_a_sideways_import(tmp_path):
     """The check above can fail: a learner module importing the coordinator, and a shared one importing a worker
     module, are each found; a plane importing a shared module is not."""
     for rel, line, found in (("echo2/learner/x.py", "from echo2.coordinator.buffer import StalenessBuffer", True),
                              ("echo2/records.py", "def f():\n    import echo2.worker.agent", True),
-                             ("echo2/rollout/x.py", "from echo2.coordinator import schemas", True),
+                             ("echo2/learner/sources/x.py", "from echo2.coordinator import schemas", True),
                              ("echo2/worker/x.py", "from echo2.broadcast import snapshot", False),
                              ("echo2/coordinator/x.py", "from echo2.seams import Broadcaster", False)):
         root = tmp_path / rel.replace("/", "_")

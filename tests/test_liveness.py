@@ -12,7 +12,8 @@ from conftest import balanced, small_coordinator, train, wait_until
 from echo2.worker.engines.hf import HFWorkerEngine
 from echo2.coordinator.liveness import Liveness
 from echo2.settings import LivenessSettings
-from echo2.transport import Client, RemoteError, worker_credential
+from echo2.net.http import Client, RemoteError
+from echo2.credential import worker_credential
 
 G = 2
 

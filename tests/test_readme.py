@@ -369,7 +369,7 @@ def test_a_learner_on_every_interface_advertises_a_reachable_address(tmp_path):
     from echo2.coordinator.broadcaster import RelayBroadcaster
     from echo2.models.identity import model_identity
     from echo2.models.tiny import build_tiny
-    from echo2 import rendezvous
+    from echo2.net import rendezvous
 
     sender = RelayBroadcaster(secret="t", host="0.0.0.0")
     try:

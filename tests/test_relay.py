@@ -15,16 +15,16 @@ import pytest
 from echo2.broadcast import topology
 from echo2.coordinator.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame, tcp_rtt_s
-from echo2.broadcast.manifest import (BadSnapshot, make_manifest, serve_proof, signing_key, verify_key,
-                                      verify_manifest)
+from echo2.broadcast.manifest import (BadSnapshot, make_manifest, new_relay_key, serve_proof, signing_key,
+                                      verify_key, verify_manifest)
 from echo2.worker.peer import SnapshotReceiver
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
 from echo2.lab import link
-from echo2.transport import relay_key
+
 
 SECRET = "run-secret"
-TOKEN = relay_key(SECRET)  # the broadcast plane's key, which every worker holds
+TOKEN = new_relay_key()  # the relay key of the moment, which every live worker holds
 SIGNER, KEY = signing_key(SECRET), verify_key(SECRET)  # the learner's alone, and its public half
 CHUNK = 256 << 10
 
@@ -50,7 +50,7 @@ def test_manifest_is_authenticated():
     forged = {**m, "chunks": m["chunks"][:3] + ["0" * 64]}
     with pytest.raises(BadSnapshot, match="not signed by this run's learner"):
         verify_manifest(KEY, forged)
-    # a worker holds the broadcast plane's key, not the learner's: what it signs (as the shared key once let it)
+    # a worker holds the relay key, not the learner's: what it signs (as the shared key once let it)
     by_a_worker = make_manifest(signing_key(TOKEN), 7, blob, CHUNK)
     with pytest.raises(BadSnapshot, match="not signed by this run's learner"):
         verify_manifest(KEY, by_a_worker)
@@ -96,7 +96,7 @@ def test_a_corrupted_chunk_is_detected_refetched_and_never_delivered():
 
 
 def test_a_forged_manifest_or_a_wrong_token_is_refused():
-    """A forger that holds the broadcast plane's key (a hostile worker relaying) serves weights of its own under
+    """A forger that holds the relay key (a hostile worker relaying) serves weights of its own under
     a manifest it signed: skipped for the next source. A fetcher without the key is refused everywhere."""
     blob = os.urandom(2 * CHUNK)
     _, forger = origin_with(os.urandom(2 * CHUNK), signer=signing_key(TOKEN))

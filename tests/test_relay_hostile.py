@@ -19,11 +19,13 @@ import pytest
 from conftest import closed_by_server, holds_within, small_coordinator
 from echo2.coordinator.broadcaster import RelayBroadcaster
 from echo2.broadcast.framing import send_frame
-from echo2.broadcast.manifest import BadSnapshot, make_manifest, signing_key, verify_key, verify_manifest
+from echo2.broadcast.manifest import (BadSnapshot, make_manifest, new_relay_key, signing_key, verify_key,
+                                      verify_manifest)
 from echo2.worker.peer import SnapshotReceiver
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
-from echo2.transport import Client, RemoteError, relay_key, worker_credential
+from echo2.net.http import Client, RemoteError
+from echo2.credential import worker_credential
 
 SECRET = "secret"  # small_coordinator's run secret too
 SIGNER, KEY = signing_key(SECRET), verify_key(SECRET)
@@ -241,7 +243,7 @@ def test_only_the_learner_orders_a_fetch_and_an_order_is_taken_once():
         # answers: refused on its headers, at once
         t0 = time.monotonic()
         with pytest.raises(RemoteError) as refused:
-            Client(r.url, relay_key(SECRET)).post("/fetch", {"version": 1, "base": -1, "sources": [
+            Client(r.url, new_relay_key()).post("/fetch", {"version": 1, "base": -1, "sources": [
                 ["127.0.0.1", hole.getsockname()[1]]]})
         assert refused.value.status == 401 and time.monotonic() - t0 < 2, refused.value
 
@@ -254,7 +256,7 @@ def test_only_the_learner_orders_a_fetch_and_an_order_is_taken_once():
                 (r.url, order, body, "replay"),  # the same order again
                 (peers["other"].url, order, body, "not for this worker"),  # r's order, sent to another worker
                 (r.url, order_credential(SIGNER, r.url, 101, body), {**body, "key": "cd" * 32}, "not the one"),
-                (r.url, order_credential(signing_key(relay_key(SECRET)), r.url, 102, body), body, "not an order")]:
+                (r.url, order_credential(signing_key(new_relay_key()), r.url, 102, body), body, "not an order")]:
             with pytest.raises(RemoteError, match=why) as e:
                 Client(url, credential).post("/key", sent)
             assert e.value.status == 401
@@ -319,7 +321,7 @@ def test_peer_certificates_are_short_lived_and_the_agent_renews_its_own(tmp_path
     from cryptography import x509
 
     from echo2.worker.agent import Agent
-    from echo2.transport import PEER_NAME, RunCA, Trust, server_context
+    from echo2.net.tls import PEER_NAME, RunCA, Trust, server_context
 
     ca = RunCA(str(tmp_path / "tls"))
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -23,7 +23,7 @@ from echo2.worker.peer import SnapshotReceiver
 from echo2.broadcast.relay import Fetcher, RelayServer, Superseded
 from echo2.broadcast.store import Snapshot, Store
 from echo2.lab import link
-from echo2.transport import Client, RemoteError
+from echo2.net.http import Client, RemoteError
 
 SECRET = "stripes-secret"
 TOKEN = "5a" * 32

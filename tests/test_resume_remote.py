@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from conftest import wait_until
 from echo2.coordinator.broadcaster import RelayBroadcaster
-from echo2 import rendezvous
+from echo2.net import rendezvous
 from echo2.worker.agent import Agent
 from echo2.coordinator.coordinator import Coordinator
 from echo2.settings import CoordinatorSettings

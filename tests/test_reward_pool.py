@@ -109,10 +109,10 @@ def test_heartbeats_are_answered_while_a_reward_chews_on_a_huge_power(tmp_path):
     """The real coordinator process on gsm8k; one worker pushes \\boxed{10^{10^{7}}} (math-verify took 18 s on it in
     the coordinator's own process, holding its GIL), another heartbeats meanwhile: every heartbeat is answered
     within a second, the push within the reward limit, and the books balance."""
-    from echo2.rollout.service import CoordinatorProcess
+    from echo2.learner.sources.coordinator_process import CoordinatorProcess
     from echo2.settings import CoordinatorSettings
     from echo2.tasks.gsm8k import Gsm8kTask
-    from echo2.transport import Client
+    from echo2.net.http import Client
 
     tok = CharTokenizer()
     task = Gsm8kTask(data_dir=str(FIXTURES / "gsm8k"), chat=False, max_completion_length=64)

@@ -13,7 +13,8 @@ from conftest import balanced, slow_until, small_coordinator, train, wait_until
 from echo2.worker.engines.hf import HFWorkerEngine
 from echo2.coordinator.trust import Checks, Verdict
 from echo2.settings import CheckSettings
-from echo2.transport import Client, RemoteError, worker_credential
+from echo2.net.http import Client, RemoteError
+from echo2.credential import worker_credential
 
 G = 2
 

@@ -1,4 +1,4 @@
-"""The HTTP layer under every server of the run (transport.JsonServer on echo2/httpd.py), against hostile and broken
+"""The HTTP layer under every server of the run (net.http.JsonServer on echo2/net/httpd.py), against hostile and broken
 clients: a body is never read before its sender is authenticated, stalled or half-sent requests are dropped on a
 timer, connections are capped, bad bodies and failing handlers are answered, and the server goes on serving."""
 
@@ -17,8 +17,9 @@ import pytest
 import requests
 
 from conftest import closed_by_server, wait_until
-from echo2.httpd import Limits
-from echo2.transport import LEARNER_NAME, Client, JsonServer, RunCA
+from echo2.net.httpd import Limits
+from echo2.net.http import Client, JsonServer
+from echo2.net.tls import LEARNER_NAME, RunCA
 
 TOKEN = "t0k"
 AUTH = f"Authorization: Bearer {TOKEN}\r\n".encode()

@@ -15,9 +15,9 @@ from transformers import AutoTokenizer
 
 from conftest import ROOT, alive
 from echo2.worker.peer import SnapshotReceiver
-from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
+from echo2.learner.sources.coordinator_process import CoordinatorDied, CoordinatorProcess
 from echo2.settings import CoordinatorSettings
-from echo2.transport import Client
+from echo2.net.http import Client
 from echo2.tasks.arith import ArithTask
 
 G = 2
@@ -38,7 +38,7 @@ def test_a_remote_source_without_a_broadcaster_is_refused(tmp_path):
     """No snapshot would ever reach its workers: refused when the source is built, before any process starts."""
     from types import SimpleNamespace
 
-    from echo2.rollout.async_source import AsyncRolloutSource
+    from echo2.learner.sources.async_source import AsyncRolloutSource
     from echo2.seams import RunParts
 
     parts = RunParts(task=None, tokenizer=None, scorer=None, sampling=None, engine=None, model_path="m",

@@ -12,8 +12,9 @@ import pytest
 import requests
 
 from conftest import balanced, small_coordinator, train, wait_until
-from echo2.transport import (LEARNER_NAME, PEER_NAME, Client, JsonServer, RemoteError, RunCA, Trust, fetch_ca,
-                             fingerprint, is_loopback, join, server_context)
+from echo2.net.http import Client, JsonServer, RemoteError
+from echo2.net.tls import (LEARNER_NAME, PEER_NAME, RunCA, Trust, fetch_ca, fingerprint, is_loopback, join,
+                           server_context)
 
 
 @pytest.fixture
@@ -53,10 +54,10 @@ def test_the_learner_decides_tls_from_its_addresses_and_logs_the_opt_out(tmp_pat
     import logging
     from types import SimpleNamespace
 
-    from echo2.rollout.async_source import AsyncRolloutSource
+    from echo2.learner.sources.async_source import AsyncRolloutSource
 
     source = SimpleNamespace(broadcaster={"host": sender_host}, run_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="echo2.rollout.async_source"):
+    with caplog.at_level(logging.WARNING, logger="echo2.learner.sources.async_source"):
         pin, tls_dir = AsyncRolloutSource._tls(source, mode, host)
     assert (pin is not None) == tls and (tls_dir is not None) == tls
     if tls:

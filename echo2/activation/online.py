@@ -12,7 +12,7 @@ on, off and on again in two minutes). An instance the exact DP refuses as too la
 prices) is planned by the bounded MILP search instead (solve.solve: logged, counted in ``fallbacks``; the plan's
 ``gap`` says how far from the optimum it may be), warm-started with the set now active. Deactivated workers stop
 getting work; the coordinator logs each change and runs ``activation.on_change`` (a cloud provider's stop/start
-of instances; echo2/coordinator/activation.py). planner.py feeds it from the coordinator's measurements.
+of instances; echo2/coordinator/on_change.py). planner.py feeds it from the coordinator's measurements.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
                       broadcaster) and the broadcast's shape → OnlineActivation (online.py) → active set
 
 It owns no threads, sockets or clocks (the caller passes ``now``) and runs no commands: the coordinator calls it
-with its lock held and hands a change to the ``activation.on_change`` hook runner (echo2/coordinator/activation.py).
+with its lock held and hands a change to the ``activation.on_change`` hook runner (echo2/coordinator/on_change.py).
 Workers are anything with ``worker_id``, ``usd_per_hour``, ``rollouts_per_s`` (0: not measured yet),
 ``down_mbit``, ``up_mbit`` and ``rtt_ms``. Workers without a measured throughput are planned with the mean of
 those that have one (1 rollout/s if none has).

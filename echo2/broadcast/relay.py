@@ -35,7 +35,7 @@ is in), after which it may idle ``idle_timeout_s`` until the next; a child that 
 ``stall_timeout_s`` is dropped. The fetcher gives a source ``connect_timeout_s`` to accept and ``answer_timeout_s``
 to answer (its manifest, or a frame saying it still waits for it).
 
-Transport. Off loopback both ends speak TLS (echo2/transport.py): the server presents a certificate from the run's
+Transport. Off loopback both ends speak TLS (echo2/net/http.py): the server presents a certificate from the run's
 CA, the fetcher verifies it against that CA alone (pinned when the worker joined). The handshake runs in the
 connection's own thread, never in accept.
 
@@ -314,7 +314,7 @@ class Fetcher:
                  connect_timeout_s: float = CONNECT_TIMEOUT_S, trust: Any = None, manifest_key: str | None = None,
                  answer_timeout_s: float = ANSWER_TIMEOUT_S, manifest_wait_s: float = 30.0):
         """``token``: the relay key (replaced by the learner's orders). ``manifest_key``: the learner's public key
-        (manifest.verify_key), which every manifest must be signed for. ``trust``: a transport.Trust; sources are
+        (manifest.verify_key), which every manifest must be signed for. ``trust``: a net.tls.Trust; sources are
         then reached over TLS verified against the run's CA. ``manifest_wait_s``: the longest a source may keep
         saying it waits for its own manifest. ``link``: the lab's emulated link (echo2/lab/link.py), never set in a
         run."""

@@ -1,4 +1,5 @@
-"""The coordinator process: what runs there, one per run, spawned by the learner (echo2/rollout/service.py).
+"""The coordinator process: what runs there, one per run, spawned by the learner
+(echo2/learner/sources/coordinator_process.py).
 
 ``process``      its entry point: builds the parts below and answers the learner's calls through a pipe
 ``coordinator``  the workers' HTTP routes (register, pull, push, heartbeat...), the reaper, take() for the learner
@@ -9,6 +10,7 @@
 ``trust``        the rollout checks: the learner's logprobs against a worker's, per credential
 ``buffer``       scored groups awaiting the learner, each at most S versions stale
 ``ledger``       every rollout's fate (consumed, dropped or lost, with a reason), journalled for restarts
-``activation``   the online planner's hook (echo2/activation/ decides which workers to run)
+``on_change``    runs ``activation.on_change``, the operator's hook, when the active set changes (echo2/activation/
+                 decides the set)
 ``broadcaster``  the relay's origin: orders every worker's copy of each snapshot (echo2/broadcast/ holds the relay)
 """

@@ -66,7 +66,8 @@ from echo2.broadcast.store import Snapshot, Store
 from echo2.metrics import (BROADCAST_BYTES, BROADCAST_DELTA_RATIO, BROADCAST_FAILURES, BROADCAST_LATE,
                            BROADCAST_ORIGIN_BYTES, BROADCAST_PREPARE_S, BROADCAST_REFUSED, BROADCAST_ROUNDS,
                            BROADCAST_STRIPES, BROADCAST_TIME_S)
-from echo2.transport import PEER_NAME, Client, reachable_host
+from echo2.net.http import Client, reachable_host
+from echo2.net.tls import PEER_NAME
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@
             logged and counted, and the next pass runs: nothing stops liveness
     release: a worker whose generate or push failed hands its groups back at once (lost, with its reason)
     credentials: the run secret (the learner's own, the local pool's, admin routes) or a worker's own
-            ``name:HMAC(secret, name)`` (transport.worker_credential), which acts only for the worker ids it
+            ``name:HMAC(secret, name)`` (credential.worker_credential), which acts only for the worker ids it
             registered; all the ids of one credential are one principal (registry.py): one share, one record
             of strikes, one verdict of the rollout checks; ``POST /revoke`` (run secret only) refuses a name from
             then on and re-queues its work
 
 It runs as threads (an HTTP server and a reaper) of its own process (process.py; the learner's side:
-echo2/rollout/service.py), which answers the learner's ``take`` / ``set_version`` calls over a pipe; the learner
+echo2/learner/sources/coordinator_process.py), which answers the learner's ``take`` / ``set_version`` calls over a pipe; the learner
 only blocks in ``take`` when the buffer is short, which is the idle time ``train/learner_idle_s`` reports.
 
 Accounting (rollouts, G per group): dispatched = consumed + dropped[reason] + lost[reason] + in flight + buffered,
@@ -53,7 +53,7 @@ from echo2.metrics import (BROADCAST_BYTES, BUFFER_DROPPED_STALE, BUFFER_GROUPS,
 from echo2.models.identity import mismatch
 from echo2.settings import CoordinatorSettings
 from echo2.coordinator import intake, schemas
-from echo2.coordinator.activation import OnChangeHook
+from echo2.coordinator.on_change import OnChangeHook
 from echo2.coordinator.buffer import StalenessBuffer, worth_dispatching
 from echo2.coordinator.gate import Gate
 from echo2.coordinator.ledger import open_ledger
@@ -62,7 +62,8 @@ from echo2.coordinator.registry import InFlight, Registry, WorkerInfo
 from echo2.scoring import encode_prompt
 from echo2.coordinator.trust import Checks
 from echo2.records import RolloutGroup
-from echo2.transport import BadRequest, JsonServer, Unauthorized, is_loopback
+from echo2.net.http import BadRequest, JsonServer, Unauthorized
+from echo2.net.tls import is_loopback
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@
                                                                                │   until its name is revoked (403)
                                                                                └ else 401
 
-A worker credential is ``name:HMAC(run secret, name)`` (transport.worker_credential), so the gate needs no table of
+A worker credential is ``name:HMAC(run secret, name)`` (credential.worker_credential), so the gate needs no table of
 workers; the coordinator binds each worker id to the name it registered with (``caller``). Revocations are kept in
 ``<run dir>/revoked.txt``: a restarted coordinator or a resumed learner refuses the same names; a fresh run in a
 used directory starts with none. The gate also answers the routes that hand out what joining needs: the run CA
-(public: the worker checks its fingerprint), a certificate for the worker's own servers, the broadcast plane's
-key, and the public key the learner's snapshot manifests are signed for.
+(public: the worker checks its fingerprint), a certificate for the worker's own servers, and the public key
+the learner's snapshot manifests and orders are signed for.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 
 from echo2.broadcast.manifest import verify_key
 from echo2.coordinator import schemas
-from echo2.transport import (PEER_NAME, BadRequest, Revoked, RunCA, Trust, Unauthorized, credential_name,
-                             relay_key)
+from echo2.credential import credential_name
+from echo2.net.http import BadRequest, Revoked, Unauthorized
+from echo2.net.tls import PEER_NAME, RunCA, Trust
 
 
 class Gate:
@@ -71,7 +72,7 @@ class Gate:
         return name
 
     def routes(self) -> dict[str, Any]:
-        return {"GET /ca": self._ca, "POST /certificate": self._certificate, "POST /relay-key": self._relay_key}
+        return {"GET /ca": self._ca, "POST /certificate": self._certificate, "POST /manifest-key": self._manifest_key}
 
     def _ca(self, _body, _headers) -> dict:
         """The run CA's certificate (public): a joining worker checks it against its pinned fingerprint."""
@@ -87,8 +88,9 @@ class Gate:
         cert, key = self.ca.issue([PEER_NAME])
         return {"cert": cert.decode(), "key": key.decode()}
 
-    def _relay_key(self, body, _headers) -> dict:
-        """What a worker's snapshot receiver needs: the broadcast plane's key (transport.relay_key) and the public
-        key the learner's manifests are signed for (broadcast.manifest.verify_key)."""
+    def _manifest_key(self, body, _headers) -> dict:
+        """What a worker's snapshot receiver needs before the learner's first order: the public key the learner's
+        manifests and orders are signed for (broadcast.manifest.verify_key). The relay key itself is random and
+        comes with each order (coordinator/broadcaster.py)."""
         schemas.parse(schemas.Empty, body)
-        return {"key": relay_key(self.secret), "manifest_key": verify_key(self.secret)}
+        return {"manifest_key": verify_key(self.secret)}

@@ -24,7 +24,7 @@ from echo2.coordinator.registry import InFlight, Registry, WorkerInfo
 from echo2.coordinator.results import parse_result
 from echo2.coordinator.schemas import MAX_ROLLOUTS_PER_S
 from echo2.records import RolloutGroup
-from echo2.transport import BadRequest
+from echo2.net.http import BadRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The coordinator process: what it runs, and how it answers the learner (whose side is echo2/rollout/service.py).
+"""The coordinator process: what it runs, and how it answers the learner (whose side is echo2/learner/sources/coordinator_process.py).
 
 The learner spawns it with ``serve`` as its entry point and hands it one frozen CoordinatorSettings
 (echo2/settings.py); ``serve`` builds the reward pool, the broadcaster (from its config) and the Coordinator, then

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from echo2.records import Completion, Rollout
-from echo2.transport import BadRequest
+from echo2.net.http import BadRequest
 
 
 def parse_result(res: dict, prompt_ids: list[int], group_size: int, max_tokens: int,

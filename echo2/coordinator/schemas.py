@@ -25,7 +25,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from echo2.transport import BadRequest, WORKER_NAME
+from echo2.net.http import BadRequest
+
+from echo2.credential import WORKER_NAME
 
 MAX_ID_CHARS = 64
 """Worker and group ids are ours (``w17``, ``g4021``); anything longer is not one."""
@@ -59,7 +61,7 @@ class Body(BaseModel):
 
 
 class Empty(Body):
-    """Routes that take no arguments (``/certificate``, ``/relay-key``)."""
+    """Routes that take no arguments (``/certificate``, ``/manifest-key``)."""
 
 
 class ModelClaim(Body):

@@ -61,7 +61,7 @@ def role_peer(args) -> None:
     cls = _late_control(SnapshotReceiver, args.latency_ms / 1e3) if args.latency_ms else SnapshotReceiver
     trust = None
     if args.tls_dir:
-        from echo2.transport import PEER_NAME, RunCA, Trust, server_context
+        from echo2.net.tls import PEER_NAME, RunCA, Trust, server_context
 
         ca = RunCA(args.tls_dir)
         trust = Trust(ca.ca_pem, ca.ca_file, server_context(*ca.issue([PEER_NAME])))
@@ -110,7 +110,7 @@ def role_learner(args) -> None:
                           sparse_delta=args.changed < 1)
     bc.on_delivered = on_delivered
     if args.tls_dir:
-        from echo2.transport import RunCA
+        from echo2.net.tls import RunCA
 
         bc.use_tls(RunCA(args.tls_dir).trust())
     for i, p in enumerate(peers):

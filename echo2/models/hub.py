@@ -37,7 +37,7 @@ def from_hub(name_or_path: str) -> str:
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     cache = os.environ.get("HF_HOME", "~/.cache/huggingface")
     raise HubUnavailable(
-        f"model {name_or_path!r} is not in the local Hugging Face cache ({cache}) and cannot be downloaded: {why}. Download it where the hub is reachable (`huggingface-cli download "
+        f"model {name_or_path!r} is not in the local Hugging Face cache ({cache}) and cannot be downloaded: {why}. Download it where the hub is reachable (`hf download "
         f"{name_or_path}`) and copy the cache here (or set HF_HOME), or give a local directory: "
         f"model.path.name_or_path=DIR for the learner, --model DIR for a worker.")
 

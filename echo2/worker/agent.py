@@ -29,7 +29,7 @@ manifest names its epoch (signed by the learner): a snapshot of another epoch th
 (a fetch the dead learner ordered, finishing late) is never applied.
 
 Certificates: over TLS the agent's snapshot and relay servers present a certificate the coordinator issued for a
-few hours (transport.PEER_CERT_LIFETIME_S); the agent has it renewed every third of that, into the same TLS
+few hours (net.tls.PEER_CERT_LIFETIME_S); the agent has it renewed every third of that, into the same TLS
 context, so that a revoked worker's certificate expires soon and it gets no other.
 
 SIGTERM / SIGINT: finish nothing new, tell the coordinator, stop the engine (no orphan engine processes).
@@ -56,8 +56,8 @@ from typing import Any
 
 from echo2.worker.peer import SnapshotReceiver
 from echo2.records import SamplingParams
-from echo2.transport import (LEARNER_NAME, PEER_CERT_LIFETIME_S, Client, RemoteError, Trust, is_loopback, join,
-                             load_certificate)
+from echo2.net.http import Client, RemoteError
+from echo2.net.tls import LEARNER_NAME, PEER_CERT_LIFETIME_S, Trust, is_loopback, join, load_certificate
 
 log = logging.getLogger("echo2.worker")
 
@@ -211,7 +211,7 @@ class Agent:
         to that one from now on (it does not know this worker: the next request is told to register, and it does)."""
         if self.rendezvous is None:
             return False
-        from echo2 import rendezvous
+        from echo2.net import rendezvous
 
         try:
             url = rendezvous.read(self.rendezvous, timeout_s=0)["url"].rstrip("/")
@@ -256,7 +256,7 @@ class Agent:
     def run(self) -> None:
         # The learner's public key, which its orders and manifests are checked against; the relay key comes with
         # the learner's orders.
-        keys = self._retrying(lambda: self.client.post("/relay-key", {}))
+        keys = self._retrying(lambda: self.client.post("/manifest-key", {}))
         self.receiver.trust_learner(keys["manifest_key"])
         self.receiver.start()
         if self.trust is not None and self.trust.server is not None:
@@ -471,7 +471,7 @@ def _find_learner(args) -> int | None:
     wait for it, take the URL and CA fingerprint from it (in ``args``), and return the context the run needs."""
     if args.coordinator.startswith(("http://", "https://")):
         return None
-    from echo2 import rendezvous
+    from echo2.net import rendezvous
 
     found = rendezvous.read(args.coordinator, args.reconnect_timeout_s)
     log.info("learner found in %s: %s (context %d tokens)", args.coordinator, found["url"], found["max_model_len"])

@@ -35,7 +35,7 @@ from echo2.broadcast.manifest import (FULL, MAX_SOURCES, BadSnapshot, check_orde
                                       verify_key, verify_manifest)
 from echo2.broadcast.relay import Fetcher, RelayServer, Superseded
 from echo2.broadcast.store import Snapshot, Store
-from echo2.transport import BadRequest, JsonServer, Unauthorized
+from echo2.net.http import BadRequest, JsonServer, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class SnapshotReceiver:
                  control_port: int = 0, relay_port: int = 0, trust: Any = None, manifest_key: str | None = None):
         """``manifest_key``: the learner's public key (manifest.verify_key), which its orders and manifests are
         checked against; a worker's agent learns it when it joins (``trust_learner``). ``token``: a relay key to
-        start with (None: none until the learner's first order brings it). ``trust`` (a transport.Trust): serve and
+        start with (None: none until the learner's first order brings it). ``trust`` (a net.tls.Trust): serve and
         fetch over TLS pinned to the run's CA. ``link``: the lab's emulated access link (echo2/lab/link.py) for its
         server and fetcher; a worker has none."""
         self.on_snapshot = on_snapshot

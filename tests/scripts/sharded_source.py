@@ -27,7 +27,7 @@ class Stub:
         return [f"g{i}" for i in range(len(rows))]
 
     def advance(self, version):
-        from echo2.rollout.service import CoordinatorDied
+        from echo2.learner.sources.coordinator_process import CoordinatorDied
 
         raise CoordinatorDied("the coordinator process exited with code -9; it was restarted 3 times in the last "
                               "600 s: giving up")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from echo2.transport import reachable_host
+from echo2.net.http import reachable_host
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""The rollout plane's side of activation: it logs each change of the active set and runs ``activation.on_change``.
+"""The operator's hook on a change of the active set: logs each change and runs ``activation.on_change``.
 
 The planning itself (T_train and throughput estimates, cost accrual, re-plan timing, the solver) is pure and
 lives in echo2/activation/planner.py; the coordinator feeds it and hands each ``Change`` it returns to
 ``OnChangeHook``. The hook is a shell command (a cloud provider's stop/start of instances; see
-conf/activation/default.yaml) started in its own process group, from where train.py was started (told the run dir in
-$ECHO2_RUN_DIR); it is reaped, and its exit
-status logged, on a later call, so the coordinator's lock is never held while it runs.
+conf/activation/default.yaml) started in its own process group, from where train.py was started (told the run dir
+in $ECHO2_RUN_DIR); it is reaped, and its exit status logged, on a later call, so the coordinator's lock is never
+held while it runs.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 With several learner processes only rank 0 holds this source (echo2/learner/distributed.py hands each rank its
 slice and runs the snapshot's gather on every rank); nothing here knows how many learner processes there are.
 
-The coordinator and the broadcaster run in a process of their own (service.py; its code: echo2/coordinator/), so
+The coordinator and the broadcaster run in a process of their own (coordinator_process.py; its code: echo2/coordinator/), so
 serving workers takes neither the learner's GIL nor its core. The learner never generates and never waits for a
 broadcast; it waits only when fewer than P admissible groups are buffered (``train/learner_idle_s``). Prompts come
 from the task's training set in the coordinator's own seeded order, so the rows TRL's sampler hands to ``collect``
@@ -43,13 +43,13 @@ from echo2.activation.settings import ActivationSettings, BroadcastShape, detach
 from echo2.metrics import ROLLOUT_COORDINATOR_RESTARTS
 from echo2.models.identity import model_identity
 from echo2.models.probe import probe_tokens
-from echo2 import rendezvous
+from echo2.net import rendezvous
 from echo2.records import RolloutGroup
-from echo2.rollout.service import CoordinatorDied, CoordinatorProcess
+from echo2.learner.sources.coordinator_process import CoordinatorDied, CoordinatorProcess
 from echo2.scoring import longest_prompt
 from echo2.seams import RunParts, RunStopped, Weights
 from echo2.settings import CheckSettings, CoordinatorSettings, LivenessSettings
-from echo2.transport import RunCA, is_loopback
+from echo2.net.tls import RunCA, is_loopback
 
 log = logging.getLogger(__name__)
 

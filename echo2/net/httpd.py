@@ -1,4 +1,4 @@
-"""The HTTP machinery under transport.JsonServer: uvicorn's HTTP/1.1 protocol, hardened for a port strangers reach.
+"""The HTTP machinery under net.http.JsonServer: uvicorn's HTTP/1.1 protocol, hardened for a port strangers reach.
 
     accept ─► connection cap ─► TLS handshake ─► request line + headers ─► the app, on the event loop: credential,
     route, declared length ─► body ─► handler thread ─► response ─► kept alive ─► next request

@@ -20,7 +20,7 @@ import logging
 from collections import deque
 from typing import Any
 
-from echo2.rollout.sync import SyncRolloutSource
+from echo2.learner.sources.sync import SyncRolloutSource
 from echo2.seams import RunParts
 
 log = logging.getLogger(__name__)
