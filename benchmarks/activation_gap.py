@@ -1,6 +1,6 @@
 """Greedy and all-on activation against the exact optimum, on random priced pools; and the exact solver's time.
 
-Instances as in tests/test_activation.py (prices $0.10-3.00/h, 5-120 rollouts/s, links from {100, 500, 1000}
+Instances as in tests/planning/test_activation.py (prices $0.10-3.00/h, 5-120 rollouts/s, links from {100, 500, 1000}
 Mbit/s, RTT {20, 80, 150} ms; R, T_train, S, snapshot size, learner price and broadcast mode drawn per
 instance). The gap is cost per learner step over the optimum's, among instances where the plan meets the
 utilization floor as the optimum does. The exact solver is checked against brute force in the tests (N <= 12).

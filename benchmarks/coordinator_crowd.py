@@ -3,7 +3,7 @@ learner that trains, compared with the same run before the crowd arrives ("calm"
 
     python benchmarks/coordinator_crowd.py                          # N = 16 128 512 1024, 2,000 rollouts/s in all
     python benchmarks/coordinator_crowd.py --workers 128 --rate 0   # unpaced: as fast as the coordinator hands out
-    python benchmarks/coordinator_crowd.py --quick                  # N = 16, short windows (tests/test_crowd.py)
+    python benchmarks/coordinator_crowd.py --quick                  # N = 16, short windows (tests/coordinator/test_crowd.py)
 
 One fresh run (learner, coordinator, clients) per N, in a process of its own:
 
@@ -811,7 +811,7 @@ def main() -> None:
                    help="crowd client processes (0: 1 up to 256 workers, else 2)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave every process to the scheduler (default: the learner on core 0, the rest on core 1)")
-    p.add_argument("--quick", action="store_true", help="16 workers, 8 s windows (tests/test_crowd.py runs this)")
+    p.add_argument("--quick", action="store_true", help="16 workers, 8 s windows (tests/coordinator/test_crowd.py runs this)")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: be a client process
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: be one run, its row written to this file

@@ -37,7 +37,7 @@ tail -5 "$OUT/step_time.txt"
 # the async run with two vLLM agents.
 if $PY -c "import vllm" 2>/dev/null; then
   t0=$(date +%s)
-  timeout 400 $PY -m pytest tests/test_engines.py -q -k vllm > "$OUT/vllm_engines.txt" 2>&1; echo "vllm engines rc=$? in $(( $(date +%s) - t0 )) s"
+  timeout 400 $PY -m pytest tests/worker/test_engines.py -q -k vllm > "$OUT/vllm_engines.txt" 2>&1; echo "vllm engines rc=$? in $(( $(date +%s) - t0 )) s"
   tail -3 "$OUT/vllm_engines.txt"
   t0=$(date +%s)
   timeout 400 $PY train.py rollout=async pool=local pool.engine=vllm pool.workers=2 run.steps=30 $A \

@@ -33,7 +33,7 @@ attacks at once until the end: absurd declarations, a hoarding credential with m
 claims never delivered, fabricated completions, an outsider's floods and ~100 half-open connections (to the
 coordinator and to an honest worker's snapshot-control port), orders to a worker from a worker, and a relay that
 accepts connections and never answers. A reward slow on a crafted completion is task-specific: the copy task's
-reward parses an integer, so no completion makes it slow (tests/test_reward_pool.py covers a slow reward).
+reward parses an integer, so no completion makes it slow (tests/coordinator/test_reward_pool.py covers a slow reward).
 
 The rollout checks run with b = check_max_abs_log_ratio = 2 nats a token (the default). They score each worker's
 tokens under the version it claims: scored with the learner's current weights, on the tiny model (learning rate
@@ -319,7 +319,7 @@ def table(r: dict) -> str:
 
 HOSTILE_KINDS = ("absurd", "hoarder", "invalid", "liar", "forger", "outsider", "relay_orders", "hung_relay")
 SLOW_REWARD = ("skipped: the copy task's reward parses a leading integer, so no completion makes it slow; a slow "
-               "reward is task-specific (task=gsm8k's math-verify), covered by tests/test_reward_pool.py")
+               "reward is task-specific (task=gsm8k's math-verify), covered by tests/coordinator/test_reward_pool.py")
 JOINED = re.compile(r"worker (w\d+) joined \(.*?(?:, credential '([^']+)')?\)$")
 
 

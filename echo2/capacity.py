@@ -201,7 +201,7 @@ def mean_step_s(rollouts_per_step: float, train_step_s: float, staleness: int, i
     """T_step for each aggregate throughput in ``mu``: the closed form where it holds, the round map where rounds
     queue (T_bcast > κ·T_step; the closed form's T_step is a lower bound, so testing with it is safe) or where κ > 1
     and R/μ > T_train (a window with no room must generate all κ·R rollouts after its version is usable, which
-    the closed form counts once). Elsewhere the two agree (tests/test_activation.py)."""
+    the closed form counts once). Elsewhere the two agree (tests/planning/test_activation.py)."""
     mu = np.atleast_1d(np.asarray(mu, dtype=float))
     bcast_s = np.broadcast_to(np.asarray(bcast_s, dtype=float), mu.shape)
     k = staleness - interval + 1

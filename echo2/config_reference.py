@@ -3,7 +3,7 @@ default and the comment above it in the YAML (the one place each knob is documen
 
     python -m echo2.config_reference > docs/config.md
 
-``tests/test_docs.py`` regenerates it and fails if docs/config.md differs, or if a field of a structured config
+``tests/repo/test_docs.py`` regenerates it and fails if docs/config.md differs, or if a field of a structured config
 (echo2/config.py) is missing from the YAML that uses it, or if an option has no comment.
 """
 

@@ -1,6 +1,9 @@
 """Shared test setup: no hub, no wandb network, one OpenMP thread, a per-session model cache.
 
-Shrunk knobs are commented where they are set. Markers: ``slow`` (multi-process or > ~30 s).
+The tree mirrors the package (tests/learner/ for echo2/learner/, ...); tests/e2e/ holds whole-system runs, and
+tests/repo/ what a user meets first (configs, the CLI, launchers, the README, the docs). Shrunk knobs are commented
+where they are set. Markers: ``e2e`` on every test that starts an operating-system process (a test that starts one
+without the marker fails, naming what it started: ``-m "not e2e"`` stays the quick loop), ``slow`` (> ~30 s).
 """
 
 from __future__ import annotations
@@ -25,6 +28,46 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from echo2.env import descendants  # noqa: E402, F401  (the tests' process-tree helper)
+
+
+E2E_DIR = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # everything in tests/e2e/ is a whole-system run
+        if E2E_DIR in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(autouse=True)
+def processes_only_in_e2e(request, monkeypatch):
+    """A test not marked ``e2e`` that starts an operating-system process fails at its end, naming the command: the
+    marker is what keeps ``-m "not e2e"`` quick, so it must not be forgotten. The process itself is started as
+    asked (refusing it inside library code could be swallowed and read as another failure)."""
+    if request.node.get_closest_marker("e2e"):
+        yield
+        return
+    import multiprocessing.process
+
+    started: list[str] = []
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def popen(self, args, *a, **kw):
+        argv = [str(x) for x in args] if isinstance(args, (list, tuple)) else str(args).split()
+        if argv[:1] != ["git"]:  # a git query over the checkout (the docs tests) takes milliseconds
+            started.append(" ".join(argv))
+        popen_init(self, args, *a, **kw)
+
+    def start(self):
+        started.append(f"multiprocessing {self.name}")
+        process_start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
+    yield
+    if started:
+        pytest.fail(f"this test started {len(started)} process(es) without the e2e marker (first: "
+                    f"{started[0][:200]}): mark it @pytest.mark.e2e", pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,5 +1,5 @@
 """Lab tools: what measures and emulates the system, never shipped to workers (no module outside echo2/lab imports
-it; tests/test_docs.py checks). Tests, benchmarks and launchers/wan.py use them.
+it; tests/repo/test_docs.py checks). Tests, benchmarks and launchers/wan.py use them.
 
 ``testbed``    emulated WAN hosts in network namespaces behind shaped links (needs root)
 ``delayline``  the packet delay the testbed uses (NFQUEUE; the kernel here has no netem)

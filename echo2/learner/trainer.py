@@ -21,7 +21,7 @@ How it differs from TRL's trainer (trl==1.16.0), and nothing else:
   are computed here, once per slice, for TRL's KL term.
 
 The loss itself (``_compute_loss``: every TRL ``loss_type``, clipping, KL, entropy terms) is TRL's.
-``tests/test_trl_contract.py`` fails if a TRL method overridden or called here changes signature.
+``tests/learner/test_trl_contract.py`` fails if a TRL method overridden or called here changes signature.
 """
 
 from __future__ import annotations

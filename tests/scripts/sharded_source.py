@@ -1,4 +1,4 @@
-"""Run by tests/test_sharded_learner.py under torchrun with 2 processes (gloo): rank 0 holds a stub rollout source,
+"""Run by tests/learner/test_sharded_learner.py under torchrun with 2 processes (gloo): rank 0 holds a stub rollout source,
 rank 1 none. A step's batch is handed out as whole groups per rank; then rank 0's source fails (a take timeout, then
 a coordinator process dead past its restarts when the version advances) and every rank must raise, naming the
 error, instead of waiting in a collective; a stop requested while rank 0 waits ends the run on every rank. Each

@@ -2,7 +2,7 @@
 
     SKY_PYTHON tests/scripts/sky_task.py TASK.yaml [--env K=V ...] [--secret K=V ...]
 
-Run by an interpreter that has skypilot (requirements-sky.txt; tests/test_readme.py builds one), not by echo2's.
+Run by an interpreter that has skypilot (requirements-sky.txt; tests/repo/test_readme.py builds one), not by echo2's.
 """
 
 import argparse

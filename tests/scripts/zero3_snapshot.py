@@ -1,4 +1,4 @@
-"""Run by tests/test_sharded_learner.py under torchrun with 2 processes: a tiny model (tied embeddings, so the
+"""Run by tests/learner/test_sharded_learner.py under torchrun with 2 processes: a tiny model (tied embeddings, so the
 snapshot's one-copy rule for a tied LM head is exercised) under DeepSpeed ZeRO-3 (gloo), one AdamW step, then
 the snapshot that the learner publishes (PolicyWeights.write on every rank, rank 0 writing) and the gathered state
 dict of the same step (every parameter gathered at once, the way a consolidated checkpoint is made). Rank 0 writes

@@ -16,7 +16,7 @@ Each call sends the name of the method that serves it with its arguments: Coordi
 CoordinatorCalls.take (echo2/seams.py), which is Coordinator.take in the child. The learner's code imports nothing
 of the coordinator: the child's entry point and the broadcaster go by name (``COORDINATOR_MAIN``, the
 ``broadcast.sender`` config's ``_target_``). One tool does, in this process: echo2/config.py (train.py's config
-schema) reads the broadcaster's constructor to type ``broadcast.sender.*`` (tests/test_layout.py names that import).
+schema) reads the broadcaster's constructor to type ``broadcast.sender.*`` (tests/repo/test_layout.py names that import).
 
     waits for (learner): a reply to take, i.e. P admissible groups;   unblocked by: worker pushes in the child
 

@@ -31,6 +31,7 @@ def test_every_option_is_documented():
 ])
 def test_every_schema_field_is_in_its_yaml(node, files):
     fields = {f.name for f in dataclasses.fields(node) if f.name != "_target_"}
+    assert list(CONF.glob(files)), f"no file conf/{files}: the check would pass with nothing checked"
     for path in CONF.glob(files):
         keys = {o.key.split(".")[0] for o in options(path)}
         assert fields <= keys, f"{path.name} lacks {sorted(fields - keys)}"
@@ -44,6 +45,7 @@ def test_every_schema_field_is_in_its_yaml(node, files):
 def test_every_component_option_is_in_its_yaml(node, files, section):
     """The options of a component's config node (its schema, read from its constructor) are those its YAML lists."""
     fields = {f.name for f in dataclasses.fields(node) if f.name != "_target_"}
+    assert list(CONF.glob(files)), f"no file conf/{files}: the check would pass with nothing checked"
     for path in CONF.glob(files):
         keys = {o.key.split(".")[1] for o in options(path) if o.key.startswith(section + ".")}
         assert keys == fields, f"{path.name}: missing {sorted(fields - keys)}, not options {sorted(keys - fields)}"
@@ -56,14 +58,14 @@ def test_run_options_match_the_schema():
 
 def test_readme_quick_start_is_what_ci_and_the_demo_test_run():
     """The two commands of the README: the test command is .ci/run's; the run command is what
-    tests/test_cli.py::test_default_demo_learns_with_async_workers runs (train.py with no overrides)."""
+    tests/repo/test_cli.py::test_default_demo_learns_with_async_workers runs (train.py with no overrides)."""
     readme = (ROOT / "README.md").read_text()
     quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"```bash\n(.*?)\n```", quick, re.S)
     assert commands == ["./install.sh && .venv/bin/python train.py", "./install.sh && .venv/bin/python -m pytest"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "./install.sh" in ci and ".venv/bin/python -m pytest\n" in ci
-    demo = (ROOT / "tests" / "test_cli.py").read_text()
+    demo = (ROOT / "tests" / "repo" / "test_cli.py").read_text()
     assert 'run_train(["run.wandb=disabled", f"hydra.run.dir={tmp_path}"]' in demo
 
 
@@ -89,6 +91,6 @@ def test_the_repository_stands_alone():
 
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     pattern = re.compile(r"\bDESIGN\b|shared/|research/")
-    hits = [f"{f}:{i}" for f in files if (ROOT / f).is_file() and f != "tests/test_docs.py"
+    hits = [f"{f}:{i}" for f in files if (ROOT / f).is_file() and f != "tests/repo/test_docs.py"
             for i, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
     assert hits == []

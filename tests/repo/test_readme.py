@@ -243,7 +243,7 @@ def check(where: str, line: str, tmp_path: Path) -> str:
         ns = parse_with(wan.main, argv[1:])
         check_train(["pool=static", *ns.train_args])
         return "parses"
-    raise AssertionError(f"README command {line!r} ({where}): no check knows it; add one to tests/test_readme.py")
+    raise AssertionError(f"README command {line!r} ({where}): no check knows it; add one to tests/repo/test_readme.py")
 
 
 def sky_python() -> str:

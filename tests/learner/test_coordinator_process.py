@@ -115,7 +115,7 @@ def test_a_killed_learner_takes_its_coordinator_down(tiny_model_dir, tmp_path):
         import sys, time
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         from pathlib import Path
-        from test_service import start
+        from test_coordinator_process import start
         coord = start({tiny_model_dir!r}, Path({str(tmp_path)!r}))
         print(coord.proc.pid, flush=True)
         time.sleep(600)
