@@ -54,7 +54,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     """Build every component from the config, one log line each. Returns (trainer, source, step_log): step_log
     writes the summary, and its ``stop`` ends the run after a step. ``resume``: a checkpoint to resume from
     (find_checkpoint); the trainer loads it in ``train()``."""
-    from echo2.learner.args import grpo_config, resolve_precision
+    from echo2.learner.args import grpo_config, learning_rate_warning, peft_config, resolve_precision
     from echo2.learner import callbacks
     from echo2.learner.trainer import Echo2GRPOTrainer
     from echo2.metrics import MetricsSink
@@ -67,9 +67,8 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     stop_ids = stop_token_ids(tokenizer, model_path)
     log.info("model %s from %s (%s), stop tokens %s", cfg.model.name, model_path, cfg.model.dtype,
              tokenizer.convert_ids_to_tokens(stop_ids))
-    if cfg.learner.learning_rate >= 1e-4 and not cfg.model.path._target_.endswith("build_tiny"):
-        log.warning("learner.learning_rate=%g is a rate for the tiny model trained from scratch; a pretrained model "
-                    "usually wants 1e-6..1e-5 (experiment=smollm2_arith uses 1e-5)", cfg.learner.learning_rate)
+    if warning := learning_rate_warning(cfg):
+        log.warning("%s", warning)
 
     task = instantiate(cfg.task)
     train_set = task.train_dataset()
@@ -84,15 +83,16 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
 
     trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
                                args=grpo_config(cfg, run_dir, world_size), train_dataset=train_set,
+                               peft_config=peft_config(cfg),
                                rollout_source=source, staleness=cfg.rollout.staleness,
                                correction=cfg.rollout.correction,
                                is_bounds=(cfg.rollout.is_min, cfg.rollout.is_max),
                                icepop_bounds=(cfg.rollout.icepop_min, cfg.rollout.icepop_max),
                                m2_threshold=cfg.rollout.m2_threshold,
                                seq_bounds=(cfg.rollout.seq_min, cfg.rollout.seq_max))
-    log.info("learner %s on %d process(es): %s, %s, weights %s%s", type(trainer).__name__, world_size,
+    log.info("learner %s on %d process(es): %s, %s, weights %s%s%s", type(trainer).__name__, world_size,
              trainer.backend(), trainer.accelerator.device, next(trainer.model.parameters()).dtype,
-             ", bf16 compute with fp32 master weights" if trainer.args.bf16 else "")
+             ", bf16 compute with fp32 master weights" if trainer.args.bf16 else "", trainer.describe_adapter())
     if cfg.learner.lr_staleness == "inverse":
         from echo2.learner.staleness_lr import StalenessLR
 

@@ -139,6 +139,15 @@ class ArithChatTaskConfig:
 
 
 @dataclass
+class LoraSettings:
+    rank: Optional[int] = None  # null: full fine-tuning
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"  # or a list of module names
+    use_rslora: bool = False
+
+
+@dataclass
 class LearnerConfig:
     learning_rate: float = 3e-3
     lr_scheduler_type: str = "constant"
@@ -158,6 +167,7 @@ class LearnerConfig:
     micro_batch_size: Optional[int] = None
     gradient_checkpointing: bool = False
     deepspeed: Optional[Any] = None
+    lora: LoraSettings = field(default_factory=LoraSettings)
     trl: dict[str, Any] = field(default_factory=dict)
 
 
@@ -429,6 +439,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         errors.append(f"activation.solver={a.solver!r}: expected all_on, greedy or exact")
     if not 0 <= a.min_utilization <= 1 or a.hysteresis < 0 or a.learner_usd_per_hour < 0:
         errors.append("activation: need 0 <= min_utilization <= 1, hysteresis >= 0, learner_usd_per_hour >= 0")
+    lora = cfg.learner.lora
+    if lora.rank is not None and (lora.rank < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1):
+        errors.append(f"learner.lora: rank={lora.rank}, alpha={lora.alpha}, dropout={lora.dropout}: need rank >= 1 "
+                      "(null: full fine-tuning), alpha > 0 and 0 <= dropout < 1")
     if cfg.learner.scale_rewards not in SCALE_REWARDS:
         errors.append(f"learner.scale_rewards={cfg.learner.scale_rewards!r}: expected one of "
                       f"{', '.join(SCALE_REWARDS)}")

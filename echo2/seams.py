@@ -64,6 +64,7 @@ class Weights(Protocol):
     dtype: str  # the snapshot's dtype, e.g. "bfloat16": what the workers will serve
     local: bool  # True: this process can write the snapshot alone; False: sharded, every learner rank joins write()
     written: bool  # whether write() has started (its gathers are collectives: a rank that failed before joins them)
+    adapter: Any  # a LoRA policy's broadcast.adapter.AdapterSpec (the snapshot holds only the adapter), or None
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """Called before each publish (by every learner rank when sharded): the policy's logprobs of fixed tokens."""

@@ -1,6 +1,7 @@
 """Snapshot bytes: the policy's state dict as safetensors (no code runs on load, unlike pickle), and the memory
 they live in on a worker (``MemoryFile``: the relay receives into it, the engine maps it; ``views`` reads tensors
-out of it without a copy).
+out of it without a copy). A LoRA policy's snapshot holds only its adapter, in PEFT's tensor names, with the
+adapter's configuration in the safetensors metadata (``metadata``; echo2/broadcast/adapter.py).
 
 Their authentication (a manifest of chunk digests signed by the learner) is the relay's: manifest.py.
 """
@@ -51,15 +52,18 @@ def order(specs: dict[str, tuple[Any, tuple[int, ...]]]) -> list[str]:
     return sorted(specs, key=lambda n: (-specs[n][0].itemsize, n))
 
 
-def save_stream(specs: dict[str, tuple[Any, tuple[int, ...]]], tensors: Iterator[Any], path: str) -> None:
+def save_stream(specs: dict[str, tuple[Any, tuple[int, ...]]], tensors: Iterator[Any], path: str,
+                metadata: dict[str, str] | None = None) -> None:
     """Write a snapshot from its tensors' (dtype, shape) and the tensors themselves, produced one at a time in
     ``order(specs)``: the writer never needs them all at once (a sharded learner gathers each just before it is
-    written). Each tensor must have the dtype and shape its spec says."""
+    written). Each tensor must have the dtype and shape its spec says. ``metadata``: safetensors' string map
+    (``__metadata__``), signed with the rest of the bytes."""
     import torch
 
     codes = {v: k for k, v in _dtypes().items()}
     names = order(specs)
-    header, offset = {}, 0
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
     for name in names:
         dtype, shape = specs[name]
         size = dtype.itemsize * int(torch.Size(shape).numel())
@@ -75,6 +79,13 @@ def save_stream(specs: dict[str, tuple[Any, tuple[int, ...]]], tensors: Iterator
                 raise ValueError(f"snapshot tensor {name}: got {t.dtype} {tuple(t.shape)}, spec says {specs[name]}")
             if t.numel():
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def metadata(buf) -> dict[str, str]:
+    """The safetensors ``__metadata__`` of snapshot bytes (empty if none), read from the header alone."""
+    (header_len,) = struct.unpack_from("<Q", buf, 0)
+    header = json.loads(bytes(memoryview(buf)[8:8 + header_len]))
+    return dict(header.get("__metadata__") or {})
 
 
 def decode(blob) -> dict[str, Any]:

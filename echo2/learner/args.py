@@ -94,6 +94,36 @@ def master_dtype(cfg: Any) -> str:
     return "float32" if cfg.learner.bf16 else cfg.model.dtype
 
 
+def peft_config(cfg: Any) -> Any:
+    """``learner.lora`` as PEFT's LoraConfig for TRL's ``peft_config``, or None for full fine-tuning."""
+    lora = cfg.learner.lora
+    if lora.rank is None:
+        return None
+    from peft import LoraConfig
+
+    targets = lora.target_modules
+    targets = targets if isinstance(targets, str) else list(targets)
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                      use_rslora=lora.use_rslora, bias="none", task_type="CAUSAL_LM")
+
+
+def learning_rate_warning(cfg: Any) -> str | None:
+    """A warning when ``learner.learning_rate`` is far from what a pretrained model wants: 1e-6..1e-5 for full
+    fine-tuning, about 10x that for a LoRA adapter (its update is a low-rank product that starts at zero)."""
+    lr, lora = cfg.learner.learning_rate, cfg.learner.lora.rank is not None
+    if cfg.model.path._target_.endswith("build_tiny"):  # trained from scratch: its rates are its own
+        return None
+    low, high = (1e-6, 1e-3) if lora else (0.0, 1e-4)
+    if lr >= high:
+        return (f"learner.learning_rate={lr:g} is a rate for the tiny model trained from scratch; a pretrained model "
+                + ("with a LoRA adapter usually wants 1e-5..2e-4 (about 10x full fine-tuning's)" if lora else
+                   "usually wants 1e-6..1e-5 (experiment=smollm2_arith uses 1e-5)"))
+    if lr < low:
+        return (f"learner.learning_rate={lr:g} with learner.lora: a LoRA adapter usually wants about 10x full "
+                "fine-tuning's rate (1e-5..2e-4); at full fine-tuning's it learns slowly")
+    return None
+
+
 def grpo_config(cfg: Any, run_dir: str | Path, world_size: int) -> GRPOConfig:
     lc, rc = cfg.learner, cfg.rollout
     extra = OmegaConf.to_container(lc.trl, resolve=True) if lc.trl else {}

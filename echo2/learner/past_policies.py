@@ -9,7 +9,8 @@ only by numerics, whatever the lag and the learning rate, and a forger gains not
 
 Only the versions a check will ask for are kept: a check runs at the steps that are multiples of
 ``check_every_steps``, and asks for the versions up to ``lags`` (the staleness bound S) behind it, so at most S
-copies of the weights are held, in host memory, and copied only on the steps before a check. Under ZeRO-3, whose
+copies of the weights are held (of a LoRA policy, of its adapter), in host memory, and copied only on the steps
+before a check. Under ZeRO-3, whose
 parameters are partitioned across processes, none is kept: lagged tokens are then scored with the current weights.
 """
 
@@ -21,6 +22,12 @@ from contextlib import contextmanager
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def trained(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The parameters training changes: all of them, or a LoRA adapter's alone (its frozen base never moves, so a
+    past version is its adapter)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
 class PastPolicies:
@@ -45,7 +52,7 @@ class PastPolicies:
             del self.kept[old]
         if not self.needed(version) or self.unavailable:
             return
-        params = dict(model.named_parameters())
+        params = trained(model)
         if any(p.numel() == 0 or hasattr(p, "ds_id") for p in params.values()):
             self.unavailable = "the parameters are partitioned (ZeRO-3)"
             log.warning("rollout checks: %s, so lagged tokens are scored with the current weights (what the learner "
@@ -58,7 +65,7 @@ class PastPolicies:
         """Inside the block, ``load(version)`` (a kept one) puts that version's weights into ``model``; after it,
         the model has its own again, also when the block raises. The live weights are copied aside once, however
         many versions are loaded."""
-        params = dict(model.named_parameters())
+        params = trained(model)
 
         def put(weights: dict[str, torch.Tensor]) -> None:
             with torch.no_grad():

@@ -18,7 +18,9 @@ How it differs from TRL's trainer (trl==1.16.0), and nothing else:
   equal the whole slice's; bnpo's (per micro-batch token count) is rescaled here to the slice's token count, so
   the step does not depend on the micro-batch size.
 * With ``beta > 0`` the reference logprobs (TRL's frozen ``ref_model``, sharded like the policy under ZeRO-3)
-  are computed here, once per slice, for TRL's KL term.
+  are computed here, once per slice, for TRL's KL term. With a LoRA adapter (``learner.lora``, TRL's
+  ``peft_config``) the reference is the base model with the adapter disabled, as TRL does: no second copy.
+* A LoRA policy publishes only its adapter (``weights``; echo2/broadcast/adapter.py).
 
 The loss itself (``_compute_loss``: every TRL ``loss_type``, clipping, KL, entropy terms) is TRL's.
 ``tests/learner/test_trl_contract.py`` fails if a TRL method overridden or called here changes signature.
@@ -35,8 +37,9 @@ import torch
 from transformers.trainer_callback import PrinterCallback
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
-from trl.trainer.utils import nanstd, pad
+from trl.trainer.utils import nanstd, pad, use_adapter
 
+from echo2.broadcast.adapter import AdapterSpec
 from echo2.learner.corrections import SCALE_REWARDS, Correction, importance_weights, m2po_keep
 from echo2.learner.past_policies import PastPolicies
 from echo2.learner.weights import PolicyWeights
@@ -108,9 +111,25 @@ class Echo2GRPOTrainer(GRPOTrainer):
 
     def weights(self) -> PolicyWeights:
         """The live weights as a snapshot, in the dtype the workers serve: bf16 when training in bf16 (fp32 master
-        weights stay here), else the weights' own."""
+        weights stay here), else the weights' own. A LoRA policy's snapshot is its adapter alone."""
         dtype = torch.bfloat16 if self.args.bf16 else next(self.model.parameters()).dtype
-        return PolicyWeights(self.model, dtype, rank=self.accelerator.process_index, unsharded=self.live_policy)
+        return PolicyWeights(self.model, dtype, rank=self.accelerator.process_index, unsharded=self.live_policy,
+                             adapter=self.adapter())
+
+    def adapter(self) -> AdapterSpec | None:
+        """The LoRA adapter being trained (``learner.lora``), or None for full fine-tuning."""
+        peft_config = getattr(self.accelerator.unwrap_model(self.model), "peft_config", None)
+        return AdapterSpec.of_peft(peft_config["default"]) if peft_config else None
+
+    def describe_adapter(self) -> str:
+        """For the learner's start-up line: the adapter's shape and size, or nothing."""
+        spec = self.adapter()
+        if spec is None:
+            return ""
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.model.parameters())
+        return (f", LoRA rank {spec.rank} alpha {spec.alpha:g} on {', '.join(spec.target_modules)}: {trained:,} of "
+                f"{total:,} parameters trained, only the adapter is published")
 
     @property
     def version(self) -> int:
@@ -232,12 +251,19 @@ class Echo2GRPOTrainer(GRPOTrainer):
     def _reference_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
         """Logprobs of the slice's completions under the frozen reference policy (the initial weights), in
         micro-batches. Under ZeRO-3 this forward is a collective: every rank runs it on a slice of equal size."""
-        if self.ref_model is None:
-            raise ValueError("learner.beta > 0 needs a reference model, and TRL kept none (a PEFT model?)")
+        ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
         with torch.no_grad():
-            ref, _, _ = self._get_per_token_logps_and_entropies(
-                self.ref_model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
-                completion_ids.size(1), batch_size=self.args.per_device_train_batch_size)
+            if self.ref_model is not None:
+                ref, _, _ = self._get_per_token_logps_and_entropies(
+                    self.ref_model, ids, mask, completion_ids.size(1), batch_size=self.args.per_device_train_batch_size)
+                return ref
+            model = self.accelerator.unwrap_model(self.model)
+            if not hasattr(model, "peft_config"):
+                raise ValueError("learner.beta > 0 needs a reference model, and TRL kept none")
+            # a LoRA policy: its reference is the base model, the adapter disabled (TRL's own choice: no second copy)
+            with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+                ref, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, ids, mask, completion_ids.size(1), batch_size=self.args.per_device_train_batch_size)
         return ref
 
     def _compute_loss(self, model, inputs):

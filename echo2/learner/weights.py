@@ -10,6 +10,11 @@ bytes (one full copy) live in the memory file.
 The probe (the policy's logprobs of fixed tokens, which a worker reproduces before claiming the version) is one
 forward pass; under ZeRO-3 it is a collective (each layer's parameters are gathered by DeepSpeed's hooks), so every
 rank runs it.
+
+A LoRA policy (a PEFT model, ``learner.lora``) publishes only its adapter: the LoRA matrices under PEFT's saved
+names and the adapter's configuration in the snapshot's metadata (echo2/broadcast/adapter.py). Under ZeRO-3 only
+those parameters are gathered, one at a time, never the base model (whose copy TRL's merged-weights sync
+materializes whole).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 
 from echo2.broadcast import snapshot
+from echo2.broadcast.adapter import AdapterSpec, saved_name
 
 
 def zero3(model: Any) -> bool:
@@ -33,16 +39,24 @@ class PolicyWeights:
     ``probe_logprobs`` then ``write`` together; ``write`` on a rank other than 0 takes ``path=None`` and only joins
     the gathers."""
 
-    def __init__(self, model: Any, dtype: torch.dtype, rank: int = 0, unsharded: Any = None):
-        self.model, self.torch_dtype, self.rank = model, dtype, rank
+    def __init__(self, model: Any, dtype: torch.dtype, rank: int = 0, unsharded: Any = None,
+                 adapter: AdapterSpec | None = None):
+        """``adapter``: the policy is a LoRA adapter on a frozen base (a PEFT model): only the adapter is written."""
+        self.model, self.torch_dtype, self.rank, self.adapter = model, dtype, rank, adapter
         self.unsharded = unsharded or contextlib.nullcontext  # () -> context with full parameters, hooks off
         self.dtype = str(dtype).removeprefix("torch.")  # stated in the snapshot's manifest (probe["dtype"])
         self.sharded = zero3(model)
-        # Each tensor once (a tied LM head is its embedding: named_parameters lists it under its first name, as
-        # snapshot._unique does for a state dict), then persistent buffers; in state-dict order.
-        self.tensors: dict[str, Any] = dict(model.named_parameters())
-        buffers = self._buffer_keys()
-        self.tensors.update({n: b for n, b in model.named_buffers() if n in buffers})
+        if adapter is not None:
+            self.tensors: dict[str, Any] = {saved: p for n, p in model.named_parameters()
+                                            if (saved := saved_name(n)) and ".default." in n}
+            if not self.tensors:
+                raise ValueError("learner.lora is set but the model has no LoRA parameters of the default adapter")
+        else:
+            # Each tensor once (a tied LM head is its embedding: named_parameters lists it under its first name, as
+            # snapshot._unique does for a state dict), then persistent buffers; in state-dict order.
+            self.tensors = dict(model.named_parameters())
+            buffers = self._buffer_keys()
+            self.tensors.update({n: b for n, b in model.named_buffers() if n in buffers})
         self.local = not self.sharded  # rank 0 can write it alone (a coordinator restart republishes at once)
         self.written = False  # whether write() has started: its gathers are collectives, joined once per publish
 
@@ -103,4 +117,5 @@ class PolicyWeights:
             for _ in self.gathered(specs):
                 pass
             return
-        snapshot.save_stream(specs, self.gathered(specs), path)
+        snapshot.save_stream(specs, self.gathered(specs), path,
+                             metadata=self.adapter.metadata() if self.adapter else None)

@@ -136,6 +136,8 @@ class Agent:
                 self.engine.load_weights(version, blob)
             except OSError as e:
                 raise EngineError(f"the {self.engine.name} engine failed to apply v{version}: {e}") from e
+            except ValueError as e:  # a snapshot that does not fit this engine's model (another base model)
+                raise ApplyFailed(f"snapshot v{version} does not fit this worker's model: {e}") from e
             apply_s = time.perf_counter() - t0
             error = self._probe_error(probe)
             if error is None or error <= self._tolerance(probe):
@@ -143,8 +145,13 @@ class Agent:
             log.warning("v%d: after apply %d the engine's probe logprobs differ from the learner's by %.3g nats "
                         "(tolerance %.3g)", version, attempt, error, self._tolerance(probe))
         else:
+            hint = ""
+            if (probe or {}).get("adapter"):  # a LoRA adapter is applied to the base this worker loaded, not sent
+                hint = ("; the snapshot is a LoRA adapter, applied to the base model this worker loaded: a worker "
+                        "whose --model holds other weights than the learner's base model cannot serve it")
             raise ApplyFailed(f"the engine does not serve snapshot v{version} after two applies (probe logprobs off "
-                              f"by {error:.3g} nats, tolerance {self._tolerance(probe):.3g}): not claiming v{version}")
+                              f"by {error:.3g} nats, tolerance {self._tolerance(probe):.3g}): not claiming "
+                              f"v{version}{hint}")
         self.version, self.epoch = version, self.joined_epoch
         if self.stale:
             log.info("caught up with the resumed learner at v%d", version)
@@ -333,12 +340,13 @@ class Agent:
 
 
 def build_engine(kind: str, model: str, dtype: str, max_model_len: int, stop: threading.Event,
-                 engine_log: str | None = None, vllm_args: list[str] = ()) -> Any:
+                 engine_log: str | None = None, vllm_args: list[str] = (), lora: str = "merge",
+                 max_lora_rank: int = 64) -> Any:
     if kind == "vllm":
         from echo2.worker.engines.vllm_server import VLLMServerEngine
 
         return VLLMServerEngine(model, dtype=dtype, max_model_len=max_model_len, stop=stop, log_path=engine_log,
-                                extra_args=vllm_args)
+                                extra_args=vllm_args, lora=lora, max_lora_rank=max_lora_rank)
     if kind == "hf":
         from echo2.worker.engines.hf import HFWorkerEngine
 
@@ -388,6 +396,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="largest accepted |engine - learner| logprob of a probe token after applying a snapshot "
                         "(default: 1e-3 when both sides are float32, 0.25 for a half-precision snapshot in a "
                         "float32 engine, 0.5 for a half-precision engine)")
+    p.add_argument("--lora", choices=("merge", "vllm"), default="merge",
+                   help="how a LoRA policy's adapter is applied: merge (into the weights, from the base model kept "
+                        "as loaded: generation at the full model's speed; the default, see BENCHMARKS.md, \"LoRA\") or "
+                        "vllm (vLLM's LoRA layers, each version loaded under its own name; vllm engine only)")
+    p.add_argument("--max-lora-rank", type=int, default=64,
+                   help="with --lora vllm: the largest adapter rank vLLM reserves room for (1, 8, 16, 32, 64, ...)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="passed to the vLLM server as is, e.g. --vllm-arg=--gpu-memory-utilization=0.85 (repeatable)")
     return p
@@ -425,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     max_model_len = args.max_model_len or needed or identity["max_position_embeddings"]
     try:
         engine = build_engine(args.engine, args.model, args.dtype, max_model_len, stop, args.engine_log,
-                              args.vllm_arg)
+                              args.vllm_arg, lora=args.lora, max_lora_rank=args.max_lora_rank)
     except InterruptedError:
         log.info("worker stopped during engine start-up")
         return

@@ -183,6 +183,7 @@ def test_the_agent_refuses_to_claim_a_version_its_engine_does_not_serve(tmp_path
         agent.receiver.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
@@ -228,3 +229,130 @@ def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
         agent.receiver.close()
         engine.close()
     assert not engine.workdir.exists()
+
+
+# ---------------------------------------------------------------------- a LoRA policy: only the adapter travels
+
+
+def lora_learner(path: str, seed: int, rank: int = 4):
+    """The learner's LoRA policy as TRL builds it (PEFT on every linear layer), with random adapter weights (a
+    fresh adapter's B is zero: it would change nothing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                           LoraConfig(r=rank, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def adapter_snapshot(model) -> tuple[snapshot.MemoryFile, dict, int]:
+    """What the learner publishes for ``model`` (echo2/learner/weights.py), read back into a memory file, with its
+    probe as the manifest carries it, and its size in bytes."""
+    import os
+
+    from echo2.broadcast.adapter import AdapterSpec
+    from echo2.learner.weights import PolicyWeights
+
+    weights = PolicyWeights(model, torch.float32, adapter=AdapterSpec.of_peft(model.peft_config["default"]))
+    ids = probe_tokens(72)
+    probe = {"token_ids": ids, "logprobs": weights.probe_logprobs(ids), "dtype": "float32"}
+    fd, path = snapshot.new_memory_fd()
+    try:
+        weights.write(path)
+        data = open(path, "rb").read()
+    finally:
+        os.close(fd)
+    return snapshot.memory_file(data), {"probe": probe}, len(data)
+
+
+def test_an_adapter_snapshot_holds_only_the_adapter_and_the_hf_worker_serves_base_plus_adapter(tmp_path):
+    """The snapshot of a LoRA policy is its LoRA matrices under PEFT's names with the adapter's configuration signed
+    in; the hf worker merges it into its weights from the base it loaded, so every version is the learner's policy
+    (probe and sampled logprobs), and applying v2 after v1 equals applying v2 alone (nothing drifts)."""
+    from echo2.broadcast.adapter import spec_of
+
+    path = wide_model(tmp_path, tied=True)
+    engine = HFWorkerEngine(path)
+    agent = agent_with(engine)
+    try:
+        for version in (1, 2):
+            learner = lora_learner(path, seed=version)
+            blob, manifest, size = adapter_snapshot(learner)
+            names = set(snapshot.decode(blob))
+            assert names and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in names), sorted(names)[:3]
+            full = sum(p.numel() * 4 for n, p in learner.named_parameters() if "lora_" not in n)
+            assert size < full / 4, (size, full)  # rank 4 of a 32-wide model: a fraction of it
+            spec = spec_of(snapshot.metadata(blob))
+            assert spec.rank == 4 and spec.scaling == 2.0 and "q_proj" in spec.target_modules
+            agent._received(version, blob, manifest)
+            agent._apply_pending()
+            assert agent.version == version
+            groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8, temperature=1.0))
+            gap, n = max_gap(learner, PROMPTS, groups, 1.0)
+            assert n >= 12 and gap < 1e-4, f"v{version}: engine vs LoRA learner logprobs off by {gap}"
+        fresh = HFWorkerEngine(path)
+        fresh.load_weights(2, blob)
+        for (name, a), b in zip(engine.model.state_dict().items(), fresh.model.state_dict().values(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    finally:
+        agent.receiver.close()
+
+
+def test_an_adapter_for_another_base_is_refused_saying_so(tmp_path):
+    """A LoRA adapter is applied to the base model the worker loaded: a worker whose model has other weights of the
+    same shape fails the probe and claims nothing, saying why; one whose model lacks an adapted layer is refused
+    before anything is loaded."""
+    path = wide_model(tmp_path, tied=True)
+    blob, manifest, _ = adapter_snapshot(lora_learner(path, seed=1))
+    manifest["probe"]["adapter"] = True  # as the learner signs it for an adapter
+    other = HFWorkerEngine(path)
+    perturb(other.model, 7)  # same architecture and tokenizer, other weights: not the learner's base
+    agent = agent_with(other)
+    try:
+        agent._received(1, blob, manifest)
+        with pytest.raises(ApplyFailed, match="cannot serve it"):
+            agent._apply_pending()
+        assert agent.version == 0
+    finally:
+        agent.receiver.close()
+    smaller = HFWorkerEngine(path)
+    del smaller.model.model.layers[1]
+    with pytest.raises(ValueError, match="is this worker's model the learner's base model"):
+        smaller.load_weights(1, blob)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["merge", "vllm"])
+def test_vllm_serves_the_lora_learners_policy_after_every_apply(tmp_path, mode):
+    """A LoRA policy through vLLM, both ways: merged into the weights in the engine from the base checkpoint
+    (``merge``), or served by vLLM's LoRA layers under a versioned name (``vllm``): at each of 3 adapter versions the
+    sampled logprobs equal the PEFT learner's (S = 0 ratio 1) and the probe passes; the engine's work folder holds
+    only the adapter in use."""
+    from echo2.worker.engines.vllm_server import VLLMServerEngine
+
+    path = wide_model(tmp_path, tied=mode == "merge")
+    engine = VLLMServerEngine(path, dtype="float32", max_model_len=16, lora=mode, max_lora_rank=8)
+    agent = agent_with(engine)
+    try:
+        for version in (1, 2, 3):
+            learner = lora_learner(path, seed=version)
+            blob, manifest, _ = adapter_snapshot(learner)
+            agent._received(version, blob, manifest)
+            agent._apply_pending()
+            assert agent.version == version
+            for temperature in (1.0, 0.7):
+                groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8, temperature=temperature))
+                gap, n = max_gap(learner, PROMPTS, groups, temperature)
+                assert n >= 12 and gap < 1e-4, f"{mode} v{version} T={temperature}: off by {gap}"
+        if mode == "vllm":
+            assert engine.served == "echo2-v3"
+            assert sorted(p.name for p in (engine.workdir / "adapters").iterdir()) == ["echo2-v3"]
+    finally:
+        agent.receiver.close()
+        engine.close()

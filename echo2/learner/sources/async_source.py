@@ -280,7 +280,8 @@ class AsyncRolloutSource:
         self.weights, self.republish = weights, False
         if probe is None:
             probe = weights.probe_logprobs(self.probe_ids)
-        manifest_probe = {"token_ids": self.probe_ids, "logprobs": probe, "dtype": weights.dtype}
+        manifest_probe = {"token_ids": self.probe_ids, "logprobs": probe, "dtype": weights.dtype,
+                          "adapter": weights.adapter is not None}
         try:
             self.coordinator.publish_written(version, weights.write, manifest_probe)
         except CoordinatorDied as e:  # not retried here: a sharded write is a collective, done once per version

@@ -117,7 +117,7 @@ class LocalPool:
     def __init__(self, workers: int = 2, engine: str = "auto", dtype: str = "auto", max_model_len: int | None = None,
                  max_groups: int = 4, log_subdir: str | None = "workers", cores: list[int] | None = None,
                  vllm_args: list[str] | None = None, usd_per_hour: float | list[float] = 0.0,
-                 gpus: str | list | None = "auto"):
+                 gpus: str | list | None = "auto", lora: str = "merge", max_lora_rank: int = 64):
         self.gpus = visible_gpus() if gpus == "auto" else [str(g) for g in (gpus or [])]
         self.n, self.engine = workers, engine
         self.dtype = dtype if dtype != "auto" else ("bfloat16" if self.gpus else "float32")
@@ -125,6 +125,7 @@ class LocalPool:
         self.log_dir: Path | None = None
         self.cores = list(cores) if cores else None
         self.vllm_args = list(vllm_args or [])
+        self.lora, self.max_lora_rank = lora, max_lora_rank
         prices = [usd_per_hour] if isinstance(usd_per_hour, (int, float)) else list(usd_per_hour)
         self.usd_per_hour = [float(x) for x in prices] or [0.0]
         self.procs: list[subprocess.Popen] = []
@@ -154,6 +155,8 @@ class LocalPool:
         if self.args.get("ca_hash"):  # the run speaks TLS: agents pin its CA
             cmd += ["--ca-hash", self.args["ca_hash"]]
         cmd += [f"--vllm-arg={a}" for a in self.vllm_args]
+        if self.lora != "merge":
+            cmd += ["--lora", self.lora, "--max-lora-rank", str(self.max_lora_rank)]
         cmd += ["--usd-per-hour", str(self.usd_per_hour[i % len(self.usd_per_hour)])]
         env = dict(os.environ, ECHO2_TOKEN=self.args["token"])
         gpu = gpu_assignment(i + 1, self.gpus)[i]

