@@ -9,6 +9,7 @@ without the marker fails, naming what it started: ``-m "not e2e"`` stays the qui
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
 
 
+RUNS_SOMETHING = re.compile(r"python[\d.]*|torchrun|accelerate|deepspeed|bash|sh|ip|iptables|iperf3|tc|sbatch|srun|sky|"
+                            r"vllm|.*\.sh")
+"""Programs whose start makes a test an e2e one: an interpreter (train.py, an agent, vLLM, a coordinator or reward
+process), a launcher, the network tools of the WAN testbed. Not the queries libraries make of the machine
+(``platform.processor()`` runs ``uname -p``, ``platform.architecture()`` runs ``file``; the docs tests ask git)."""
+
+
 @pytest.fixture(autouse=True)
 def processes_only_in_e2e(request, monkeypatch):
     """A test not marked ``e2e`` that starts an operating-system process fails at its end, naming the command: the
@@ -54,7 +62,7 @@ def processes_only_in_e2e(request, monkeypatch):
 
     def popen(self, args, *a, **kw):
         argv = [str(x) for x in args] if isinstance(args, (list, tuple)) else str(args).split()
-        if argv[:1] != ["git"]:  # a git query over the checkout (the docs tests) takes milliseconds
+        if argv and RUNS_SOMETHING.fullmatch(os.path.basename(argv[0])):
             started.append(" ".join(argv))
         popen_init(self, args, *a, **kw)
 

@@ -113,7 +113,7 @@ def learning_rate_warning(cfg: Any) -> str | None:
     lr, lora = cfg.learner.learning_rate, cfg.learner.lora.rank is not None
     if cfg.model.path._target_.endswith("build_tiny"):  # trained from scratch: its rates are its own
         return None
-    low, high = (1e-6, 1e-3) if lora else (0.0, 1e-4)
+    low, high = (3e-6, 1e-3) if lora else (0.0, 1e-4)
     if lr >= high:
         return (f"learner.learning_rate={lr:g} is a rate for the tiny model trained from scratch; a pretrained model "
                 + ("with a LoRA adapter usually wants 1e-5..2e-4 (about 10x full fine-tuning's)" if lora else

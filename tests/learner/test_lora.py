@@ -1,0 +1,126 @@
+"""A LoRA learner (``learner.lora``): TRL's peft_config, the adapter alone trains and is published, the KL reference
+is the base with the adapter disabled, checkpoints are PEFT's, a resume restores the adapter, and the export merges
+it into a model transformers loads."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import build_run, compose
+from echo2.broadcast import snapshot
+from echo2.broadcast.adapter import spec_of
+
+
+def lora_run(tmp_path, *overrides):
+    return build_run(tmp_path, ["rollout=sync", "learner.lora.rank=2", "learner.lora.alpha=4", *overrides])
+
+
+def written(weights) -> bytes:
+    fd, path = snapshot.new_memory_fd()
+    try:
+        weights.write(path)
+        return open(path, "rb").read()
+    finally:
+        os.close(fd)
+
+
+def test_only_the_adapter_trains_and_only_the_adapter_is_published(tmp_path):
+    cfg, trainer, source, _ = lora_run(tmp_path, "run.steps=2")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".lora_" in n for n in changed), sorted(changed)[:3]
+    assert any(".lora_B." in n for n in changed)  # B starts at zero: it must have moved for the policy to move
+    blob = written(trainer.weights())
+    tensors = snapshot.decode(blob)
+    adapter = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert len(tensors) == len(adapter) and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in tensors)
+    assert all(n.startswith("base_model.model.") and ".default." not in n for n in tensors)  # PEFT's saved names
+    spec = spec_of(snapshot.metadata(blob))
+    assert (spec.rank, spec.alpha, spec.scaling) == (2, 4.0, 2.0)
+    assert {"q_proj", "v_proj", "gate_proj", "down_proj"} <= set(spec.target_modules)  # all-linear
+    full = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert len(blob) < full / 5
+
+
+def test_the_kl_reference_of_a_lora_policy_is_its_base_without_a_second_copy(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    cfg, trainer, source, _ = lora_run(tmp_path, "run.steps=1", "learner.beta=0.04")
+    assert trainer.ref_model is None  # no second copy of the model
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if ".lora_B." in name:
+                p.add_(0.5)  # the policy is now away from its base
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    ones = torch.ones_like(ids)
+    ref = trainer._reference_logps(ids[:, :3], ones[:, :3], ids[:, 3:], ones[:, 3:])
+    with torch.no_grad():
+        logits = base(ids).logits[0, 2:-1] / trainer.temperature
+    expected = logits.log_softmax(-1).gather(-1, ids[0, 3:, None]).squeeze(-1)
+    torch.testing.assert_close(ref[0], expected, atol=1e-5, rtol=0)
+    policy, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, ones, 3)
+    assert (policy[0] - expected).abs().max() > 1e-3  # and the adapter is on again afterwards
+    trainer.train()  # the KL term runs through a real step
+
+
+def test_a_lora_checkpoint_is_peft_format_resumes_and_exports_a_merged_model(tmp_path, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import train
+    from echo2.export import export
+
+    run_dir = tmp_path / "run"
+    cfg, trainer, source, _ = lora_run(run_dir, "run.steps=3", "run.save_every_steps=3")
+    trainer.train()
+    ckpt = run_dir / "trainer" / "checkpoint-3"
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        live = trainer.model(ids).logits
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(ckpt))
+        torch.testing.assert_close(loaded(ids).logits, live, atol=1e-5, rtol=0)
+        merged = AutoModelForCausalLM.from_pretrained(export(str(run_dir), str(tmp_path / "merged")))
+        torch.testing.assert_close(merged(ids).logits, live, atol=1e-5, rtol=0)
+        assert (AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits - live).abs().max() > 1e-3
+
+    # resumed: the adapter the checkpoint holds, then training on from step 3
+    cfg = compose(["rollout=sync", "learner.lora.rank=2", "learner.lora.alpha=4", "run.steps=4",
+                   "run.wandb=disabled", "run.progress=false", "run.eval_every_steps=0"])
+    resumed, _, _ = train.build(cfg, str(run_dir), rank=0, world_size=1, resume=str(ckpt))
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.state.global_step == 4
+    first = {n: p for n, p in loaded.named_parameters() if ".lora_" in n}
+    moved = [n for n, p in resumed.model.named_parameters() if ".lora_" in n and n in first
+             and not torch.equal(p.detach(), first[n].detach())]
+    assert moved  # step 4 trained the restored adapter on
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["learner.lora.rank=0"], "need rank >= 1"),
+    (["learner.lora.rank=4", "learner.lora.dropout=1.5"], "0 <= dropout < 1"),
+    (["learner.lora.rank=4", "learner.lora.alpha=0"], "alpha > 0"),
+])
+def test_impossible_lora_settings_are_refused_naming_the_key(overrides, needle):
+    from echo2.config import validate
+
+    with pytest.raises(ValueError, match="learner.lora") as e:
+        validate(compose(overrides))
+    assert needle in str(e.value)
+
+
+def test_the_learning_rate_warning_knows_loras_range():
+    from echo2.learner.args import learning_rate_warning
+
+    real = ["model=smollm2_135m"]
+    assert learning_rate_warning(compose([*real, "learner.learning_rate=1e-5"])) is None
+    assert "1e-6..1e-5" in learning_rate_warning(compose([*real, "learner.learning_rate=3e-4"]))
+    assert learning_rate_warning(compose([*real, "learner.lora.rank=8", "learner.learning_rate=1e-4"])) is None
+    assert "10x" in learning_rate_warning(compose([*real, "learner.lora.rank=8", "learner.learning_rate=1e-6"]))
+    assert "LoRA" in learning_rate_warning(compose([*real, "learner.lora.rank=8", "learner.learning_rate=3e-3"]))
+    assert learning_rate_warning(compose(["learner.lora.rank=8"])) is None  # the tiny model: its own rates
