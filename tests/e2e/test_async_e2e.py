@@ -168,3 +168,24 @@ def test_local_pool_passes_engine_settings_to_each_agent(monkeypatch, tmp_path):
     assert [env0["VLLM_CPU_OMP_THREADS_BIND"], env1["VLLM_CPU_OMP_THREADS_BIND"]] == [str(i % cores) for i in (0, 1)]
     for f in pool._logs:
         f.close()
+
+
+@require_vllm
+@pytest.mark.slow
+def test_a_lora_policy_served_by_a_vllm_worker_is_on_policy_at_s0(tmp_path):
+    """The LoRA smoke run: a rank-4 adapter trained from one vLLM worker that merges each version it is sent; at
+    S = 0 every token's importance ratio (learner's PEFT forward against the worker's behaviour logprobs) is 1 within
+    float noise, only the adapter is published, every version is applied and proven, and the books balance."""
+    steps = 8
+    cfg, trainer, source, acc, records = train(tmp_path, [
+        "pool.workers=1", "learner.lora.rank=4", "rollout.staleness=0", "broadcast.interval=1",
+        "rollout.correction=tis", "rollout.prompts_per_step=4", f"run.steps={steps}"])
+    assert len(records) == steps and all(r["buffer/staleness_max"] == 0 for r in records)
+    ratios = [(r["rollout/is_ratio_mean"], r["rollout/is_ratio_max"]) for r in records]
+    assert all(abs(mean - 1) < 1e-3 and top < 1.01 for mean, top in ratios), ratios
+    assert acc["consumed"] == steps * 4 * 8 and balanced(acc), acc
+    full = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    published = [r["broadcast/bytes"] for r in records if r.get("broadcast/bytes")]
+    assert published and max(published) < full / 5, (published, full)
+    log = (tmp_path / "workers" / "worker0.log").read_text()
+    assert "applied snapshot v" in log and "probe within" in log and "differ from the learner's" not in log
