@@ -25,6 +25,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 ADAPTER_KEY = "echo2_adapter"
@@ -101,6 +102,21 @@ def pairs(tensors: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     if missing:
         raise ValueError(f"adapter snapshot: modules without both LoRA matrices: {missing[:5]}")
     return out
+
+
+def base_checkpoint(model_dir: str | Path, names: set[str] | None = None) -> Iterator[tuple[str, Any]]:
+    """The base model's own tensors (all, or those in ``names``), read from its safetensors files: the copy of the
+    base every merge starts from (a worker's engine was started from this directory)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no safetensors files to merge a LoRA adapter onto")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if names is None or name in names:
+                    yield name, f.get_tensor(name)
 
 
 def peft_directory(directory: str | Path, spec: AdapterSpec, snapshot_bytes: Any, base_model: str) -> Path:

@@ -272,13 +272,19 @@ def adapter_snapshot(model) -> tuple[snapshot.MemoryFile, dict, int]:
 
 def test_an_adapter_snapshot_holds_only_the_adapter_and_the_hf_worker_serves_base_plus_adapter(tmp_path):
     """The snapshot of a LoRA policy is its LoRA matrices under PEFT's names with the adapter's configuration signed
-    in; the hf worker merges it into its weights from the base it loaded, so every version is the learner's policy
-    (probe and sampled logprobs), and applying v2 after v1 equals applying v2 alone (nothing drifts)."""
+    in; the hf worker merges it into its weights from the base checkpoint, so every version is the learner's policy
+    (probe and sampled logprobs), and applying v2 after v1 (after a full snapshot, even) equals applying v2 alone:
+    nothing drifts."""
+    from transformers import AutoModelForCausalLM
+
     from echo2.broadcast.adapter import spec_of
 
     path = wide_model(tmp_path, tied=True)
     engine = HFWorkerEngine(path)
     agent = agent_with(engine)
+    moved = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    perturb(moved, 3)
+    engine.load_weights(0, snapshot.memory_file(snapshot.encode(moved.state_dict())))
     try:
         for version in (1, 2):
             learner = lora_learner(path, seed=version)

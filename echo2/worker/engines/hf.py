@@ -1,7 +1,8 @@
 """A worker's own transformers model behind the worker-engine interface: for hosts without vLLM, and tests.
 
 A LoRA policy's snapshot (only the adapter, echo2/broadcast/adapter.py) is merged into the adapted layers'
-weights, each time from a copy of the base weights taken before the first adapter: W = W_base + (alpha/r) B A.
+weights, each time from the base checkpoint's own values (read from the model's files at the first adapter and kept):
+W = W_base + (alpha/r) B A; nothing drifts over versions, whatever was loaded before.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ class HFWorkerEngine:
 
         from echo2.models.tokenizer import load_tokenizer
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model_path, self.dtype = model_path, getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         tok = load_tokenizer(model_path)
         self.engine = HFEngine(tok.pad_token_id if pad_token_id is None else pad_token_id,
                                eos_token_ids or [tok.eos_token_id])
-        self.base: dict[str, torch.Tensor] = {}  # the adapted layers' base weights, kept from the first adapter on
+        self.base: dict[str, torch.Tensor] = {}  # the adapted layers' base weights (from the files), kept
+        self.off_base = False  # a full snapshot was loaded: the layers no adapter touches are not the base's either
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         return self.engine.generate(self.model, prompt_ids, params)
@@ -42,7 +45,7 @@ class HFWorkerEngine:
         spec = spec_of(metadata(blob))
         if spec is not None:
             return self._merge(version, spec, decode(blob))
-        self.base.clear()  # a full snapshot: any kept base weights are no longer what the model holds
+        self.off_base = True
         missing, unexpected = self.model.load_state_dict(decode(blob), strict=False)
         # A tied weight is stored once (snapshot.save, encode); its other name shares the loaded tensor here.
         tied = {name for name, p in self.model.named_parameters(remove_duplicate=False)
@@ -55,17 +58,22 @@ class HFWorkerEngine:
     def _merge(self, version: int, spec, tensors: dict) -> dict:
         from echo2.broadcast.adapter import pairs
 
-        modules = dict(self.model.named_modules())
-        merged = 0
-        for name, (lora_a, lora_b) in pairs(tensors).items():
-            module = modules.get(name)
-            if module is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
+        from echo2.broadcast.adapter import base_checkpoint
+
+        modules, adapter = dict(self.model.named_modules()), pairs(tensors)
+        for name in adapter:
+            if not isinstance(getattr(modules.get(name), "weight", None), torch.Tensor):
                 raise ValueError(f"adapter v{version} targets {name!r}, which this model does not have: is this "
                                  "worker's model the learner's base model?")
-            base = self.base.setdefault(name, module.weight.detach().clone())
-            module.weight.copy_(spec.merged(base, lora_a, lora_b))
-            merged += 1
-        return {"merged_modules": merged}
+        if self.off_base:  # back to the base checkpoint everywhere, then the adapter on it
+            self.model.load_state_dict(dict(base_checkpoint(self.model_path)), strict=False)
+            self.off_base = False
+        wanted = {f"{name}.weight" for name in adapter} - {f"{name}.weight" for name in self.base}
+        for key, tensor in base_checkpoint(self.model_path, wanted):
+            self.base[key.removesuffix(".weight")] = tensor.to(self.dtype)
+        for name, (lora_a, lora_b) in adapter.items():
+            modules[name].weight.copy_(spec.merged(self.base[name], lora_a, lora_b))
+        return {"merged_modules": len(adapter)}
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         return probe_logprobs(self.model, token_ids)

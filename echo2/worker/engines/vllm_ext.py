@@ -28,11 +28,10 @@ from __future__ import annotations
 import mmap
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-from echo2.broadcast.adapter import AdapterSpec, pairs, spec_of
+from echo2.broadcast.adapter import AdapterSpec, base_checkpoint, pairs, spec_of
 from echo2.broadcast.snapshot import metadata, views
 
 
@@ -72,19 +71,6 @@ class Echo2WeightSync:
         del tensors  # the mapping is unmapped once the last view is gone
         tied = reprocess_tied(self.model_runner.get_model())
         return {"seconds": time.perf_counter() - t0, "tied_reprocessed": tied, "adapter": spec is not None}
-
-
-def base_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base model's own tensors, from its safetensors files (the engine was started from this directory)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no safetensors files to merge a LoRA adapter onto")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 def merged_weights(base: Iterator[tuple[str, torch.Tensor]], spec: AdapterSpec,
