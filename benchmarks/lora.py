@@ -45,13 +45,14 @@ QWEN3 = {"Qwen3-0.6B": (1024, 3072, 28, 16, 8, 128, 151_936, True),
 
 
 def shape_bytes(hidden, mlp, layers, heads, kv, head_dim, vocab, tied, rank=None, itemsize=2) -> int:
-    """Bytes of a Qwen3-shaped model (rank None) or of a LoRA adapter of ``rank`` on its seven linear layers per
-    decoder layer (q, k, v, o, gate, up, down; the output head is not adapted by all-linear)."""
-    linears = [(hidden, heads * head_dim), (hidden, kv * head_dim), (hidden, kv * head_dim), (heads * head_dim, hidden),
-               (hidden, mlp), (hidden, mlp), (mlp, hidden)]
+    """Bytes of a Qwen3-shaped model (rank None) or of a LoRA adapter of ``rank`` on every linear layer (the cost
+    scenario's formula, echo2/cost.py)."""
+    from echo2.cost import lora_params
+
     if rank is not None:
-        return layers * sum(rank * (i + o) for i, o in linears) * itemsize
-    per_layer = sum(i * o for i, o in linears) + 2 * hidden + 2 * head_dim  # norms, q/k norms
+        return lora_params(hidden, heads * head_dim, kv * head_dim, mlp, layers, rank) * itemsize
+    q, k = heads * head_dim, kv * head_dim
+    per_layer = hidden * (2 * q + 2 * k) + 3 * hidden * mlp + 2 * hidden + 2 * head_dim  # linears, norms, q/k norms
     return (layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden) * itemsize
 
 

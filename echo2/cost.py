@@ -27,6 +27,13 @@ Time model (every input in the YAML with its date and source):
   × ``rollout_efficiency`` (a GRPO batch drains to its longest completion) in both layouts, × the
   worker-only ``worker_throughput_scale``.
 - Snapshot: params × 2 bytes; T_load = load_s_per_gb × GB; T_switch = switch_s_per_gb × GB.
+- LoRA rows (``lora``): both layouts train a rank-r adapter on every linear layer, at ``train_compute_ratio`` of
+  the full step's FLOPs (the log-prob pass is a full forward either way). echo2 ships the adapter,
+  r · Σ(in + out) × layers × 2 bytes, as its snapshot (no deltas: every adapter value moves each step). Its workers
+  apply it two ways: ``merge`` into their weights (a reload of the whole model: T_load of the full GB, generation at
+  full speed) or ``vllm`` through vLLM's LoRA layers (T_load of the adapter's GB, generation at
+  ``served_throughput``). The baseline's switch refits only the adapter (switch_s_per_gb × its GB): the cheapest
+  switch a colocated LoRA run can have.
 
 How it differs from the paper: ECHO-2's body (shapes, prices, bandwidths, baseline details) could not be
 read; it reports a *measured* 33–36 % saving for 4B/8B. This is a model from public figures and stated
@@ -139,6 +146,20 @@ def snapshot_gb(v: dict, model: str) -> float:
     return v["models"][model]["params"] * v["learner"]["bytes_per_param"] / 1e9
 
 
+def lora_params(hidden: int, q_dim: int, kv_dim: int, intermediate: int, layers: int, rank: int) -> int:
+    """Parameters of a rank-``rank`` LoRA adapter on every linear layer of a Llama/Qwen-shaped decoder (q, k, v, o,
+    gate, up, down; the output head is not adapted): r · (in + out) per layer."""
+    h, q, kv, mlp = hidden, q_dim, kv_dim, intermediate
+    return rank * layers * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + mlp) + (mlp + h))
+
+
+def adapter_gb(v: dict, model: str, rank: int) -> float:
+    """A rank-``rank`` LoRA adapter on every linear layer of ``model``, in GB."""
+    m = v["models"][model]
+    params = lora_params(m["hidden"], m["q_dim"], m["kv_dim"], m["intermediate"], m["layers"], rank)
+    return params * v["learner"]["bytes_per_param"] / 1e9
+
+
 def train_flops(v: dict, model: str) -> float:
     """Model FLOPs of one learner step (forward and backward over R rollouts), PaLM's accounting."""
     m, sh = v["models"][model], v["shape"]
@@ -165,28 +186,32 @@ def gen_tokens_per_s(v: dict, model: str, gpu_name: str, gpus: int) -> float:
     return rate * (gen["kv_starved_factor"] if starved(gpus, g["vram_gb"]) else 1.0)
 
 
-def colocated(v: dict, model: str) -> dict:
+def colocated(v: dict, model: str, lora_rank: int | None = None) -> dict:
     """The baseline's step: its parts (s), $/step and $/run; the engines take the tensor parallelism that gives
-    the learner GPUs the most tokens/s."""
+    the learner GPUs the most tokens/s. ``lora_rank``: it trains a LoRA adapter instead (the module doc)."""
     n, sh, gen = v["learner"]["gpus"][model], v["shape"], v["generation"]
     tp = max((t for t in (1, 2, 4, 8) if t <= n), key=lambda t: gen_tokens_per_s(v, model, v["learner"]["gpu"], t) / t)
     per_gpu = gen_tokens_per_s(v, model, v["learner"]["gpu"], tp) / tp * gen["rollout_efficiency"]
     gen_tokens = sh["prompts_per_step"] * sh["group_size"] * sh["completion_tokens"]
     train = train_step_s(v, model)
+    shipped = snapshot_gb(v, model) if lora_rank is None else adapter_gb(v, model, lora_rank)
     parts = {"gen_s": gen_tokens / (n * per_gpu), "logprob_s": train / 3 * v["colocated"]["logprob_pass"],
-             "train_s": train, "switch_s": v["colocated"]["switch_s_per_gb"] * snapshot_gb(v, model)}
+             "train_s": train * (1 if lora_rank is None else v["lora"]["train_compute_ratio"]),
+             "switch_s": v["colocated"]["switch_s_per_gb"] * shipped}
     step = sum(parts.values())
     usd_h = n * v["gpus"][v["learner"]["gpu"]]["usd_per_hour"]
     return {**parts, "step_s": step, "tp": tp, "usd_per_hour": usd_h, "usd_per_step": usd_h * step / 3600,
             "usd_per_run": usd_h * step / 3600 * v["run"]["steps"], "hours_per_run": step * v["run"]["steps"] / 3600}
 
 
-def market(v: dict, model: str, link_mbit: float) -> list[Worker]:
-    """The rented pool for ``model``: ``available_per_type`` workers of each type, every link at ``link_mbit``."""
+def market(v: dict, model: str, link_mbit: float, throughput: float = 1.0) -> list[Worker]:
+    """The rented pool for ``model``: ``available_per_type`` workers of each type, every link at ``link_mbit``
+    (``throughput``: the share of their rate they keep, e.g. serving through vLLM's LoRA layers)."""
     w, sh, gen = v["workers"], v["shape"], v["generation"]
     pool = []
     for gpu_name, gpus in w["gpus_per_worker"][model].items():
-        tokens = gen_tokens_per_s(v, model, gpu_name, gpus) * gen["rollout_efficiency"] * gen["worker_throughput_scale"]
+        tokens = (gen_tokens_per_s(v, model, gpu_name, gpus) * gen["rollout_efficiency"]
+                  * gen["worker_throughput_scale"] * throughput)
         usd_h = round(gpus * v["gpus"][gpu_name]["usd_per_hour"] * w["price_scale"], 2)
         for i in range(int(w["available_per_type"])):
             pool.append(Worker(f"{gpu_name}x{gpus}-{i:03d}", usd_h, tokens / sh["completion_tokens"], link_mbit,
@@ -197,13 +222,16 @@ def market(v: dict, model: str, link_mbit: float) -> list[Worker]:
 # ---------------------------------------------------------------------- echo2 in the simulator
 
 
-def sim_config(v: dict, model: str, link_mbit: float, staleness: int, delta: bool, seed: int = 0):
+def sim_config(v: dict, model: str, link_mbit: float, staleness: int, delta: bool, seed: int = 0,
+               lora_rank: int | None = None, lora_apply: str = "merge"):
     from echo2.sim import SimConfig
 
     n, sh, w = v["learner"]["gpus"][model], v["shape"], v["workers"]
-    gb = snapshot_gb(v, model)
+    shipped_gb = snapshot_gb(v, model) if lora_rank is None else adapter_gb(v, model, lora_rank)
+    gb = shipped_gb if lora_apply == "vllm" else snapshot_gb(v, model)  # what a worker loads per version
+    train_s = train_step_s(v, model) * (1 if lora_rank is None else v["lora"]["train_compute_ratio"])
     return SimConfig(prompts_per_step=int(sh["prompts_per_step"]), group_size=int(sh["group_size"]),
-                     train_step_s=train_step_s(v, model), staleness=staleness, interval=1, snapshot_bytes=gb * 1e9,
+                     train_step_s=train_s, staleness=staleness, interval=1, snapshot_bytes=shipped_gb * 1e9,
                      delta_ratio=v["network"]["delta_ratio"] if delta else 1.0, learner_uplink_mbit=link_mbit,
                      learner_usd_per_hour=n * v["gpus"][v["learner"]["gpu"]]["usd_per_hour"], broadcast="chain",
                      load_s=v["generation"]["load_s_per_gb"] * gb, groups_per_pull=int(w["groups_per_pull"]),
@@ -211,22 +239,26 @@ def sim_config(v: dict, model: str, link_mbit: float, staleness: int, delta: boo
                      rejoin_s=w["rejoin_s"], seed=seed)
 
 
-def echo2_cell(v: dict, model: str, link_mbit: float, staleness: int, delta: bool, seed: int = 0) -> dict:
-    """Activation's pick for this cell, run in the simulator; its cost against the colocated baseline's."""
+def echo2_cell(v: dict, model: str, link_mbit: float, staleness: int, delta: bool, seed: int = 0,
+               lora_rank: int | None = None, lora_apply: str = "merge") -> dict:
+    """Activation's pick for this cell, run in the simulator; its cost against the colocated baseline's (training
+    the same LoRA adapter where ``lora_rank`` is set, its workers applying it by ``lora_apply``)."""
     from echo2.sim import simulate, system_of
 
-    cfg = sim_config(v, model, link_mbit, staleness, delta, seed)
-    pool = market(v, model, link_mbit)
+    cfg = sim_config(v, model, link_mbit, staleness, delta and lora_rank is None, seed, lora_rank, lora_apply)
+    served = v["lora"]["served_throughput"] if lora_rank is not None and lora_apply == "vllm" else 1.0
+    pool = market(v, model, link_mbit, served)
     plan = solve(system_of(cfg, pool), pool, "exact")
     active = [w for w in pool if w.id in set(plan.active)]
     result = simulate(cfg, active)
     s = result.summary()
-    base = colocated(v, model)
+    base = colocated(v, model, lora_rank)
     usd_step = s["usd_per_step"]
     kinds: dict[str, int] = {}
     for w in active:
         kinds[w.id.rsplit("-", 1)[0]] = kinds.get(w.id.rsplit("-", 1)[0], 0) + 1
-    return {"model": model, "link_mbit": link_mbit, "staleness": staleness, "delta": delta,
+    return {"model": model, "link_mbit": link_mbit, "staleness": staleness, "delta": delta, "lora_rank": lora_rank,
+            "lora_apply": lora_apply if lora_rank is not None else None,
             "workers": len(active), "kinds": kinds, "usd_per_hour": plan.usd_per_hour,
             "step_s": s["wall_s"] / max(s["steps"], 1), "utilization": s["utilization"],
             "mean_lag": s["staleness_mean"], "bcast_s": result.bcast_s, "usd_per_step": usd_step,
@@ -262,8 +294,12 @@ def scenario(tree: dict, deltas=(False, True), sensitivity: bool = True, seed: i
     v = values(tree)
     models, links, staleness = list(v["models"]), v["network"]["links_mbit"], v["network"]["staleness"]
     cells = [echo2_cell(v, m, link, S, d, seed) for m in models for link in links for S in staleness for d in deltas]
+    ranks = (v.get("lora") or {}).get("ranks", [])
+    lora_cells = [echo2_cell(v, m, link, S, False, seed, r, apply) for m in models for link in links
+                  for S in staleness for r in ranks for apply in ("merge", "vllm")]
     return {"steps": v["run"]["steps"], "paper_saving": v["paper"]["saving"], "headline": headline(v),
-            "baseline": {m: colocated(v, m) for m in models}, "cells": cells,
+            "baseline": {m: colocated(v, m) for m in models}, "cells": cells, "lora_cells": lora_cells,
+            "adapter_gb": {m: {r: adapter_gb(v, m, r) for r in ranks} for m in models},
             "sensitivity": sensitivity_rows(tree, seed) if sensitivity else [],
             "nemo_rl_check": nemo_rl_check(v) if "qwen3_32b" in models else None}
 
@@ -317,6 +353,7 @@ def tables(out: dict) -> str:
         lines.append(f"| {m} | {_mbit(link)} | {S} | {c['ratio']:.2f} ({c['utilization']:.2f}) | {d['workers']} | "
                      f"{d['usd_per_hour']:.1f} | {d['utilization']:.2f} | {d['mean_lag']:.2f} | "
                      f"{d['usd_per_step']:.3f} | {d['usd_per_run']:.0f} | {d['ratio']:.2f} | {where} |")
+    lines += _lora_table(out)
     h = out["headline"]
     lines += ["", f"Sensitivity: {h['model']}, {_mbit(h['link_mbit'])}, S = {h['staleness']}, sparse deltas; each "
               "ranged input at its low and high:", "", "| input | low | ratio | high | ratio | swing |",
@@ -332,6 +369,30 @@ def tables(out: dict) -> str:
               f"log-probs {c['logprob_s']:.0f}, train {c['train_s']:.0f}, switch {c['switch_s']:.0f}; "
               f"x{c['ratio']:.2f})."]
     return "\n".join(lines)
+
+
+def _lora_table(out: dict) -> list[str]:
+    """The LoRA rows: each model, link and S with a rank-r adapter trained and shipped in both layouts."""
+    if not out.get("lora_cells"):
+        return []
+    lo, hi = out["paper_saving"]
+    sizes = ", ".join(f"{m} r{r} {gb * 1e3:.0f} MB" for m, by in out["adapter_gb"].items() for r, gb in by.items())
+    ranks = sorted({c["lora_rank"] for c in out["lora_cells"]})
+    kinds = [(apply, r) for apply in ("merge", "vllm") for r in ranks]
+    lines = ["", f"LoRA: a rank-r adapter on every linear layer trained in both layouts, only it shipped by echo2 "
+             f"({sizes}; no deltas); workers merge it (a whole-model reload per version) or serve it with vLLM's "
+             "LoRA layers; ratio (learner utilization) = echo2 $/step / colocated LoRA $/step:", "",
+             "| model | link | S | " + " | ".join(f"{a} r{r}" for a, r in kinds) + " | colocated $/step | best vs paper |",
+             "|---|---|---|" + "---|" * len(kinds) + "---|---|"]
+    cells = {(c["model"], c["link_mbit"], c["staleness"], c["lora_apply"], c["lora_rank"]): c for c in out["lora_cells"]}
+    for m, link, S in dict.fromkeys((c["model"], c["link_mbit"], c["staleness"]) for c in out["lora_cells"]):
+        row = [cells[(m, link, S, a, r)] for a, r in kinds]
+        saving = 1 - min(c["ratio"] for c in row)
+        where = "within" if lo <= saving <= hi else ("more" if saving > hi else "less")
+        lines.append(f"| {m} | {_mbit(link)} | {S} | " + " | ".join(f"{c['ratio']:.2f} ({c['utilization']:.2f})"
+                                                                     for c in row)
+                     + f" | {row[0]['colocated_usd_per_step']:.3f} | {saving:.0%} {where} |")
+    return lines
 
 
 def _mbit(link: float) -> str:

@@ -24,7 +24,7 @@ def test_every_input_has_a_date_and_a_source():
     for where, node in inputs:
         source = node["source"]
         assert len(source) > 20, where  # says where the figure comes from, or why it is ours
-        assert isinstance(node["date"], datetime.date) and node["date"] <= datetime.date(2026, 12, 3), where
+        assert isinstance(node["date"], datetime.date) and node["date"] <= datetime.date(2026, 12, 4), where
         if "range" in node:  # a sensitivity range brackets the value
             lo, hi = node["range"]
             assert lo <= node["value"] <= hi, where
@@ -62,7 +62,8 @@ def hand_checkable() -> dict:
     bandwidth) 300.9; both at rollout efficiency 0.8; four $0.36/h 4090 workers to rent; no churn."""
     tree = copy.deepcopy(cost.load_inputs())
     tree["models"] = {"qwen3_4b": {k: {"value": v, "date": "2026-12-03", "source": "test"}
-                                   for k, v in (("params", 1e8), ("layers", 0), ("hidden", 0))}}
+                                   for k, v in (("params", 1e8), ("layers", 0), ("hidden", 0), ("intermediate", 0),
+                                                ("q_dim", 0), ("kv_dim", 0))}}
     v = lambda node, x: node.update(value=x)  # noqa: E731
     v(tree["shape"]["prompts_per_step"], 8)
     v(tree["shape"]["group_size"], 4)
@@ -105,8 +106,10 @@ def test_a_pool_whose_numbers_give_a_known_cost():
     assert cell["mean_lag"] > 0 and cell["solver"] in ("exact", "milp")
 
 
+@pytest.mark.e2e
 def test_the_scenario_prints_its_table_and_plot(tmp_path):
-    """The CLI on a small grid (one model, one link, S = 2 and 6, two ranged inputs): every part of the table."""
+    """The CLI on a small grid (one model, one link, S = 2 and 6, two ranged inputs): every part of the table, the
+    LoRA rows among them."""
     tree = hand_checkable()
     tree["network"]["staleness"]["value"] = [2, 6]
     for node in _walk(tree):
@@ -120,13 +123,16 @@ def test_the_scenario_prints_its_table_and_plot(tmp_path):
     text = out.stdout
     assert "Colocated baseline" in text and "| qwen3_4b | $3.60/h | 1 |" in text
     rows = [line for line in text.splitlines() if line.startswith("| qwen3_4b | 10 Gbit/s |")]
-    assert [r.split("|")[3].strip() for r in rows] == ["2", "6"]
+    assert [r.split("|")[3].strip() for r in rows] == ["2", "6", "2", "6"]  # full snapshots, then the LoRA rows
     assert "Sensitivity" in text and "| learner.mfu |" in text and "| workers.price_scale |" in text
+    assert "| model | link | S | merge r8 | merge r32 | vllm r8 | vllm r32 |" in text
     assert (tmp_path / "cost.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     js = subprocess.run([sys.executable, "-m", "echo2.sim", "--scenario", "cost", "--inputs", str(path), "--json"],
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     data = json.loads(js.stdout)
     assert {c["staleness"] for c in data["cells"]} == {2, 6} and {c["delta"] for c in data["cells"]} == {False, True}
+    assert {(c["lora_rank"], c["lora_apply"]) for c in data["lora_cells"]} == {(8, "merge"), (8, "vllm"),
+                                                                               (32, "merge"), (32, "vllm")}
     assert all({"ratio", "utilization", "mean_lag", "usd_per_run"} <= set(c) for c in data["cells"])
 
 
@@ -142,3 +148,22 @@ def test_the_baseline_holds_against_a_published_colocated_step():
     """NeMo RL's Qwen3-32B GRPO on 32 H100s (376 s a step, 2026-01-20): the time model within 15 %."""
     check = cost.nemo_rl_check(cost.values(cost.load_inputs()))
     assert check["ratio"] == pytest.approx(1.0, abs=0.15)
+
+
+def test_an_adapter_is_priced_from_its_models_shape_and_its_rows_are_printed():
+    """A rank-r adapter on every linear layer: r · Σ(in + out) per layer (Qwen3-8B rank 8: 43.6 MB in bf16, against
+    16.4 GB for the model); the LoRA rows cover every model, link, S, rank and way of applying it."""
+    v = cost.values(yaml.safe_load(cost.DEFAULT_INPUTS.read_text()))
+    assert cost.lora_params(4096, 4096, 1024, 12288, 36, 1) == 2_727_936
+    assert cost.adapter_gb(v, "qwen3_8b", 8) == pytest.approx(0.0436, abs=1e-4)
+    lora = cost.colocated(v, "qwen3_8b", lora_rank=8)
+    full = cost.colocated(v, "qwen3_8b")
+    assert lora["train_s"] == pytest.approx(full["train_s"] * v["lora"]["train_compute_ratio"])
+    assert lora["switch_s"] < full["switch_s"] / 100 and lora["gen_s"] == full["gen_s"]
+    small = copy.deepcopy(v)
+    small["network"].update(links_mbit=[100], staleness=[2])
+    small["models"] = {"qwen3_8b": v["models"]["qwen3_8b"]}
+    small["run"]["sim_steps"] = 20
+    cell = cost.echo2_cell(small, "qwen3_8b", 100, 2, False, lora_rank=8, lora_apply="vllm")
+    assert cell["lora_rank"] == 8 and cell["lora_apply"] == "vllm" and 0 < cell["ratio"] < 2
+    assert cell["bcast_s"] < 10  # 44 MB over 100 Mbit/s: seconds, where the 16 GB model took over 20 minutes
