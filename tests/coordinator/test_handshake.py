@@ -105,18 +105,22 @@ def test_a_hub_model_without_hub_access_is_one_clear_error(tmp_path):
     assert worker.returncode == 2 and "cannot be downloaded" in worker.stderr and "Traceback" not in worker.stderr
 
 
-@pytest.mark.parametrize("n, gpus, expect", [
-    (3, [], [None, None, None]),                    # CPU
-    (2, ["0"], ["0", "0"]),                         # one GPU: learner and agents share it
-    (3, ["0", "1", "2", "3"], ["1", "2", "3"]),     # the learner keeps GPU 0
-    (4, ["0", "1", "2"], ["1", "2", "1", "2"]),     # more agents than spare GPUs: round-robin
-    (2, ["4", "6", "7"], ["6", "7"]),               # CUDA_VISIBLE_DEVICES=4,6,7 upstream: its names
+@pytest.mark.parametrize("n, gpus, learners, expect", [
+    (3, [], 1, [None, None, None]),                    # CPU
+    (2, ["0"], 1, ["0", "0"]),                         # one GPU: learner and agents share it
+    (3, ["0", "1", "2", "3"], 1, ["1", "2", "3"]),     # the learner keeps GPU 0
+    (4, ["0", "1", "2"], 1, ["1", "2", "1", "2"]),     # more agents than spare GPUs: round-robin
+    (2, ["4", "6", "7"], 1, ["6", "7"]),               # CUDA_VISIBLE_DEVICES=4,6,7 upstream: its names
+    (4, [str(g) for g in range(8)], 4, ["4", "5", "6", "7"]),  # a 4-process learner keeps 0-3 (LOCAL_WORLD_SIZE)
 ])
-def test_gpu_assignment_for_n_local_agents(n, gpus, expect):
+def test_gpu_assignment_for_n_local_agents(n, gpus, learners, expect, monkeypatch):
+    from echo2.learner.sources import pool as pools
     from echo2.learner.sources.pool import LocalPool, gpu_assignment
 
-    assert gpu_assignment(n, gpus) == expect
-    pool = LocalPool(workers=n, gpus=gpus, engine="vllm")
+    assert gpu_assignment(n, gpus, learners) == expect
+    monkeypatch.setattr(pools, "visible_gpus", lambda: gpus)  # pool.gpus=auto on a box with these GPUs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(learners))
+    pool = LocalPool(workers=n, gpus="auto", engine="vllm")
     pool.args = {"coordinator_url": "http://127.0.0.1:1", "token": "t", "model_path": "m"}
     envs = [pool.command(i)[1] for i in range(n)]
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")  # on CPU the pool leaves it as it is
@@ -124,6 +128,11 @@ def test_gpu_assignment_for_n_local_agents(n, gpus, expect):
     cmd = pool.command(0)[0]
     assert cmd[cmd.index("--dtype") + 1] == ("bfloat16" if gpus else "float32")
     assert "--max-model-len" not in cmd  # null: set by the run from what it needs
+    if gpus:  # a list names the agents' own GPUs, used as given
+        listed = LocalPool(workers=n, gpus=gpus, engine="vllm")
+        listed.args = pool.args
+        assert [listed.command(i)[1]["CUDA_VISIBLE_DEVICES"] for i in range(n)] == [gpus[i % len(gpus)]
+                                                                                   for i in range(n)]
 
 
 def test_local_pool_gets_the_context_the_run_needs(tmp_path):

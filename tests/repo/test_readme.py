@@ -1,4 +1,5 @@
-"""Every command README.md gives a user is checked here, so that a recipe cannot rot unnoticed.
+"""Every command README.md gives a user is checked here, so that a recipe cannot rot unnoticed; so is every command
+of the docs pages the README leads to (GUIDES: the detail of the cluster path, operations, planning, models, ...).
 
 Commands come from the README's ```bash blocks and from its inline code that starts a program (``python
 ...``, ``launchers/...``, ``sudo ...``). Each one is checked by what it is: train.py's overrides compose and
@@ -32,7 +33,11 @@ import pytest
 from conftest import ROOT, compose
 from echo2.config import check_overrides, validate
 
-README = (ROOT / "README.md").read_text()
+GUIDES = ("README.md", "docs/cluster.md", "docs/operations.md", "docs/planning.md", "docs/models.md",
+          "docs/security.md", "docs/tasks.md", "docs/trl.md")
+"""The pages whose commands a user copies: the README and the guides it leads to (generated docs/config.md is not
+one: its commands are the experiments' own comments, composed by tests/repo/test_configs.py)."""
+README = "\n\n".join((ROOT / page).read_text() for page in GUIDES if (ROOT / page).is_file())
 PROGRAM = r"(?:python |\.venv/bin/python |launchers/|sudo |\./install\.sh)"
 
 
@@ -200,7 +205,7 @@ def check(where: str, line: str, tmp_path: Path) -> str:
             assert (tmp_path / "plan.png").stat().st_size > 10_000
             return "runs"
         return _help(argv)
-    if argv[0] == "-m" and argv[1] in ("echo2.sim", "echo2.report", "echo2.credential") and len(argv) > 2:
+    if argv[0] == "-m" and argv[1] in ("echo2.sim", "echo2.report", "echo2.credential", "echo2.export") and len(argv) > 2:
         module = __import__(argv[1], fromlist=["main"])
         parse_with(module.main, argv[2:])
         return "parses"
@@ -305,7 +310,10 @@ def check_local_gpus(cfg, n: int) -> None:
     """launchers/local.sh N on a box with N + 1 GPUs: the learner keeps GPU 0, each agent has one of its own."""
     from hydra.utils import instantiate
 
-    pool = instantiate(cfg.pool, gpus=[str(i) for i in range(n + 1)])
+    from echo2.learner.sources import pool as pools
+
+    with mock.patch.object(pools, "visible_gpus", lambda: [str(i) for i in range(n + 1)]):
+        pool = instantiate(cfg.pool)
     pool.args = {"coordinator_url": "http://127.0.0.1:1", "token": "t", "model_path": "m", "ca_hash": None}
     gpus = [pool.command(i)[1]["CUDA_VISIBLE_DEVICES"] for i in range(n)]
     assert sorted(gpus) == [str(i) for i in range(1, n + 1)] and pool.dtype == "bfloat16"
@@ -321,7 +329,20 @@ def test_the_readme_has_the_recipes_we_check():
     assert len(COMMANDS) >= 30
 
 
-@pytest.mark.parametrize("where, line", COMMANDS, ids=[f"{w}:{c[:60]}" for w, c in COMMANDS])
+def starts_a_process(line: str) -> bool:
+    """Whether ``check`` runs a program for this command (a shell for ``$(...)``, python for ``--help``, the planner,
+    a launcher's stand-in, Hydra's CLI): its test is then an e2e one; composing and parsing run in this process."""
+    if "$(" in line:
+        return True
+    argv = shlex.split(re.sub(r"\[[^\]]*\]", "", line).replace("...", ""), comments=True)
+    argv = argv[1:] if argv[:1] in (["python"], [".venv/bin/python"], ["sudo"]) else argv
+    return (argv[:1] == ["train.py"] and "-m" in argv or argv[:2] == ["-m", "echo2.plan"]
+            or argv[:1] == ["-m"] and len(argv) == 2 or argv[0].startswith("benchmarks/")
+            or argv[0] in ("sbatch", "sky"))
+
+
+@pytest.mark.parametrize("where, line", [pytest.param(w, c, marks=[pytest.mark.e2e] if starts_a_process(c) else [])
+                                         for w, c in COMMANDS], ids=[f"{w}:{c[:60]}" for w, c in COMMANDS])
 def test_readme_command(where, line, tmp_path):
     assert check(where, line, tmp_path) in ("composes", "parses", "runs", "setup")
 
@@ -332,6 +353,7 @@ def _block(marker: str) -> list[str]:
     return [ln for ln in re.sub(r"\\\n\s*", " ", block).splitlines() if ln.strip() and not ln.startswith("#")]
 
 
+@pytest.mark.e2e
 def test_slurm_recipe_gives_each_learner_a_model_a_reachable_address_and_its_own_workers(tmp_path):
     """The SLURM block: every learner of the sweep trains the model its workers load, listens beyond loopback on
     ports of its own (free ports, found by the workers in its coordinator.json), and each job has one array."""
@@ -360,6 +382,7 @@ def test_slurm_recipe_gives_each_learner_a_model_a_reachable_address_and_its_own
     assert "staleness: 0" in out or "staleness: 2" in out
 
 
+@pytest.mark.e2e
 def test_a_learner_on_every_interface_advertises_a_reachable_address(tmp_path):
     """What the SLURM recipe relies on: coordinator.json and the snapshot sender name this machine, not 0.0.0.0,
     and a worker given the file finds the learner (real coordinator, real worker process)."""
@@ -399,7 +422,7 @@ def test_rented_box_worker_context_holds_the_tasks_prompts_and_completions():
     """The rented-GPU recipe's --max-model-len against the learner's task: GSM8K's longest prompt (the local
     fixture, through the same chat template shape) plus task.max_completion_length fits with room to spare."""
     lines = _block("launchers/join.sh https://LEARNER")
-    learner = shlex.split(next(ln for ln in lines if "train.py" in ln))[2:]
+    learner = shlex.split(next(ln for ln in lines if "train.py" in ln or ln.startswith("launchers/learner.sh")))[2:]
     worker = shlex.split(next(ln for ln in lines if ln.startswith("launchers/join.sh")))
     cfg = check_train(learner)[0]
     ns = worker_args(["--coordinator", worker[1], *worker[2:]])

@@ -104,12 +104,12 @@ def engine_core(i: int, cores: list[int] | None = None) -> int:
     return cores[i % len(cores)] if cores else i % (os.cpu_count() or 1)
 
 
-def gpu_assignment(n_agents: int, gpus: list[str]) -> list[str | None]:
-    """Each local agent's GPU: the learner keeps the first, agents take the others round-robin; with a single
-    GPU everyone shares it; with none, None (CPU). Pure."""
+def gpu_assignment(n_agents: int, gpus: list[str], learner_gpus: int = 1) -> list[str | None]:
+    """Each local agent's GPU: the learner's processes keep the first ``learner_gpus``, agents take the others
+    round-robin; with none left everyone shares them; with no GPU, None (CPU). Pure."""
     if not gpus:
         return [None] * n_agents
-    spare = gpus[1:] or gpus
+    spare = gpus[learner_gpus:] or gpus
     return [spare[i % len(spare)] for i in range(n_agents)]
 
 
@@ -119,6 +119,9 @@ class LocalPool:
                  vllm_args: list[str] | None = None, usd_per_hour: float | list[float] = 0.0,
                  gpus: str | list | None = "auto", lora: str = "merge", max_lora_rank: int = 64):
         self.gpus = visible_gpus() if gpus == "auto" else [str(g) for g in (gpus or [])]
+        # auto: the learner's processes on this node (one each, launched by accelerate) keep the first GPUs; a list
+        # names the agents' own GPUs
+        self.learner_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if gpus == "auto" else 0
         self.n, self.engine = workers, engine
         self.dtype = dtype if dtype != "auto" else ("bfloat16" if self.gpus else "float32")
         self.max_model_len, self.max_groups, self.log_subdir = max_model_len, max_groups, log_subdir
@@ -159,7 +162,7 @@ class LocalPool:
             cmd += ["--lora", self.lora, "--max-lora-rank", str(self.max_lora_rank)]
         cmd += ["--usd-per-hour", str(self.usd_per_hour[i % len(self.usd_per_hour)])]
         env = dict(os.environ, ECHO2_TOKEN=self.args["token"])
-        gpu = gpu_assignment(i + 1, self.gpus)[i]
+        gpu = gpu_assignment(i + 1, self.gpus, self.learner_gpus)[i]
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         return cmd, env
