@@ -28,7 +28,9 @@ class HFWorkerEngine:
         from echo2.models.tokenizer import load_tokenizer
 
         self.model_path, self.dtype = model_path, getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        # the GPU this agent was given (CUDA_VISIBLE_DEVICES), where there is one
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
         tok = load_tokenizer(model_path)
         self.engine = HFEngine(tok.pad_token_id if pad_token_id is None else pad_token_id,
                                eos_token_ids or [tok.eos_token_id])
@@ -70,7 +72,7 @@ class HFWorkerEngine:
             self.off_base = False
         wanted = {f"{name}.weight" for name in adapter} - {f"{name}.weight" for name in self.base}
         for key, tensor in base_checkpoint(self.model_path, wanted):
-            self.base[key.removesuffix(".weight")] = tensor.to(self.dtype)
+            self.base[key.removesuffix(".weight")] = tensor.to(device=self.device, dtype=self.dtype)
         for name, (lora_a, lora_b) in adapter.items():
             modules[name].weight.copy_(spec.merged(self.base[name], lora_a, lora_b))
         return {"merged_modules": len(adapter)}
