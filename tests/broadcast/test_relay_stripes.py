@@ -431,6 +431,7 @@ def test_the_lab_link_paces_in_slices_of_link_time():
     assert link.TokenBucket(1000).slice_bytes == 1_250_000  # at 1 Gbit/s a relay piece (256 KiB) goes whole
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_bench_runs_the_layout_auto_picks_and_reports_the_model_beside_it():
     """``python -m echo2.lab.bench --mode pipelined`` runs what broadcast=pipelined runs (topology auto): at an 80

@@ -14,6 +14,7 @@ from conftest import ROOT
 from echo2.net.httpd import Limits
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_quick_crowd_run_is_served_whole_and_its_books_balance(tmp_path):
     out = tmp_path / "rows.json"

@@ -61,6 +61,7 @@ def _worker(coordinator_url: str, model: str, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_worker_with_another_model_or_a_short_context_is_refused_and_gets_no_work(tiny_model_dir, other_tiny_dir):
     coord = small_coordinator(tiny_model_dir)
@@ -90,6 +91,7 @@ def test_a_worker_with_another_model_or_a_short_context_is_refused_and_gets_no_w
         coord.close()
 
 
+@pytest.mark.e2e
 def test_a_hub_model_without_hub_access_is_one_clear_error(tmp_path):
     """No cache, hub unreachable: the learner's model option and a worker each fail at once, saying what to do."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
@@ -135,6 +137,7 @@ def test_gpu_assignment_for_n_local_agents(n, gpus, learners, expect, monkeypatc
                                                                                    for i in range(n)]
 
 
+@pytest.mark.e2e
 def test_local_pool_gets_the_context_the_run_needs(tmp_path):
     """pool=local with max_model_len null: the agents are started with the longest prompt + completion length."""
     from conftest import build_run
@@ -179,6 +182,7 @@ def test_an_engine_failure_is_not_taken_for_an_unreachable_coordinator(tiny_mode
         coord.close()
 
 
+@pytest.mark.e2e
 def test_the_wait_line_says_why_a_local_worker_exited(tmp_path):
     """A local agent that exits with an error (here: its engine did not serve a snapshot) is named in the learner's
     waiting lines with its exit code and the last error of its log, not only 'exited'."""
@@ -206,6 +210,7 @@ def test_the_wait_line_says_why_a_local_worker_exited(tmp_path):
         pool.procs[1].wait()
 
 
+@pytest.mark.e2e
 def test_a_run_whose_local_workers_all_exited_fails_at_once_with_their_error(tmp_path):
     """Every local worker has exited (here: each refused for a context too short for the run), none is connected
     and the coordinator listens on loopback, where no other worker can join: the learner fails within seconds, the

@@ -247,6 +247,7 @@ class _Hoarder(threading.Thread):
         self.join(timeout=30)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_client_that_holds_work_and_heartbeats_cannot_stop_the_run(tmp_path):
     """With two honest hf workers and a hoarder that joined at step 2, the run finishes: the hoarder's groups

@@ -60,6 +60,7 @@ def pool():
 
 @pytest.mark.parametrize("text, reason", [("sleep", "reward_timeout"), ("spin", "reward_timeout"),
                                           ("raise", "reward_error"), ("die", "reward_crashed")])
+@pytest.mark.e2e
 def test_a_bad_reward_costs_its_group_only(pool, text, reason):
     groups = [group("ok", "g0"), group(text, "g1"), group("ok", "g2")]
     t0 = time.monotonic()
@@ -105,6 +106,7 @@ class _NoBroadcast:
         pass
 
 
+@pytest.mark.e2e
 def test_heartbeats_are_answered_while_a_reward_chews_on_a_huge_power(tmp_path):
     """The real coordinator process on gsm8k; one worker pushes \\boxed{10^{10^{7}}} (math-verify took 18 s on it in
     the coordinator's own process, holding its GIL), another heartbeats meanwhile: every heartbeat is answered

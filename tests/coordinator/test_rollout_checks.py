@@ -123,6 +123,7 @@ def test_past_policies_keep_only_the_versions_a_check_asks_for_and_swap_back():
     assert (model.weight == 9).all()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_an_honest_workers_lagged_tokens_are_scored_under_the_version_that_made_them(tmp_path):
     """Two honest hf workers, S = 2, every batch checked against a bound of 0.05 nats a token, at the demo's learning
@@ -234,6 +235,7 @@ def _run_with_forger(tmp_path, forge, overrides, **forger):
     return trainer, acc, records, ev["forger"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_forging_worker_is_retired_and_honest_workers_are_not(tmp_path):
     """Random tokens claimed at logprob -0.05, every batch checked: the forger's credential is retired, the honest
@@ -247,6 +249,7 @@ def test_a_forging_worker_is_retired_and_honest_workers_are_not(tmp_path):
     assert "403" in str(forger.error), forger.error
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_one_fabricated_answer_per_group_is_caught_within_a_short_run(tmp_path):
     """Every batch checked (with checks every 10th or 5th batch, whether a forger holding one group at a time has a

@@ -25,6 +25,7 @@ def namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
+@pytest.mark.e2e
 @require_netns
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, copies", [("pipelined", 1), ("one_to_many", 3)])
@@ -46,6 +47,7 @@ def test_bench_cli_on_shaped_links(mode, copies):
     assert namespaces() == before, "testbed namespaces left behind"
 
 
+@pytest.mark.e2e
 @require_netns
 def test_testbed_cleans_up_after_a_failure():
     before = namespaces()
@@ -58,6 +60,7 @@ def test_testbed_cleans_up_after_a_failure():
     assert namespaces() == before
 
 
+@pytest.mark.e2e
 @require_netns
 def test_a_host_has_loopback_and_still_reaches_the_others():
     """A worker's vLLM server binds 127.0.0.1 in its host (free_port()); host-to-host traffic still crosses the

@@ -64,6 +64,7 @@ def fill(url, token, groups, receiver=None):
     return wid
 
 
+@pytest.mark.e2e
 def test_take_publish_metrics_and_close_over_the_pipe(tiny_model_dir, tmp_path):
     received = []
     receiver = SnapshotReceiver.of_run("secret", lambda v, blob, manifest: received.append((v, bytes(blob), manifest["probe"])))
@@ -100,6 +101,7 @@ def test_take_publish_metrics_and_close_over_the_pipe(tiny_model_dir, tmp_path):
     assert not coord.proc.is_alive() and not coord.staged
 
 
+@pytest.mark.e2e
 def test_a_dead_coordinator_is_a_clear_error(tiny_model_dir, tmp_path):
     coord = start(tiny_model_dir, tmp_path)
     os.kill(coord.proc.pid, signal.SIGKILL)
@@ -110,10 +112,11 @@ def test_a_dead_coordinator_is_a_clear_error(tiny_model_dir, tmp_path):
         coord.close()
 
 
+@pytest.mark.e2e
 def test_a_killed_learner_takes_its_coordinator_down(tiny_model_dir, tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        sys.path[:0] = [{str(ROOT / 'tests')!r}, {str(ROOT / 'tests' / 'learner')!r}]
         from pathlib import Path
         from test_coordinator_process import start
         coord = start({tiny_model_dir!r}, Path({str(tmp_path)!r}))

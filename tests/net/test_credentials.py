@@ -82,6 +82,7 @@ def test_revoking_a_worker_refuses_it_requeues_its_work_and_spares_the_others(co
         other.close()
 
 
+@pytest.mark.e2e
 def test_the_cli_makes_and_revokes_credentials(coord):
     env = dict(os.environ, ECHO2_TOKEN=SECRET)
     out = subprocess.run([sys.executable, "-m", "echo2.credential", "box17"], cwd=ROOT, env=env, capture_output=True,
@@ -96,6 +97,7 @@ def test_the_cli_makes_and_revokes_credentials(coord):
     assert bad.returncode == 2 and "worker name" in bad.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_real_agent_with_its_own_credential_is_revoked_mid_run(tmp_path, tiny_model_dir):
     """A third worker agent joins a running job (TLS on) with its own credential and delivers; it is revoked with

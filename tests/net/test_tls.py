@@ -164,6 +164,7 @@ def test_a_plain_socket_to_a_tls_relay_is_dropped_and_the_server_goes_on(ca):
         server.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_run_with_tls_forced_on_over_loopback(tmp_path, worker_tmp):
     """rollout.source.tls=on: the coordinator, the relay origin and the two local workers' servers all speak TLS;

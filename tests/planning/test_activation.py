@@ -233,6 +233,7 @@ def test_a_tree_relay_with_fanout_3_is_planned_with_fanout_3(tiny_model_dir):
     assert tree3 != pytest.approx(capacity.bcast_time_s("tree", 8e9, uplink, 9, 500.0, 200.0, 40.0, fanout=2))
 
 
+@pytest.mark.e2e
 def test_train_hands_the_relay_shape_to_the_coordinator_process(tmp_path, caplog):
     """The same through train.build and the coordinator's own process (settings cross a process boundary)."""
     import logging
@@ -249,6 +250,7 @@ def test_train_hands_the_relay_shape_to_the_coordinator_process(tmp_path, caplog
     assert "planned for a tree relay (fanout 3)" in (tmp_path / "coordinator.log").read_text()
 
 
+@pytest.mark.e2e
 def test_on_change_runs_from_where_train_py_was_started(tmp_path, monkeypatch):
     """``activation.on_change='sh stop_or_start.sh'`` as the README writes it: a path relative to the directory
     the user started train.py in (not the run dir; the coordinator's process inherits that directory), told the

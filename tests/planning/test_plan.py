@@ -18,6 +18,7 @@ def plan(*extra):
     return out
 
 
+@pytest.mark.e2e
 def test_plan_json_and_plot(tmp_path):
     out = plan("--json", "--plot", str(tmp_path / "plan.png"))
     assert out.returncode == 0, out.stderr
@@ -30,6 +31,7 @@ def test_plan_json_and_plot(tmp_path):
     assert greedy["usd_per_step"] >= r["usd_per_step"]
 
 
+@pytest.mark.e2e
 def test_plan_rejects_bad_input(tmp_path):
     bad = tmp_path / "pool.yaml"
     bad.write_text("workers:\n  - {id: a, usd_per_hour: cheap, rollouts_per_s: 1}\n")

@@ -48,6 +48,7 @@ def test_paper_claims_hold_in_the_simulation():
     assert s[0]["utilization"] < s[2]["utilization"] and s[0]["staleness_mean"] == 0 < s[2]["staleness_mean"]
 
 
+@pytest.mark.e2e
 def test_sim_cli_json():
     out = subprocess.run([sys.executable, "-m", "echo2.sim", "--steps", "40", "--json"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)

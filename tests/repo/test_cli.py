@@ -12,6 +12,7 @@ from conftest import read_jsonl, run_train
 REQUIRED = {"step", "version", "time_s", "reward/mean", "train/loss", "buffer/staleness_max"}
 
 
+@pytest.mark.e2e
 def test_run_dir_holds_config_metrics_summary_and_wandb(tmp_path):
     out = run_train(["rollout=sync", "run.steps=4", "run.eval_every_steps=2", f"hydra.run.dir={tmp_path}"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -28,12 +29,14 @@ def test_run_dir_holds_config_metrics_summary_and_wandb(tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run"
 
 
+@pytest.mark.e2e
 def test_wandb_can_be_off(tmp_path):
     out = run_train(["rollout=sync", "run.steps=1", "run.wandb=disabled", f"hydra.run.dir={tmp_path}"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not (tmp_path / "wandb").exists() and (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.e2e
 def test_multirun_gives_each_job_its_own_dir(tmp_path):
     out = run_train(["-m", "seed=0,1", "rollout=sync", "run.steps=2", "run.eval_every_steps=0", "run.wandb=disabled",
                      f"hydra.sweep.dir={tmp_path}"], tmp_path)
@@ -46,6 +49,7 @@ def test_multirun_gives_each_job_its_own_dir(tmp_path):
         assert yaml.safe_load((tmp_path / d / "resolved_config.yaml").read_text())["seed"] == num
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("typo", ["rollout.stalenes=4", "+rollout.stalenes=4"])
 def test_typo_is_a_clear_error(tmp_path, typo):
     """With or without Hydra's ``+`` (which adds a key unchecked), and even when only composing (--cfg job)."""
@@ -56,6 +60,7 @@ def test_typo_is_a_clear_error(tmp_path, typo):
         assert "Traceback" not in out.stderr and "+rollout" not in out.stderr
 
 
+@pytest.mark.e2e
 def test_experiment_runs_one_step(tmp_path):
     out = run_train(["experiment=mod10", "pool.engine=hf", "run.steps=1", "run.eval_every_steps=0",
                      f"hydra.run.dir={tmp_path}"], tmp_path)
@@ -64,6 +69,7 @@ def test_experiment_runs_one_step(tmp_path):
     assert record["rollout/consumed"] == 32 * 16  # the experiment's P x G
 
 
+@pytest.mark.e2e
 def test_sync_copy_task_reward_rises(tmp_path):
     """The on-policy baseline (rollout=sync, copy task, 150 steps) learns the lookup.
 
@@ -82,6 +88,7 @@ def test_sync_copy_task_reward_rises(tmp_path):
     assert summary["eval_accuracy_by_step"]["150"] > summary["eval_accuracy_by_step"]["0"] + 0.3
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_default_demo_learns_with_async_workers(tmp_path):
     """``python train.py`` as the README runs it: 2 local workers (vLLM where installed), S = 2, 150 steps.
@@ -109,6 +116,7 @@ def run_deepspeed(tmp_path, stage: int, steps: int, eval_every: int) -> dict:
     return summary
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_deepspeed_zero2_on_two_cpu_processes_trains(tmp_path):
     """ZeRO-2: 2 ranks, each with half of every batch; reward rises over 40 steps."""
@@ -118,6 +126,7 @@ def test_deepspeed_zero2_on_two_cpu_processes_trains(tmp_path):
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_deepspeed_zero3_on_two_cpu_processes_runs(tmp_path):
     """ZeRO-3 shards parameters; the sync source generates inside a full-parameter gather on every rank."""

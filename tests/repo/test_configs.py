@@ -182,6 +182,7 @@ def test_a_mistyped_key_in_an_experiment_file_is_refused_before_composing_with_a
     assert shipped and check_experiments([f"experiment={','.join(shipped)}"]) == []
 
 
+@pytest.mark.e2e
 def test_train_py_names_a_near_option_for_a_typo_in_an_experiment_file():
     experiment = CONF / "experiment" / "zz_test_typo.yaml"
     experiment.write_text("# @package _global_\nrollout:\n  stalenes: 3\n")

@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, build_run, descendants, read_jsonl, run_train, small_coordinator, wait_until
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_sweep_has_one_wandb_group_job_names_from_overrides_and_a_report(tmp_path):
     """The issue's sweep shape, shrunk: staleness x broadcast over async runs with local hf workers."""
@@ -44,6 +45,7 @@ def test_a_sweep_has_one_wandb_group_job_names_from_overrides_and_a_report(tmp_p
     assert all(row.count("|") == table[0].count("|") for row in table)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_submitit_runs_a_sweep_as_separate_jobs(tmp_path):
     """hydra/launcher=submitit_local: the SLURM path (submitit pickles each job and runs it in a process of its
@@ -58,12 +60,14 @@ def test_submitit_runs_a_sweep_as_separate_jobs(tmp_path):
     assert list((sweep / ".submitit").glob("*/*_result.pkl")), "not run through submitit"
 
 
+@pytest.mark.e2e
 def test_the_slurm_launcher_config_composes(tmp_path):
     out = run_train(["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "--cfg", "hydra"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SlurmLauncher" in out.stdout and "partition: gpu" in out.stdout and "max_num_timeout: 3" in out.stdout
 
 
+@pytest.mark.e2e
 def test_join_needs_a_token_and_then_joins_a_running_learner(tiny_model_dir, tmp_path):
     env = dict(os.environ, ECHO2_PYTHON=sys.executable)
     env.pop("ECHO2_TOKEN", None)
@@ -83,6 +87,7 @@ def test_join_needs_a_token_and_then_joins_a_running_learner(tiny_model_dir, tmp
     assert agent.returncode == 0
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_local_launcher_runs_the_learner_with_n_agents(tmp_path):
     out = run_train(["3", "pool.engine=hf", "run.steps=3", "run.eval_every_steps=0", "run.wandb=disabled",
@@ -91,6 +96,7 @@ def test_local_launcher_runs_the_learner_with_n_agents(tmp_path):
     assert len(list((tmp_path / "workers").glob("worker?.log"))) == 3
 
 
+@pytest.mark.e2e
 def test_report_refuses_a_directory_that_is_not_a_run(tmp_path):
     out = subprocess.run([sys.executable, "-m", "echo2.report", str(tmp_path)], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
@@ -105,6 +111,7 @@ def test_progress_fields_show_lag_utilization_and_dollars():
     assert f == {"reward": "0.500", "lag": "1.5", "util": "0.80", "$": "0.0123", "eval": "0.750"}
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_wan_launcher_puts_each_vllm_worker_in_its_own_shaped_host_and_both_deliver_early(tmp_path):
     """Two vLLM workers behind the WAN launcher both deliver within the first half of the run (by step 30 of 60; in
@@ -136,6 +143,7 @@ def test_wan_launcher_puts_each_vllm_worker_in_its_own_shaped_host_and_both_deli
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
 
 
+@pytest.mark.e2e
 def test_min_workers_times_out_with_a_clear_error_and_stops_its_coordinator(tmp_path):
     before = descendants(os.getpid())
     _, _, source, _ = build_run(tmp_path, ["rollout=async", "pool=static", "rollout.source.min_workers=2",
@@ -152,6 +160,7 @@ def test_min_workers_times_out_with_a_clear_error_and_stops_its_coordinator(tmp_
     assert not left, left  # the coordinator process it started was stopped
 
 
+@pytest.mark.e2e
 def test_install_puts_the_checkout_on_the_venv_path_so_modules_run_from_anywhere(tmp_path):
     """``python -m echo2.report`` from outside the checkout: install.sh's .pth step, run on a bare venv."""
     step = next(line for line in (ROOT / "install.sh").read_text().splitlines() if "echo2.pth" in line)
@@ -162,6 +171,7 @@ def test_install_puts_the_checkout_on_the_venv_path_so_modules_run_from_anywhere
     assert out.stdout.strip() == str(ROOT / "echo2" / "__init__.py"), out.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_run_waiting_for_workers_says_so_and_stops_at_the_first_sigterm(tmp_path):
     """pool.workers=0: the learner's first step waits for rollouts that never come. It says what it waits for
@@ -186,6 +196,7 @@ def test_a_run_waiting_for_workers_says_so_and_stops_at_the_first_sigterm(tmp_pa
     assert summary["rollout_accounting"]["dispatched"] == 0
 
 
+@pytest.mark.e2e
 def test_join_installs_once_when_an_array_starts_together(tmp_path):
     """16 SLURM array tasks in one shared checkout run join.sh at once: one ./install.sh, the rest wait for it."""
     (tmp_path / "launchers").mkdir()
@@ -206,6 +217,7 @@ def test_join_installs_once_when_an_array_starts_together(tmp_path):
     assert all("ran -m echo2.worker --coordinator http://h:1 --model m" in o for o in outs), outs
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_wan_launcher_stopped_by_sigterm_writes_its_summary_and_removes_its_namespaces(tmp_path):
     from echo2.lab import testbed

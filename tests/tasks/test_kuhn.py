@@ -74,6 +74,7 @@ def test_the_rows_follow_the_opponent_policy():
     assert all(r["card"] != r["opp_card"] for r in rows)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_tiny_model_learns_to_exploit_the_opponent(tmp_path):
     """The same train.py, learner and source; only task=kuhn. Payoff rises, best responses reach most hands."""
@@ -86,6 +87,7 @@ def test_the_tiny_model_learns_to_exploit_the_opponent(tmp_path):
     assert evals[-1] > 0.8, evals
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_kuhn_through_remote_workers(tmp_path):
     """The asynchronous plane serves the poker task unchanged: the coordinator scores payoffs, books balance."""

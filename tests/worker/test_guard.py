@@ -35,6 +35,7 @@ def stop_all(pids) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.e2e
 def test_an_agent_killed_by_sigkill_takes_its_server_and_work_folder_with_it(tmp_path):
     workdir = tmp_path / "echo2-weights-x"
     workdir.mkdir()
@@ -51,6 +52,7 @@ def test_an_agent_killed_by_sigkill_takes_its_server_and_work_folder_with_it(tmp
         stop_all(family)
 
 
+@pytest.mark.e2e
 def test_an_orderly_stop_leaves_the_work_folder_to_the_agent(tmp_path):
     """SIGTERM to the guard while its agent lives (the agent's engine.close()): the server stops, and the folder
     stays for the agent, which removes it itself after reading the log."""
