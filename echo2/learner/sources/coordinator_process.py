@@ -21,7 +21,7 @@ schema) reads the broadcaster's constructor to type ``broadcast.sender.*`` (test
     waits for (learner): a reply to take, i.e. P admissible groups;   unblocked by: worker pushes in the child
 
 Why: with the coordinator as threads of the learner, serving 3.4k rollouts/s (HTTP, JSON, validation, reward
-scoring) made learner steps 1.96x slower (BENCHMARKS.md); the GIL was shared. Here the learner pays one pipe
+scoring) made learner steps 1.96x slower (BENCHMARKS-history.md, "Does a busy coordinator slow the learner?"); the GIL was shared. Here the learner pays one pipe
 round trip per step plus unpickling its batch. The pipe carries pickles, but it is a socketpair between two
 processes of this run, never the network: workers only ever reach the coordinator's JSON routes.
 
