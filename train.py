@@ -128,7 +128,10 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k, stop_token_ids=tuple(stop_ids))
     token, token_origin = run_token()
-    parts = RunParts(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling, engine=engine,
+    # reward functions read trainer_state.max_steps and .epoch (epochs: P rows a step, over the training rows)
+    scorer = Scorer(task, tokenizer, max_steps=cfg.run.steps,
+                    steps_per_epoch=len(task.train_dataset()) / cfg.rollout.prompts_per_step)
+    parts = RunParts(task=task, tokenizer=tokenizer, scorer=scorer, sampling=sampling, engine=engine,
                      model_path=model_path, run_dir=run_dir, seed=cfg.seed, staleness=cfg.rollout.staleness,
                      prompts_per_step=cfg.rollout.prompts_per_step, publish_interval=cfg.broadcast.interval, token=token,
                      # built in the coordinator's process, which hands it the token (it derives the relay key and
@@ -136,7 +139,7 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
                      broadcaster=OmegaConf.to_container(cfg.broadcast.sender, resolve=True),
                      pool=instantiate(cfg.pool), activation=OmegaConf.to_object(cfg.activation),
                      broadcast_shape=BroadcastShape.of(cfg.broadcast),
-                     resume=resumed["source"] if resumed and resumed["source"] else None)
+                     resume=resumed["source"] if resumed and resumed["source"] else None, max_steps=cfg.run.steps)
     if get_class(cfg.rollout.source._target_).needs_policy:  # generates in this process: every rank its own slice
         source = make_source(cfg.rollout.source, parts)
     else:  # remote workers

@@ -36,6 +36,9 @@ REWARD_MEAN = "reward/mean"  # mean reward (the weighted sum of the task's rewar
 REWARD_STD = "reward/std"  # standard deviation of that reward
 REWARD_FRAC_ZERO_STD_GROUPS = "reward/frac_zero_std_groups"  # share of groups whose G rewards are all equal
 REWARD_FUNCTION_PREFIX = "reward/"  # + a reward function's name: the mean of that function's reward
+REWARD_ERRORS_PREFIX = "reward/errors/"  # + a reward function's name: the step's groups on which it failed (abstained)
+# A reward function's own log_metric(name, value): the step's mean under train/<name>, as TRL's trainer logs it
+# (the learner adds it to TRL's metrics by its name; ``namespaced`` files it under train/).
 
 # -------------------------------------------------------------------------------------------------- rollout/
 # Counts are cumulative over the run, in rollouts (G per group) where they count rollouts.

@@ -59,6 +59,9 @@ class RolloutGroup:
     group_id: str = ""
     row_index: int = -1
     worker_id: str = ""  # who generated it ("" for the learner's own sync source): for the rollout checks
+    # what its reward functions logged (log_metric, log_extra) and the errors of those that failed, for the learner's
+    # log: {"metrics": {name: [value]}, "extra": {column: [value per rollout]}, "errors": {function: reason}}
+    reward_logs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def version(self) -> int:

@@ -1,10 +1,17 @@
 """Rewards, computed on the learner's side (a worker never sends a reward the learner trusts).
 
-Applies a task's TRL-style reward functions to a group, and sums them with the task's weights. A function
-returning ``None`` for a completion abstains; if all abstain the reward is NaN (TRL's convention), which
-the learner turns into a zero advantage. The coordinator process runs the functions in a pool of processes of
-their own, with a time limit per group (echo2/coordinator/reward_pool.py); the learner's own sources call
-``Scorer`` in place.
+Applies a task's TRL-style reward functions to a group, and sums them with the task's weights. Each function is
+called as TRL's GRPOTrainer calls it (echo2/tasks/rewards.py: the keyword arguments, ``trainer_state``,
+``log_metric``/``log_extra``, async functions). A function returning ``None`` for a completion abstains; if all
+abstain the reward is NaN (TRL's convention), which the learner turns into a zero advantage. A function that raises
+abstains on that group and its error travels with the group (``reward/errors``); a group on which every function
+failed is not scored (``reward_error``). The coordinator process runs the functions in a pool of processes of their
+own, with a time limit per group (echo2/coordinator/reward_pool.py); the learner's own sources call ``Scorer`` in
+place.
+
+What a reward process is sent for one group is a ``job`` (plain data: the row, the decoded completions, their token
+ids, the trainer state); what it answers is ``{"rewards": {name: [value]}, "logs": {...}}``, which ``apply`` sets on
+the group.
 """
 
 from __future__ import annotations
@@ -14,42 +21,80 @@ import math
 from typing import Any
 
 from echo2.records import RolloutGroup
-from echo2.tasks.base import Task
+from echo2.tasks.base import Task, encode_prompt  # noqa: F401 (encode_prompt: imported from here too)
+from echo2.tasks.rewards import EXCLUDED_COLUMNS, RewardLog, TrainerStateView, call_rewards, unique_names
 
 log = logging.getLogger(__name__)
 
 
+class RewardsFailed(RuntimeError):
+    """Every reward function failed on a group: it cannot be scored (``reward_error``)."""
+
+
 class RewardFunctions:
     """A task's reward functions and weights, without a tokenizer: what a reward process
-    (echo2/coordinator/reward_pool.py) holds."""
+    (echo2/coordinator/reward_pool.py) holds. ``max_steps`` and ``steps_per_epoch`` fill ``trainer_state``; its
+    ``global_step`` is set with ``set_step`` by whoever scores (the learner's version at the time)."""
 
-    def __init__(self, task: Task):
+    def __init__(self, task: Task, max_steps: int = 0, steps_per_epoch: float = 0.0):
+        self.task = task
         self.funcs = task.reward_funcs()
-        self.weights = task.reward_weights()
+        self.names = unique_names(self.funcs)
+        self.weights = list(task.reward_weights())
         if len(self.weights) != len(self.funcs):
             raise ValueError(f"task {task.name}: {len(self.funcs)} reward funcs but {len(self.weights)} weights")
+        self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
+        self.state = TrainerStateView(max_steps=max_steps)
+        self._reported: set[tuple[str, str]] = set()  # (function, error) pairs already logged
 
-    def compute(self, row: dict[str, Any], completions: list[str], completion_ids: list[list[int]]) -> dict:
-        """Each function's value for each completion, ``{name: [value or NaN]}`` (None, an abstention, is NaN)."""
-        n = len(completions)
-        columns = {k: [v] * n for k, v in row.items() if k != "prompt"}
-        prompts = [row["prompt"]] * n
+    def set_step(self, global_step: int) -> None:
+        """The learner's version now: what ``trainer_state.global_step`` says to the groups scored from now on."""
+        epoch = global_step / self.steps_per_epoch if self.steps_per_epoch > 0 else 0.0
+        self.state = TrainerStateView(global_step=global_step, max_steps=self.max_steps, epoch=epoch)
+
+    def job(self, group: RolloutGroup) -> dict[str, Any]:
+        """What scoring ``group`` needs, as plain data (sent to a reward process): its row, decoded completions and
+        token ids, and the trainer state."""
+        return {"row": group.row, "texts": [r.text for r in group.rollouts],
+                "completion_ids": [r.completion.token_ids for r in group.rollouts], "state": self.state}
+
+    def compute_job(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Each function's value for each completion, ``{"rewards": {name: [value or NaN]}, "logs": ...}`` (None, an
+        abstention, is NaN). Raises RewardsFailed if every function failed."""
+        row, texts = job["row"], job["texts"]
+        n = len(texts)
+        completions: list[Any] = list(texts)
         if not isinstance(row["prompt"], str):  # chat messages: TRL hands rewards conversational completions
-            completions = [[{"role": "assistant", "content": c}] for c in completions]
-        per_func = {}
-        for f in self.funcs:
-            out = f(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-            if len(out) != n:
-                raise ValueError(f"reward {f.__name__} returned {len(out)} values for {n} completions")
-            per_func[f.__name__] = [math.nan if v is None else float(v) for v in out]
-        return per_func
+            completions = [[{"role": "assistant", "content": c}] for c in texts]
+        kwargs = {k: [v] * n for k, v in row.items() if k not in EXCLUDED_COLUMNS}
+        kwargs.update(prompts=[row["prompt"]] * n, completions=completions, completion_ids=job["completion_ids"],
+                      trainer_state=job["state"])
+        logs = RewardLog()
+        rewards = call_rewards(self.funcs, self.names, n, kwargs, logs)
+        if self.funcs and len(logs.errors) == len(self.funcs):
+            raise RewardsFailed("every reward function failed: " + "; ".join(f"{k}: {v}" for k, v in
+                                                                              logs.errors.items()))
+        return {"rewards": rewards, "logs": logs.as_dict()}
 
-    def apply(self, group: RolloutGroup, per_func: dict) -> RolloutGroup:
-        """Set each rollout's rewards and their weighted sum (NaN if every function abstained)."""
+    def compute(self, row: dict, completions: list[str], completion_ids: list[list[int]]) -> dict[str, Any]:
+        """``compute_job`` for a group given by its parts (the row, the decoded completions, their token ids)."""
+        return self.compute_job({"row": row, "texts": completions, "completion_ids": completion_ids,
+                                 "state": self.state})
+
+    def apply(self, group: RolloutGroup, value: dict[str, Any]) -> RolloutGroup:
+        """Set each rollout's rewards and their weighted sum (NaN if every function abstained), and the group's
+        reward logs (what the functions logged, and the errors of those that failed)."""
+        per_func = value["rewards"]
         for i, r in enumerate(group.rollouts):
             r.rewards = {name: vals[i] for name, vals in per_func.items()}
             vals = [w * v for w, v in zip(self.weights, r.rewards.values()) if not math.isnan(v)]
             r.reward = sum(vals) if vals else math.nan
+        group.reward_logs = value.get("logs") or {}
+        for name, error in (group.reward_logs.get("errors") or {}).items():
+            if (name, error) not in self._reported:  # each distinct error once; every one is counted by the learner
+                self._reported.add((name, error))
+                log.warning("reward %s failed on group %s (it abstains there; counted in reward/errors): %s", name,
+                            group.group_id or "?", error)
         return group
 
 
@@ -57,17 +102,17 @@ class Scorer(RewardFunctions):
     """Scores in the calling thread (the learner's own sources, and coordinators in tests); the coordinator
     process scores in a RewardPool instead, which has the same ``score_many``."""
 
-    def __init__(self, task: Task, tokenizer: Any):
-        super().__init__(task)
-        self.task, self.tokenizer = task, tokenizer
+    def __init__(self, task: Task, tokenizer: Any, max_steps: int = 0, steps_per_epoch: float = 0.0):
+        super().__init__(task, max_steps, steps_per_epoch)
+        self.tokenizer = tokenizer
 
     def score(self, group: RolloutGroup) -> RolloutGroup:
         decode(self.tokenizer, group)
-        return self.apply(group, self.compute(group.row, [r.text for r in group.rollouts],
-                                              [r.completion.token_ids for r in group.rollouts]))
+        return self.apply(group, self.compute_job(self.job(group)))
 
     def score_many(self, groups: list[RolloutGroup]) -> list[str | None]:
-        """Score each group in place; per group None, or why it could not be (``reward_error``: a reward raised)."""
+        """Score each group in place; per group None, or why it could not be (``reward_error``: every reward
+        failed)."""
         reasons: list[str | None] = []
         for group in groups:
             try:
@@ -91,17 +136,9 @@ def decode(tokenizer: Any, group: RolloutGroup) -> None:
         r.text = tokenizer.decode(r.completion.token_ids, skip_special_tokens=True)
 
 
-def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
-    """Token ids of a prompt: chat messages go through the chat template, strings are encoded as is."""
-    if isinstance(prompt, str):
-        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-
 def longest_prompt(tokenizer: Any, prompts: list[Any]) -> int:
-    """Tokens in the longest of ``prompts`` (as encode_prompt counts them): what a worker's context must hold
-    before the completion. Plain strings are tokenized in one batch."""
+    """Tokens in the longest of ``prompts`` (as encode_prompt counts them): what a worker's context must hold before
+    the completion. Plain strings are tokenized in one batch."""
     text = [p for p in prompts if isinstance(p, str)]
     longest = max(map(len, tokenizer(text, add_special_tokens=False)["input_ids"]), default=0) if text else 0
     return max([longest, *(len(encode_prompt(tokenizer, p)) for p in prompts if not isinstance(p, str))])

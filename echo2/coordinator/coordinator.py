@@ -81,17 +81,19 @@ class CannotServe(BadRequest):
 
 class Coordinator:
     def __init__(self, dataset: Any, scorer: Any, tokenizer: Any, settings: CoordinatorSettings,
-                 broadcaster: Any = None):
+                 broadcaster: Any = None, encode: Any = None):
         """``scorer``: anything with ``score_many(groups)``, ``metrics()`` and ``close()`` (a scoring.Scorer, or a
         reward_pool.RewardPool); ``broadcaster``: a seams.Broadcaster, or None. The coordinator owns both: its
         ``close`` and ``abort`` close them. ``settings``: everything else (echo2/settings.py). A ``recover``ed
         coordinator starts from the journal instead of afresh; ``requires`` None: no check of what workers
-        serve."""
+        serve. ``encode(row)``: a row's prompt token ids (the task's ``prompt_ids``, with its chat template
+        arguments; default: the prompt through the chat template as it is)."""
         s = self.settings = settings
         staleness, group_size, journal, recover, version = (s.staleness, s.group_size, s.journal, s.recover,
                                                             s.version)
         self.requires = s.requires
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, s.token
+        self.encode = encode or (lambda row: encode_prompt(tokenizer, row["prompt"]))
         self.staleness, self.P, self.G = staleness, s.prompts_per_step, group_size
         self.sampling, self.vocab_size = s.sampling, s.vocab_size
         self.heartbeat_timeout_s, self.groups_per_pull = s.heartbeat_timeout_s, s.groups_per_pull
@@ -102,6 +104,7 @@ class Coordinator:
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
         self.version = version
+        self._tell_scorer(version)
         # Versions every worker holds without a delivery: a fresh run's initial weights (0), and after a coordinator
         # restart the versions the dead one may have delivered that are still admissible. A resumed learner is a
         # new epoch: its workers wait for its weights, delivered like any snapshot.
@@ -273,7 +276,7 @@ class Coordinator:
             gid, index = self.ledger.draw()
             try:
                 row = self.dataset[index]
-                ids = encode_prompt(self.tokenizer, row["prompt"])
+                ids = self.encode(row)
             except Exception:
                 log.exception("group %s: the prompt of row %d could not be built", gid, index)
                 self.ledger.lose(gid, "dispatch_failed", requeue=False)
@@ -433,9 +436,15 @@ class Coordinator:
         """Called by the learner after every optimizer step."""
         with self.lock:
             self.version = version
+            self._tell_scorer(version)
             self.activation.step_done(self.reg.workers, time.monotonic())
             self._evict_stale()
             self.lock.notify_all()  # long-polling workers may now be worth dispatching to
+
+    def _tell_scorer(self, version: int) -> None:
+        """The reward functions' ``trainer_state.global_step``: the learner's version when a group is scored."""
+        if hasattr(self.scorer, "set_step"):  # a test's stand-in scorer may have none
+            self.scorer.set_step(version)
 
     def take(self, n: int, timeout_s: float | None = None) -> list[RolloutGroup]:
         """Block until ``n`` groups admissible at the current step are buffered; return them, oldest first."""

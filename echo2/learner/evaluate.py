@@ -6,11 +6,11 @@ gathered weights are needed everywhere); rank 0 logs it.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from echo2.metrics import EVAL_ACCURACY, EVAL_EXAMPLES
 from echo2.models.generate import HFEngine
-from echo2.scoring import encode_prompt
 from echo2.records import SamplingParams
 from echo2.tasks.base import Task
 
@@ -19,7 +19,9 @@ class Evaluator:
     def __init__(self, task: Task, tokenizer: Any, engine: HFEngine, batch_size: int = 64):
         self.task, self.tokenizer, self.engine, self.batch_size = task, tokenizer, engine, batch_size
         self.rows = list(task.eval_dataset())
-        self.prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in self.rows]
+        self.prompt_ids = [task.prompt_ids(tokenizer, r) for r in self.rows]
+        # a task that scores with token ids too (a reward function of them, as task=dataset's may be) is handed them
+        self.with_ids = "completion_ids" in inspect.signature(task.is_correct).parameters
         self.params = SamplingParams(n=1, max_tokens=task.max_completion_length)
 
     def __call__(self, policy: Any) -> dict[str, float]:
@@ -29,5 +31,6 @@ class Evaluator:
             outs = self.engine.generate(policy, ids, self.params, greedy=True)
             for row, (comp,) in zip(self.rows[start : start + self.batch_size], outs, strict=True):
                 text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-                correct += bool(self.task.is_correct(text, row))
+                ids = {"completion_ids": comp.token_ids} if self.with_ids else {}
+                correct += bool(self.task.is_correct(text, row, **ids))
         return {EVAL_ACCURACY: correct / max(1, len(self.rows)), EVAL_EXAMPLES: float(len(self.rows))}

@@ -39,6 +39,7 @@ from trl.trainer.utils import nanstd, pad
 
 from echo2.learner.corrections import SCALE_REWARDS, Correction, importance_weights, m2po_keep
 from echo2.learner.past_policies import PastPolicies
+from echo2.learner.reward_logs import log_reward_logs
 from echo2.learner.weights import PolicyWeights
 from echo2.metrics import (BUFFER_STALENESS_MAX, BUFFER_STALENESS_MEAN, REWARD_FRAC_ZERO_STD_GROUPS,
                            REWARD_FUNCTION_PREFIX, REWARD_MEAN, REWARD_STD, ROLLOUT_COMPLETION_LEN_MEAN,
@@ -201,6 +202,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
         metrics.update(self.rollout_source.metrics())
         for key, value in metrics.items():
             self._metrics["train"][key].append(value)
+        log_reward_logs(self, groups, advantages)  # the reward functions' log_metric, log_extra and errors
 
         old_logps = behaviour_logps
         if self.correction != "none":

@@ -14,7 +14,7 @@ from typing import Any
 
 from echo2.metrics import ROLLOUT_GENERATE_S, ROLLOUT_RECEIVED
 from echo2.records import Rollout, RolloutGroup
-from echo2.scoring import Scorer, encode_prompt
+from echo2.scoring import Scorer
 from echo2.seams import Engine, RunParts
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,7 @@ class SyncRolloutSource:
     def __init__(self, parts: RunParts):
         self.engine: Engine = parts.engine
         self.scorer: Scorer = parts.scorer
+        self.task = parts.task
         self.tokenizer, self.sampling = parts.tokenizer, parts.sampling
         self._generated = 0
         self._generate_s = 0.0
@@ -36,7 +37,8 @@ class SyncRolloutSource:
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
         if policy is None:
             raise ValueError("SyncRolloutSource generates with the learner's policy; collect() got none")
-        prompt_ids = [encode_prompt(self.tokenizer, r["prompt"]) for r in rows]
+        self.scorer.set_step(version)  # trainer_state.global_step of the reward functions
+        prompt_ids = [self.task.prompt_ids(self.tokenizer, r) for r in rows]
         t0 = time.perf_counter()
         completions = self.engine.generate(policy, prompt_ids, self.sampling)
         self._generate_s = time.perf_counter() - t0
