@@ -82,7 +82,11 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
         log.info("resuming from %s (step %d)", resume, resumed["step"])
     source = build_source(cfg, task, tokenizer, engine, model_path, run_dir, rank, world_size, resumed, stop_ids)
 
-    trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
+    from echo2.tasks.rewards import environment_reward
+
+    # TRL's trainer wants a reward source; a task scored by its environment alone has its reward there
+    trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer,
+                               reward_funcs=task.reward_funcs() or [environment_reward],
                                args=grpo_config(cfg, run_dir, world_size), train_dataset=train_set,
                                rollout_source=source, staleness=cfg.rollout.staleness,
                                correction=cfg.rollout.correction,

@@ -28,9 +28,11 @@ from echo2.learner.sources.lagged import LaggedRolloutSource
 from echo2.learner.sources.sync import SyncRolloutSource
 from echo2.tasks.arith import ArithTask
 from echo2.tasks.arith_chat import ArithChatTask
+from echo2.tasks.calculator import CalculatorTask
 from echo2.tasks.dataset import DatasetTask
 from echo2.tasks.gsm8k import Gsm8kTask
 from echo2.tasks.kuhn import KuhnTask
+from echo2.tasks.poker import PokerTask
 
 
 def schema_of(cls: type, *, target: bool = True, skip: tuple[str, ...] = (), required: bool = False,
@@ -92,8 +94,11 @@ KuhnTaskConfig = schema_of(KuhnTask, required=True)
 Gsm8kTaskConfig = schema_of(Gsm8kTask, required=True)
 ArithChatTaskConfig = schema_of(ArithChatTask, required=True)
 DatasetTaskConfig = schema_of(DatasetTask, required=True, extra=(("_recursive_", bool, field(default=False)),))
+CalculatorTaskConfig = schema_of(CalculatorTask, required=True)
+PokerTaskConfig = schema_of(PokerTask, required=True)
 TASK_SCHEMAS = {"arith_schema": ArithTaskConfig, "kuhn_schema": KuhnTaskConfig, "gsm8k_schema": Gsm8kTaskConfig,
-                "arith_chat_schema": ArithChatTaskConfig, "dataset_schema": DatasetTaskConfig}
+                "arith_chat_schema": ArithChatTaskConfig, "dataset_schema": DatasetTaskConfig,
+                "calculator_schema": CalculatorTaskConfig, "poker_schema": PokerTaskConfig}
 
 AsyncSourceConfig = schema_of(AsyncRolloutSource)
 SyncSourceConfig = schema_of(SyncRolloutSource)

@@ -39,41 +39,83 @@ class RewardFunctions:
     def __init__(self, task: Task, max_steps: int = 0, steps_per_epoch: float = 0.0):
         self.task = task
         self.funcs = task.reward_funcs()
-        self.names = unique_names(self.funcs)
+        self.func_names = unique_names(self.funcs)
         self.weights = list(task.reward_weights())
         if len(self.weights) != len(self.funcs):
             raise ValueError(f"task {task.name}: {len(self.funcs)} reward funcs but {len(self.weights)} weights")
+        # a multi-turn task's environment reward: one more column, weight 1 (as TRL adds get_reward)
+        self.spec = task.episode_spec()
+        self.env_column = self.spec.environment_reward if self.spec is not None else None
+        self.names = self.func_names + ([self.env_column] if self.env_column else [])
+        self.weights += [1.0] if self.env_column else []
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.state = TrainerStateView(max_steps=max_steps)
         self._reported: set[tuple[str, str]] = set()  # (function, error) pairs already logged
+        self._episodes: Any = None  # the episodes' runtime, for reading transcripts back (check_transcripts)
 
     def set_step(self, global_step: int) -> None:
         """The learner's version now: what ``trainer_state.global_step`` says to the groups scored from now on."""
         epoch = global_step / self.steps_per_epoch if self.steps_per_epoch > 0 else 0.0
         self.state = TrainerStateView(global_step=global_step, max_steps=self.max_steps, epoch=epoch)
 
+    def read_transcripts(self, tokenizer: Any, group: RolloutGroup) -> None:
+        """Read each episode's transcript back from its tokens (echo2/tasks/environments/episode.py): the model's
+        turns parsed, the environment's messages checked against the tokens they were rendered to (TranscriptMismatch
+        if not). Where workers' results are taken in, before scoring; nothing to do for single-turn rollouts."""
+        if self.spec is None or not any(r.episode is not None for r in group.rollouts):
+            return
+        if self._episodes is None:
+            self._episodes = self.task.episodes(tokenizer)
+        for r in group.rollouts:
+            c = r.completion
+            r.episode["messages"] = self._episodes.transcript(r.prompt_ids, c.token_ids, c.mask or [1] * len(
+                c.token_ids), r.episode, group.row.get("prompt"))
+
     def job(self, group: RolloutGroup) -> dict[str, Any]:
         """What scoring ``group`` needs, as plain data (sent to a reward process): its row, decoded completions and
-        token ids, and the trainer state."""
-        return {"row": group.row, "texts": [r.text for r in group.rollouts],
-                "completion_ids": [r.completion.token_ids for r in group.rollouts], "state": self.state}
+        token ids, the trainer state, and a multi-turn group's episode records (with their transcripts)."""
+        job = {"row": group.row, "texts": [r.text for r in group.rollouts],
+               "completion_ids": [r.completion.token_ids for r in group.rollouts], "state": self.state}
+        if any(r.episode is not None for r in group.rollouts):
+            job["episodes"] = [r.episode or {} for r in group.rollouts]
+        return job
 
     def compute_job(self, job: dict[str, Any]) -> dict[str, Any]:
         """Each function's value for each completion, ``{"rewards": {name: [value or NaN]}, "logs": ...}`` (None, an
-        abstention, is NaN). Raises RewardsFailed if every function failed."""
+        abstention, is NaN). Raises RewardsFailed if every function failed. An episode's completion is its transcript
+        (the model's turns and the environment's messages, as TRL hands multi-turn completions), its prompt the one
+        the environment started from; a failed episode abstains from every reward."""
         row, texts = job["row"], job["texts"]
         n = len(texts)
+        episodes = job.get("episodes")
+        prompts = [row["prompt"]] * n
         completions: list[Any] = list(texts)
-        if not isinstance(row["prompt"], str):  # chat messages: TRL hands rewards conversational completions
+        if episodes:
+            prompts = [e.get("prompt") or row["prompt"] for e in episodes]
+            completions = [list(e.get("messages") or []) for e in episodes]
+        elif not isinstance(row["prompt"], str):  # chat messages: TRL hands rewards conversational completions
             completions = [[{"role": "assistant", "content": c}] for c in texts]
         kwargs = {k: [v] * n for k, v in row.items() if k not in EXCLUDED_COLUMNS}
-        kwargs.update(prompts=[row["prompt"]] * n, completions=completions, completion_ids=job["completion_ids"],
+        kwargs.update(prompts=prompts, completions=completions, completion_ids=job["completion_ids"],
                       trainer_state=job["state"])
+        if episodes and self.spec is not None and self.spec.environment:
+            from echo2.tasks.environments import EnvironmentView
+
+            name = self.spec.environment.replace(":", ".").rpartition(".")[2]
+            kwargs["environments"] = [EnvironmentView(name, e.get("state") or {}, e.get("reward"), e.get("error"))
+                                      for e in episodes]
         logs = RewardLog()
-        rewards = call_rewards(self.funcs, self.names, n, kwargs, logs)
+        rewards = call_rewards(self.funcs, self.func_names, n, kwargs, logs)
         if self.funcs and len(logs.errors) == len(self.funcs):
             raise RewardsFailed("every reward function failed: " + "; ".join(f"{k}: {v}" for k, v in
                                                                               logs.errors.items()))
+        if self.env_column:
+            rewards[self.env_column] = [math.nan if e.get("reward") is None else float(e["reward"])
+                                        for e in (episodes or [{}] * n)]
+        for i, e in enumerate(episodes or []):
+            if e.get("error"):  # the environment failed: nothing to learn from this one
+                for values in rewards.values():
+                    values[i] = math.nan
         return {"rewards": rewards, "logs": logs.as_dict()}
 
     def compute(self, row: dict, completions: list[str], completion_ids: list[list[int]]) -> dict[str, Any]:
@@ -108,7 +150,13 @@ class Scorer(RewardFunctions):
 
     def score(self, group: RolloutGroup) -> RolloutGroup:
         decode(self.tokenizer, group)
+        if any(r.episode is not None and "messages" not in r.episode for r in group.rollouts):
+            self.read_transcripts(self.tokenizer, group)
         return self.apply(group, self.compute_job(self.job(group)))
+
+    def check_transcripts(self, group: RolloutGroup) -> None:
+        """A worker's episodes read back against their tokens (read_transcripts), where its results are taken in."""
+        self.read_transcripts(self.tokenizer, group)
 
     def score_many(self, groups: list[RolloutGroup]) -> list[str | None]:
         """Score each group in place; per group None, or why it could not be (``reward_error``: every reward

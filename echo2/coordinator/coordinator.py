@@ -216,7 +216,8 @@ class Coordinator:
         log.info("worker %s joined (%s engine, snapshots at %s%s)", worker.worker_id, worker.engine,
                  worker.snapshot_url, f", credential {caller!r}" if caller else "")
         return {"worker_id": worker.worker_id, "version": self.version, "epoch": self.epoch, "group_size": self.G,
-                "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4, "requires": self.requires}
+                "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4, "requires": self.requires,
+                "episode": self.settings.episode}
 
     def _revoke(self, body: dict, _headers) -> dict:
         """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its workers are
@@ -282,7 +283,8 @@ class Coordinator:
                 self.ledger.lose(gid, "dispatch_failed", requeue=False)
                 break
             self.reg.fly(gid, InFlight(worker.worker_id, worker.principal, row, ids, index))
-            work.append({"group_id": gid, "prompt_ids": ids})
+            # a multi-turn task's environment is reset from the row (TRL's reset(**row), SkyRL's extras)
+            work.append({"group_id": gid, "prompt_ids": ids, **({"row": row} if self.settings.episode else {})})
         if work:
             rate = worker.rollouts_per_s or self.reg.fresh_rate()
             due = time.monotonic() + self.liveness.deadline_s(rate, worker.held, self.G)
@@ -299,7 +301,8 @@ class Coordinator:
             claimed, rejected = intake.claim(self.reg, self.ledger, worker, req.results)
             claimed_at = time.monotonic()
         try:
-            outcomes = intake.score(self.scorer, claimed, self.G, int(self.sampling["max_tokens"]), self.vocab_size)
+            outcomes = intake.score(self.scorer, claimed, self.G, int(self.sampling["max_tokens"]), self.vocab_size,
+                                    episodes=self.settings.episode is not None)
             with self.lock:
                 accepted = intake.settle(self.reg, self.ledger, self.buffer, worker, outcomes, rejected,
                                          version=self.version, staleness=self.staleness, group_size=self.G,

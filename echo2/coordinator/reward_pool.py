@@ -136,6 +136,11 @@ class RewardPool:
         self.idle.put(proc)
         return []
 
+    def check_transcripts(self, group: RolloutGroup) -> None:
+        """A multi-turn group's episodes read back against their tokens, here (it needs the tokenizer), before
+        scoring (scoring.RewardFunctions.read_transcripts)."""
+        self.weights.read_transcripts(self.tokenizer, group)
+
     def set_step(self, global_step: int) -> None:
         """The learner's version now: the ``trainer_state.global_step`` the groups scored from now on are handed."""
         self.weights.set_step(global_step)

@@ -14,6 +14,9 @@ back with each scored group (``RolloutGroup.reward_logs``). Per learner step, ov
 
 Every process runs this with its own groups: the names are gathered first (sorted, so every process makes the same
 collective calls in the same order), as TRL does.
+
+``log_episodes``: a multi-turn task's per-step counts (turns, tool calls and their errors, the environment's own
+reward, environments that failed), over every process's groups.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from echo2.metrics import REWARD_ERRORS_PREFIX
+from echo2.metrics import (REWARD_ERRORS_PREFIX, ROLLOUT_ENV_ERRORS, ROLLOUT_ENV_REWARD_MEAN, ROLLOUT_ENV_TOKENS_FRAC,
+                           ROLLOUT_TOOL_CALLS_MEAN, ROLLOUT_TOOL_ERRORS, ROLLOUT_TURNS_MEAN)
 from echo2.records import RolloutGroup
 
 
@@ -67,3 +71,24 @@ def _sum_by_name(logs: list[dict], key: str) -> dict[str, tuple[float, int]]:
             else:
                 out[name] = (total, count + 1)
     return out
+
+
+def log_episodes(trainer: Any, groups: list[RolloutGroup]) -> None:
+    """A multi-turn task's per-step episode metrics (echo2/metrics.py: rollout/turns_mean ...). Every process calls it
+    (a collective): those without episodes in the run log nothing, and none has them unless all do (one task)."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    if not any(r.episode is not None for r in rollouts):
+        return
+    acc, device = trainer.accelerator, trainer.accelerator.device
+    records = [r.episode or {} for r in rollouts]
+    env_rewards = [e["reward"] for e in records if e.get("reward") is not None]
+    sums = torch.tensor([[len(records), sum(e.get("turns", 0) for e in records),
+                          sum(e.get("tool_calls", 0) for e in records), sum(e.get("tool_errors", 0) for e in records),
+                          sum(env_rewards), len(env_rewards), sum(bool(e.get("error")) for e in records),
+                          sum(len(r.completion.mask or []) - sum(r.completion.mask or []) for r in rollouts),
+                          sum(len(r.completion.token_ids) for r in rollouts)]], dtype=torch.float64, device=device)
+    n, turns, calls, errors, reward, rewarded, failed, env_tokens, tokens = acc.gather(sums).sum(0).tolist()
+    for key, value in {ROLLOUT_TURNS_MEAN: turns / n, ROLLOUT_TOOL_CALLS_MEAN: calls / n, ROLLOUT_TOOL_ERRORS: errors,
+                       ROLLOUT_ENV_REWARD_MEAN: reward / rewarded if rewarded else float("nan"),
+                       ROLLOUT_ENV_ERRORS: failed, ROLLOUT_ENV_TOKENS_FRAC: env_tokens / max(tokens, 1.0)}.items():
+        trainer._metrics["train"][key].append(value)

@@ -53,6 +53,10 @@ class Task:
         """The token ids a row's prompt is generated from (the chat template with ``chat_template_kwargs``)."""
         return encode_prompt(tokenizer, row["prompt"], **self.chat_template_kwargs)
 
+    def episode_spec(self) -> Any:
+        """A multi-turn task's EpisodeSpec (echo2/tasks/environments/); None: one completion per prompt."""
+        return None
+
     def train_dataset(self) -> Dataset:
         """Rows with a ``prompt`` (a string, or chat messages) and the columns the rewards read."""
         raise NotImplementedError

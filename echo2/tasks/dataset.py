@@ -22,6 +22,7 @@ TRL's ``GRPOConfig.chat_template_kwargs`` do.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +71,12 @@ class DatasetTask(Task):
                  eval_size: int = 200, prompt_column: str = "prompt", system_prompt: str | None = None,
                  reward_funcs: list[Any] | None = None, reward_weights: list[float] | None = None,
                  eval_reward: str | None = None, eval_threshold: float = 1.0,
-                 chat_template_kwargs: dict[str, Any] | None = None, max_completion_length: int = 256, seed: int = 0):
+                 chat_template_kwargs: dict[str, Any] | None = None, max_completion_length: int = 256, seed: int = 0,
+                 environment: str | None = None, tools: list[str] | None = None,
+                 environment_config: dict[str, Any] | None = None, max_turns: int | None = None,
+                 environment_timeout_s: float = 60.0, environment_reward: bool = True):
         self.data_files = _absolute(plain(data_files))
-        if path is None and not self.data_files:
+        if path is None and not self.data_files and type(self).source is DatasetTask.source:
             raise ValueError("task=dataset: set task.path (a hub id or a local folder) or task.data_files (local json, "
                              "jsonl, csv or parquet files)")
         if path is not None and Path(path).expanduser().exists():
@@ -84,16 +88,20 @@ class DatasetTask(Task):
         self.eval_reward, self.eval_threshold = eval_reward, eval_threshold
         self.chat_template_kwargs = dict(plain(chat_template_kwargs) or {})
         self.max_completion_length = max_completion_length
-        self.name = f"dataset:{Path(path).name if path else Path(_files(self.data_files)[0]).name}"
+        self.name = f"dataset:{Path(path).name if path else Path((_files(self.data_files) or ['?'])[0]).name}"
         if eval_size < 0:
             raise ValueError(f"task.eval_size={eval_size}: must be >= 0")
         self._funcs: list[RewardFunc] | None = None
         self._splits: tuple[Dataset, Dataset | None] | None = None
+        self._episodes: dict[int, Any] = {}  # per tokenizer (id): the runtime of the episodes
+        self.spec = self._spec(environment, list(plain(tools) or []), plain(environment_config), max_turns,
+                               environment_timeout_s, environment_reward)
         # fail here, in the learner, on a reward function that does not import (not in the coordinator's processes)
         names = unique_names(self.reward_funcs())
-        if not names:
+        if not names and not (self.spec and self.spec.environment_reward):
             raise ValueError("task.reward_funcs is empty: name at least one reward function, e.g. "
-                             "'task.reward_funcs=[trl.rewards.accuracy_reward]'")
+                             "'task.reward_funcs=[trl.rewards.accuracy_reward]' (or an environment with its own "
+                             "reward)")
         weights = plain(reward_weights)
         self.weights = [float(w) for w in weights] if weights is not None else [1.0] * len(names)
         if len(self.weights) != len(names):
@@ -102,17 +110,55 @@ class DatasetTask(Task):
         if eval_reward is not None and eval_reward not in names:
             raise ValueError(f"task.eval_reward={eval_reward!r}: not one of the reward functions ({', '.join(names)})")
 
+    def _spec(self, environment: str | None, tools: list[str], config: dict | None, max_turns: int | None,
+              timeout_s: float, environment_reward: bool) -> Any:
+        """The episodes' spec (echo2/tasks/environments/), read here from the classes and functions named, so that an
+        import path that does not import fails at once; None without an environment or tools."""
+        if environment is None and not tools:
+            if config or max_turns is not None:
+                raise ValueError("task.environment_config / task.max_turns need task.environment or task.tools")
+            return None
+        from echo2.tasks.environments import spec_for
+
+        if max_turns is not None and max_turns < 1:
+            raise ValueError(f"task.max_turns={max_turns}: must be >= 1 (null: no limit)")
+        if not timeout_s > 0:
+            raise ValueError(f"task.environment_timeout_s={timeout_s}: must be > 0")
+        spec = spec_for(environment, tools, self.max_completion_length, max_turns=max_turns, timeout_s=timeout_s,
+                        environment_config=dict(config or {}), chat_template_kwargs=dict(self.chat_template_kwargs))
+        return spec if environment_reward else replace(spec, environment_reward=None)
+
     def __getstate__(self) -> dict[str, Any]:
         # sent to the coordinator and its reward processes: they rebuild the functions and reload the data
-        return {**self.__dict__, "_funcs": None, "_splits": None}
+        return {**self.__dict__, "_funcs": None, "_splits": None, "_episodes": {}}
+
+    # ------------------------------------------------------------------ episodes
+
+    def episode_spec(self) -> Any:
+        return self.spec
+
+    def episodes(self, tokenizer: Any) -> Any:
+        """The episodes' runtime for ``tokenizer`` (echo2/tasks/environments/episode.py), or None without an
+        environment or tools."""
+        if self.spec is None:
+            return None
+        if id(tokenizer) not in self._episodes:
+            from echo2.tasks.environments import Episodes
+
+            self._episodes[id(tokenizer)] = Episodes(self.spec, tokenizer)
+        return self._episodes[id(tokenizer)]
+
+    def prompt_ids(self, tokenizer: Any, row: dict[str, Any]) -> list[int]:
+        episodes = self.episodes(tokenizer)
+        return episodes.prompt_ids(row["prompt"]) if episodes is not None else super().prompt_ids(tokenizer, row)
 
     # ------------------------------------------------------------------ data
 
-    def _load(self) -> tuple[Dataset, Dataset | None]:
+    def source(self) -> Any:
+        """The dataset's splits (a ``DatasetDict``), as ``datasets.load_dataset`` reads them; a task that generates its
+        rows (task=calculator, task=poker) overrides this."""
         from datasets import load_dataset
 
-        if self._splits is not None:
-            return self._splits
         path, files = self.path, self.data_files
         if path is None:
             suffix = Path(_files(files)[0]).suffix.lower()
@@ -122,7 +168,12 @@ class DatasetTask(Task):
             path = BUILDERS[suffix]
         elif Path(path).is_file():
             path, files = BUILDERS.get(Path(path).suffix.lower(), "json"), path
-        splits = load_dataset(path, self.config_name, data_files=files)
+        return load_dataset(path, self.config_name, data_files=files)
+
+    def _load(self) -> tuple[Dataset, Dataset | None]:
+        if self._splits is not None:
+            return self._splits
+        splits = self.source()
         if self.train_split not in splits:
             raise ValueError(f"task.train_split={self.train_split!r}: the dataset has splits {sorted(splits)}")
         train = self._rows(splits[self.train_split])
@@ -180,6 +231,13 @@ class DatasetTask(Task):
 
     def reward_weights(self) -> list[float]:
         return list(self.weights)
+
+    def correct_when(self) -> tuple[str, float]:
+        """What counts as correct on held-out rows: the reward column (``eval_reward``; default: the first reward
+        function, else the environment's own reward) and the value it must reach."""
+        names = unique_names(self.reward_funcs())
+        name = self.eval_reward or (names[0] if names else self.spec.environment_reward)
+        return name, self.eval_threshold
 
     def is_correct(self, completion: str, row: dict[str, Any], completion_ids: list[int] | None = None) -> bool:
         """Whether the ``eval_reward`` function (default: the first) gives ``completion`` at least ``eval_threshold``;

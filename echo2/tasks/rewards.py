@@ -184,3 +184,8 @@ def _values(name: str, values: Any, n: int) -> list[float]:
 def _failed(name: str, e: Exception, n: int, logs: RewardLog) -> list[float]:
     logs.errors[name] = f"{type(e).__name__}: {e}"[:500]
     return [math.nan] * n
+
+
+def environment_reward(environments: list[Any], **kwargs: Any) -> list[float | None]:
+    """The environments' own rewards (``get_reward()``), as TRL adds them as a reward function."""
+    return [e.get_reward() for e in environments]

@@ -26,6 +26,7 @@ def test_every_option_is_documented():
     (schema.ModelConfig, "model/*.yaml"), (schema.ArithTaskConfig, "task/arith.yaml"),
     (schema.KuhnTaskConfig, "task/kuhn.yaml"), (schema.Gsm8kTaskConfig, "task/gsm8k.yaml"),
     (schema.ArithChatTaskConfig, "task/arith_chat.yaml"), (schema.DatasetTaskConfig, "task/dataset.yaml"),
+    (schema.CalculatorTaskConfig, "task/calculator.yaml"), (schema.PokerTaskConfig, "task/poker.yaml"),
     (schema.LearnerConfig, "learner/default.yaml"), (schema.RolloutConfig, "rollout/*.yaml"),
     (schema.BroadcastConfig, "broadcast/*.yaml"), (schema.ActivationConfig, "activation/default.yaml"),
 ])

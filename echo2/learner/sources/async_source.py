@@ -130,6 +130,7 @@ class AsyncRolloutSource:
             checks=CheckSettings(max_abs_log_ratio=check_max_abs_log_ratio, evidence_nats=check_evidence_nats),
             broadcaster=broadcaster, reward_processes=reward_processes, reward_timeout_s=reward_timeout_s,
             max_steps=parts.max_steps,
+            episode=task.episode_spec().as_dict() if task.episode_spec() is not None else None,
             # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
             epoch=os.urandom(8).hex(), version=self.version)  # a bad value fails here, not in the child
         self.check_every_steps = check_every_steps  # read by the learner (trainer._check)
