@@ -6,7 +6,7 @@ greedily with the initial weights and with each run's final weights (echo2's eva
 environment answering) and reports the mean chips won a hand (the payoff) and the share of hands won. For reference
 it also reports what always betting and always passing win against the same opponent on the same hands.
 
-    python benchmarks/poker_payoff.py                                   # 2 seeds x 40 steps (2-core CPU: ~20 min each)
+    python benchmarks/poker_payoff.py                                   # 2 seeds x 50 steps (2-core CPU: ~20 min each)
     python benchmarks/poker_payoff.py --seeds 0 --steps 2 --hands 16    # a quick check that it runs
     python benchmarks/poker_payoff.py --game leduc_poker
 
@@ -41,6 +41,21 @@ def train(seed: int, steps: int, game: str, run_dir: Path) -> float:
     return time.perf_counter() - t0
 
 
+def experiment_task(game: str, hands: int):
+    """The experiment's task (its budget and turn limit, composed from its config: nothing can drift apart), with
+    ``hands`` held-out hands."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from echo2.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["experiment=smollm2_poker", f"task.game={game}",
+                                                       f"task.eval_size={hands}", "task.train_size=1"])
+    return instantiate(cfg.task)
+
+
 def payoff(model_path: str, game: str, hands: int) -> dict[str, float]:
     """The greedy policy of ``model_path`` on ``hands`` held-out hands: chips won a hand, and hands won."""
     import torch
@@ -50,20 +65,19 @@ def payoff(model_path: str, game: str, hands: int) -> dict[str, float]:
     from echo2.metrics import EVAL_ACCURACY, EVAL_REWARD_MEAN
     from echo2.models.generate import HFEngine
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
-    from echo2.tasks.poker import PokerTask
 
     tok = load_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    task = PokerTask(game=game, eval_size=hands, train_size=1, max_completion_length=64, max_turns=4)
+    task = experiment_task(game, hands)
     out = Evaluator(task, tok, HFEngine(tok.pad_token_id, stop_token_ids(tok, model_path)))(model)
     return {"chips_won": out[EVAL_REWARD_MEAN], "hands_won": out[EVAL_ACCURACY]}
 
 
 def fixed_policies(game: str, hands: int) -> dict[str, float]:
     """What always betting (calling, raising) and always passing (checking, folding) win on the same hands."""
-    from echo2.tasks.poker import PokerTask, replay
+    from echo2.tasks.poker import replay
 
-    rows = list(PokerTask(game=game, eval_size=hands, train_size=1).eval_dataset())
+    rows = list(experiment_task(game, hands).eval_dataset())
     return {policy: statistics.mean(replay(game, r["seed"], r["seat"], [policy] * 8) for r in rows)
             for policy in (("bet", "pass") if game == "kuhn_poker" else ("raise", "call", "fold"))}
 
@@ -71,7 +85,7 @@ def fixed_policies(game: str, hands: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=50)
     p.add_argument("--hands", type=int, default=200, help="held-out hands each policy plays")
     p.add_argument("--game", default="kuhn_poker", choices=["kuhn_poker", "leduc_poker"])
     p.add_argument("--out", default=str(ROOT / "outputs" / "poker_payoff"))

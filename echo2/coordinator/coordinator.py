@@ -35,6 +35,7 @@ resumed from a checkpoint, carries on with the same books and data position.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import mmap
 import os
@@ -278,6 +279,8 @@ class Coordinator:
             try:
                 row = self.dataset[index]
                 ids = self.encode(row)
+                if self.settings.episode:  # the row goes to the worker (its environment is reset from it): JSON
+                    json.dumps(row)
             except Exception:
                 log.exception("group %s: the prompt of row %d could not be built", gid, index)
                 self.ledger.lose(gid, "dispatch_failed", requeue=False)

@@ -158,3 +158,20 @@ def test_rewards_read_the_transcript_the_environments_and_their_own_reward(tok, 
     assert group.rollouts[0].rewards == {"reach_target": 1.0, "env_history": 3.0, "CounterEnv": 1.0}
     assert group.rollouts[0].reward == 5.0
     assert all(math.isnan(v) for v in group.rollouts[1].rewards.values()) and math.isnan(group.rollouts[1].reward)
+
+
+def test_a_turn_never_asks_more_than_the_engines_context_holds(tok):
+    ep = episodes(tok, budget=300)
+    asked = []
+    policy = ScriptedPolicy(tok, steps=(2, 3))
+
+    def generate(ids, params):
+        asked.append(max(len(i) for i in ids) + params.max_tokens)
+        return policy.generate(ids, params)
+
+    prompt_len = len(ep.prompt_ids([{"role": "user", "content": "Count. Reach 5."}]))
+    (t,) = ep.run(generate, [{"prompt": PROMPT, "target": 5}], SamplingParams(n=1), n=1,
+                  context_tokens=prompt_len + 100)[0]
+    assert max(asked) <= prompt_len + 100 and t.turns == 2  # the second answer would not fit: the episode ends
+    (t,) = ep.run(generate, [{"prompt": PROMPT, "target": 5}], SamplingParams(n=1), n=1, context_tokens=prompt_len)[0]
+    assert t.error == "the prompt does not fit the engine's context" and t.mask == [0]

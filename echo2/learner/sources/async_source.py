@@ -48,6 +48,7 @@ from echo2.records import RolloutGroup
 from echo2.learner.sources.coordinator_process import CoordinatorDied, CoordinatorProcess
 from echo2.scoring import longest_prompt
 from echo2.tasks.base import Task
+from echo2.tasks.dataset import DatasetTask
 from echo2.seams import RunParts, RunStopped, Weights
 from echo2.settings import CheckSettings, CoordinatorSettings, LivenessSettings
 from echo2.net.tls import RunCA, is_loopback
@@ -65,7 +66,8 @@ def run_needs(task: Any, tokenizer: Any, model_path: str, max_tokens: int) -> di
     context of the longest training prompt plus the task's completion length (``max_tokens``), in tokens."""
     t0 = time.perf_counter()
     rows = task.train_dataset()
-    if type(task).prompt_ids is Task.prompt_ids and not task.chat_template_kwargs:
+    default = type(task).prompt_ids in (Task.prompt_ids, DatasetTask.prompt_ids) and task.episode_spec() is None
+    if default and not task.chat_template_kwargs:
         longest = longest_prompt(tokenizer, list(rows["prompt"]))  # the default encoding: plain strings in a batch
     else:  # the task's own (its chat template arguments, its tools)
         longest = max((len(task.prompt_ids(tokenizer, row)) for row in rows), default=0)

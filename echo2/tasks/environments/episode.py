@@ -170,19 +170,32 @@ class Episodes:
         env_cls, tools = self.imports()
         episodes = [[self._start(env_cls, tools, row) for _ in range(n)] for row in rows]
         open_ = [t for group in episodes for t in group if t.error is None]
-        budget = self.spec.max_completion_length
         while open_:
-            room = [budget - len(t.token_ids) for t in open_]
-            turns = generate([t.prompt_ids + t.token_ids for t in open_],
-                             replace(params, n=1, max_tokens=max(room)))
-            still = []
-            for t, left, (turn,) in zip(open_, room, turns, strict=True):
-                if self._turn(t, turn, left, context_tokens):
-                    still.append(t)
-            open_ = still
+            # one batch per token allowance: an engine's context must hold each prompt plus the turn it may generate
+            by_room: dict[int, list[Trajectory]] = {}
+            for t in open_:
+                by_room.setdefault(self._room(t, context_tokens), []).append(t)
+            open_ = []
+            for left, batch in sorted(by_room.items()):
+                if left <= 0:  # no room for another token
+                    for t in batch:
+                        t.finish_reason = "length"
+                        if not t.token_ids:  # not even one: the prompt fills the engine's context
+                            t.error = "the prompt does not fit the engine's context"
+                    continue
+                turns = generate([t.prompt_ids + t.token_ids for t in batch], replace(params, n=1, max_tokens=left))
+                open_ += [t for t, (turn,) in zip(batch, turns, strict=True)
+                          if self._turn(t, turn, left, context_tokens)]
         for t in (t for group in episodes for t in group):
             self._finish(t)
         return episodes
+
+    def _room(self, t: Trajectory, context_tokens: int | None) -> int:
+        """Tokens the next turn may have: what is left of the budget, and of the engine's context."""
+        left = self.spec.max_completion_length - len(t.token_ids)
+        if context_tokens is not None:
+            left = min(left, context_tokens - len(t.prompt_ids) - len(t.token_ids))
+        return left
 
     def _start(self, env_cls: type | None, tools: list[Any], row: dict) -> Trajectory:
         try:
