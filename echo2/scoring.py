@@ -27,6 +27,11 @@ from echo2.tasks.rewards import EXCLUDED_COLUMNS, RewardLog, TrainerStateView, c
 log = logging.getLogger(__name__)
 
 
+MAX_REPORTED = 256
+"""Distinct failures (a reward function's error, an environment's) logged once each, up to this many; every one is
+counted in the learner's metrics (reward/errors/<name>, rollout/env_errors) whether logged or not."""
+
+
 class RewardsFailed(RuntimeError):
     """Every reward function failed on a group: it cannot be scored (``reward_error``)."""
 
@@ -70,6 +75,11 @@ class RewardFunctions:
             c = r.completion
             r.episode["messages"] = self._episodes.transcript(r.prompt_ids, c.token_ids, c.mask or [1] * len(
                 c.token_ids), r.episode, group.row.get("prompt"))
+            error = r.episode.get("error")
+            if error and ("environment", error) not in self._reported and len(self._reported) < MAX_REPORTED:
+                self._reported.add(("environment", error))
+                log.warning("an episode of group %s ended early (it abstains from rewards; counted in "
+                            "rollout/env_errors): %s", group.group_id or "?", error)
 
     def job(self, group: RolloutGroup) -> dict[str, Any]:
         """What scoring ``group`` needs, as plain data (sent to a reward process): its row, decoded completions and
@@ -133,7 +143,7 @@ class RewardFunctions:
             r.reward = sum(vals) if vals else math.nan
         group.reward_logs = value.get("logs") or {}
         for name, error in (group.reward_logs.get("errors") or {}).items():
-            if (name, error) not in self._reported:  # each distinct error once; every one is counted by the learner
+            if (name, error) not in self._reported and len(self._reported) < MAX_REPORTED:
                 self._reported.add((name, error))
                 log.warning("reward %s failed on group %s (it abstains there; counted in reward/errors): %s", name,
                             group.group_id or "?", error)

@@ -90,3 +90,17 @@ def test_rollout_checks_score_the_models_tokens_only(tmp_path):
     tokens, _, absolute = stats["w1"]
     assert tokens == int((batch["tool_mask"] * batch["completion_mask"]).sum()) < int(batch["completion_mask"].sum())
     assert absolute / tokens < 10  # the model's own tokens: the learner's logprobs against the scripted -0.5
+
+
+def test_the_calculator_task_trains_offline_on_the_tiny_tool_calling_model(tmp_path):
+    """task=calculator end to end in the learner, with the tiny model's Qwen3 template and its own (random) policy:
+    the prompt carries the tool's schema, the episodes run, the step trains and evaluates."""
+    cfg, trainer, source, step_log = build_run(tmp_path, [
+        "rollout=sync", "task=calculator", "model.path.tool_chat=true", "model.path.max_position_embeddings=2048",
+        "task.train_size=8", "task.eval_size=2", "task.max_completion_length=24", "rollout.group_size=2",
+        "rollout.prompts_per_step=2", "run.steps=1", "run.eval_every_steps=1"])
+    trainer.train()
+    step_log.sink.close()
+    (record,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert record["rollout/turns_mean"] >= 1 and record["rollout/env_errors"] == 0
+    assert {"reward/correct", "reward/used_calculator", "eval/accuracy", "eval/reward_mean"} <= set(record)
