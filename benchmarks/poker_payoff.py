@@ -6,7 +6,7 @@ greedily with the initial weights and with each run's final weights (echo2's eva
 environment answering) and reports the mean chips won a hand (the payoff) and the share of hands won. For reference
 it also reports what always betting and always passing win against the same opponent on the same hands.
 
-    python benchmarks/poker_payoff.py                                   # 2 seeds x 50 steps (2-core CPU: ~20 min each)
+    python benchmarks/poker_payoff.py                                   # 2 seeds x 30 steps (2-core CPU: ~20 min each)
     python benchmarks/poker_payoff.py --seeds 0 --steps 2 --hands 16    # a quick check that it runs
     python benchmarks/poker_payoff.py --game leduc_poker
 
@@ -85,7 +85,7 @@ def fixed_policies(game: str, hands: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--hands", type=int, default=200, help="held-out hands each policy plays")
     p.add_argument("--game", default="kuhn_poker", choices=["kuhn_poker", "leduc_poker"])
     p.add_argument("--out", default=str(ROOT / "outputs" / "poker_payoff"))

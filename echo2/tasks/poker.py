@@ -41,14 +41,12 @@ RANKS = ("Jack", "Queen", "King")
 WORDS = {"kuhn_poker": {"pass": 0, "check": 0, "fold": 0, "bet": 1, "call": 1},
          "leduc_poker": {"fold": 0, "call": 1, "check": 1, "raise": 2, "bet": 2}}
 NAMES = {"kuhn_poker": ("pass", "bet"), "leduc_poker": ("fold", "call", "raise")}
-RULES = {
-    "kuhn_poker": "We play Kuhn poker. The deck is a Jack, a Queen and a King; each player antes 1 chip and gets one "
-                  "card. Actions: pass (check, or fold to a bet) and bet (bet 1 chip, or call a bet). The higher card "
-                  "wins at showdown.",
-    "leduc_poker": "We play Leduc hold'em. The deck is two Jacks, two Queens and two Kings; each player antes 1 chip "
-                   "and gets one private card; one public card is shown after the first betting round. Actions: fold, "
-                   "call (or check) and raise; bets are 2 chips in the first round and 4 in the second, at most two "
-                   "raises a round. A pair with the public card wins; otherwise the higher card.",
+RULES = {  # short: a small model reads little of them, and every token of a prompt costs each step
+    "kuhn_poker": "Kuhn poker: cards Jack < Queen < King, one each, ante 1 chip. pass = check, or fold to a bet; "
+                  "bet = bet 1 chip, or call a bet. Higher card wins at showdown.",
+    "leduc_poker": "Leduc hold'em: two Jacks, two Queens, two Kings; one private card each, ante 1 chip, one public "
+                   "card after the first round. fold, call (or check), raise: 2 chips in round 1, 4 in round 2, two "
+                   "raises a round at most. A pair with the public card wins, else the higher card.",
 }
 
 
