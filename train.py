@@ -81,7 +81,11 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
         log.info("resuming from %s (step %d)", resume, resumed["step"])
     source = build_source(cfg, task, tokenizer, engine, model_path, run_dir, rank, world_size, resumed, stop_ids)
 
-    trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=task.reward_funcs(),
+    from echo2.tasks.rewards import environment_reward
+
+    # TRL's trainer wants a reward source; a task scored by its environment alone has its reward there
+    trainer = Echo2GRPOTrainer(model=model_path, processing_class=tokenizer,
+                               reward_funcs=task.reward_funcs() or [environment_reward],
                                args=grpo_config(cfg, run_dir, world_size), train_dataset=train_set,
                                peft_config=peft_config(cfg),
                                rollout_source=source, staleness=cfg.rollout.staleness,
@@ -128,7 +132,10 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k, stop_token_ids=tuple(stop_ids))
     token, token_origin = run_token()
-    parts = RunParts(task=task, tokenizer=tokenizer, scorer=Scorer(task, tokenizer), sampling=sampling, engine=engine,
+    # reward functions read trainer_state.max_steps and .epoch (epochs: P rows a step, over the training rows)
+    scorer = Scorer(task, tokenizer, max_steps=cfg.run.steps,
+                    steps_per_epoch=len(task.train_dataset()) / cfg.rollout.prompts_per_step)
+    parts = RunParts(task=task, tokenizer=tokenizer, scorer=scorer, sampling=sampling, engine=engine,
                      model_path=model_path, run_dir=run_dir, seed=cfg.seed, staleness=cfg.rollout.staleness,
                      prompts_per_step=cfg.rollout.prompts_per_step, publish_interval=cfg.broadcast.interval, token=token,
                      # built in the coordinator's process, which hands it the token (it derives the relay key and
@@ -136,7 +143,7 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
                      broadcaster=OmegaConf.to_container(cfg.broadcast.sender, resolve=True),
                      pool=instantiate(cfg.pool), activation=OmegaConf.to_object(cfg.activation),
                      broadcast_shape=BroadcastShape.of(cfg.broadcast),
-                     resume=resumed["source"] if resumed and resumed["source"] else None)
+                     resume=resumed["source"] if resumed and resumed["source"] else None, max_steps=cfg.run.steps)
     if get_class(cfg.rollout.source._target_).needs_policy:  # generates in this process: every rank its own slice
         source = make_source(cfg.rollout.source, parts)
     else:  # remote workers

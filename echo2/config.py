@@ -26,26 +26,38 @@ from echo2.coordinator.broadcaster import RelayBroadcaster
 from echo2.learner.sources.async_source import AsyncRolloutSource
 from echo2.learner.sources.lagged import LaggedRolloutSource
 from echo2.learner.sources.sync import SyncRolloutSource
+from echo2.tasks.arith import ArithTask
+from echo2.tasks.arith_chat import ArithChatTask
+from echo2.tasks.calculator import CalculatorTask
+from echo2.tasks.dataset import DatasetTask
+from echo2.tasks.gsm8k import Gsm8kTask
+from echo2.tasks.kuhn import KuhnTask
+from echo2.tasks.poker import PokerTask
 
 
-def schema_of(cls: type, *, target: bool = True, skip: tuple[str, ...] = ()) -> type:
+def schema_of(cls: type, *, target: bool = True, skip: tuple[str, ...] = (), required: bool = False,
+              extra: tuple = ()) -> type:
     """A structured config of ``cls``'s options, read from its constructor (or, for a dataclass, its fields): each
     keyword parameter with a default becomes a field of that name, type and default, and one whose type is a
     dataclass becomes a nested schema. ``_target_`` names ``cls`` (``target``); ``skip``: parameters no config
-    sets (objects wired from code)."""
+    sets (objects wired from code); ``required``: parameters without a default become mandatory fields (``???``),
+    as a task's are; ``extra``: more fields, ``(name, type, field)``. A parameter without a type hint is ``Any``."""
     if dataclasses.is_dataclass(cls):
         hints = typing.get_type_hints(cls)
         params = [(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
                   for f in dataclasses.fields(cls)]
     else:
         hints = typing.get_type_hints(cls.__init__)
-        params = [(n, p.default) for n, p in inspect.signature(cls).parameters.items()
-                  if p.default is not inspect.Parameter.empty]
+        params = [(n, MISSING if p.default is inspect.Parameter.empty else p.default)
+                  for n, p in inspect.signature(cls).parameters.items()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                  and (p.default is not inspect.Parameter.empty or required)]
     out: list = [("_target_", str, field(default=f"{cls.__module__}.{cls.__qualname__}"))] if target else []
+    out += list(extra)
     for name, default in params:
         if name in skip:
             continue
-        kind = _config_type(hints[name])
+        kind = _config_type(hints.get(name, Any))
         if dataclasses.is_dataclass(kind):
             out.append((name, kind, field(default_factory=kind)))
         elif isinstance(default, (list, dict)):
@@ -74,6 +86,20 @@ def _config_type(hint: Any) -> Any:
     return Any
 
 
+# The built-in tasks' schemas, read from their constructors like the components'. ``task=dataset`` is instantiated
+# without recursion (``_recursive_``): its reward functions given as Hydra nodes are built by the task itself, where
+# they run (the coordinator's reward processes), not pickled across from the learner.
+ArithTaskConfig = schema_of(ArithTask, required=True)
+KuhnTaskConfig = schema_of(KuhnTask, required=True)
+Gsm8kTaskConfig = schema_of(Gsm8kTask, required=True)
+ArithChatTaskConfig = schema_of(ArithChatTask, required=True)
+DatasetTaskConfig = schema_of(DatasetTask, required=True, extra=(("_recursive_", bool, field(default=False)),))
+CalculatorTaskConfig = schema_of(CalculatorTask, required=True)
+PokerTaskConfig = schema_of(PokerTask, required=True)
+TASK_SCHEMAS = {"arith_schema": ArithTaskConfig, "kuhn_schema": KuhnTaskConfig, "gsm8k_schema": Gsm8kTaskConfig,
+                "arith_chat_schema": ArithChatTaskConfig, "dataset_schema": DatasetTaskConfig,
+                "calculator_schema": CalculatorTaskConfig, "poker_schema": PokerTaskConfig}
+
 AsyncSourceConfig = schema_of(AsyncRolloutSource)
 SyncSourceConfig = schema_of(SyncRolloutSource)
 LaggedSourceConfig = schema_of(LaggedRolloutSource)
@@ -88,54 +114,6 @@ class ModelConfig:
     name: str = MISSING
     path: Any = MISSING  # a node with _target_ returning something from_pretrained accepts
     dtype: str = "float32"  # or auto (learner/args.resolve_precision)
-
-
-@dataclass
-class ArithTaskConfig:
-    _target_: str = "echo2.tasks.arith.ArithTask"
-    level: str = "copy"
-    digits: int = 2
-    train_size: int = 10_000
-    eval_size: int = 200
-    seed: int = 0
-    max_completion_length: int = 2
-
-
-@dataclass
-class KuhnTaskConfig:
-    _target_: str = "echo2.tasks.kuhn.KuhnTask"
-    train_size: int = 10_000
-    eval_size: int = 300
-    seed: int = 0
-    format: str = "digits"
-    max_completion_length: int = 2
-
-
-@dataclass
-class Gsm8kTaskConfig:
-    _target_: str = "echo2.tasks.gsm8k.Gsm8kTask"
-    path: str = "openai/gsm8k"
-    config_name: str = "main"
-    data_dir: Optional[str] = None
-    train_split: str = "train"
-    eval_split: str = "test"
-    eval_size: int = 200
-    max_completion_length: int = 512
-    chat: bool = True
-
-
-@dataclass
-class ArithChatTaskConfig:
-    _target_: str = "echo2.tasks.arith_chat.ArithChatTask"
-    ops: str = "+-*"
-    max_a: int = 20
-    max_b: int = 10
-    train_size: int = 10_000
-    eval_size: int = 100
-    seed: int = 0
-    max_completion_length: int = 12
-    instruction: str = "Answer with just the number."
-    system: Optional[str] = None
 
 
 @dataclass
@@ -232,10 +210,8 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="task", name="arith_schema", node=ArithTaskConfig)
-    cs.store(group="task", name="gsm8k_schema", node=Gsm8kTaskConfig)
-    cs.store(group="task", name="kuhn_schema", node=KuhnTaskConfig)
-    cs.store(group="task", name="arith_chat_schema", node=ArithChatTaskConfig)
+    for name, node in TASK_SCHEMAS.items():  # conf/task/*.yaml: `- arith_schema` in their defaults
+        cs.store(group="task", name=name, node=node)
     cs.store(group="learner", name="learner_schema", node=LearnerConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
     cs.store(group="broadcast", name="broadcast_schema", node=BroadcastConfig)
@@ -247,15 +223,16 @@ def register_configs() -> None:
 
 
 WANDB_MODES = ("offline", "online", "disabled")
-TASK_SCHEMAS = (ArithTaskConfig, KuhnTaskConfig, Gsm8kTaskConfig, ArithChatTaskConfig)
 
 
-def unknown_key(dotted: str) -> str | None:
+def unknown_key(dotted: str, task_schema: type | None = None) -> str | None:
     """Why ``dotted`` (an override's key, e.g. ``rollout.stalenes``) is not an option, or None if it may be one.
     Walks the structured configs; below a field typed ``Any`` or ``dict`` (``pool``, ``learner.trl``,
-    ``learner.deepspeed``) anything goes. ``task`` keys are checked against every task's schema, ``rollout.source``
-    against every source's and ``broadcast.sender`` against the broadcaster's; a key added with ``+`` below these
-    two may be an option of a component of your own (named by ``_target_``): validate() judges it once composed."""
+    ``learner.deepspeed``) anything goes. ``task`` keys are checked against ``task_schema`` (the schema of a task of
+    your own, read from its constructor: ``own_task_schema``), else against every built-in task's schema;
+    ``rollout.source`` against every source's and ``broadcast.sender`` against the broadcaster's; a key added with
+    ``+`` below these two may be an option of a component of your own (named by ``_target_``): validate() judges it
+    once composed."""
     parts = dotted.lstrip("+~").split(".")
     if parts[0] == "hydra" or "/" in parts[0]:
         return None
@@ -276,7 +253,7 @@ def unknown_key(dotted: str) -> str | None:
         if typing.get_origin(hint) is typing.Union:  # Optional[X]
             hint = next(a for a in typing.get_args(hint) if a is not type(None))
         if depth == 0 and key == "task":
-            nodes = TASK_SCHEMAS
+            nodes = (task_schema,) if task_schema is not None else tuple(TASK_SCHEMAS.values())
         elif tuple(parts[:depth + 1]) in COMPONENT_SCHEMAS:
             if dotted.startswith("+"):
                 return None
@@ -289,6 +266,7 @@ def unknown_key(dotted: str) -> str | None:
 
 
 GROUPS_WITHOUT_SCHEMA = ("experiment",)
+BUILTIN_TASKS = {getattr(kind, "_target_") for kind in TASK_SCHEMAS.values()}
 COMPONENT_SCHEMAS = {("rollout", "source"): tuple(SOURCE_SCHEMAS.values()),
                      ("broadcast", "sender"): tuple(SENDER_SCHEMAS.values())}
 
@@ -303,8 +281,44 @@ def check_overrides(argv: list[str]) -> list[str]:
         overrides = OverridesParser.create().parse_overrides(candidates)
     except Exception:
         return []  # not ours to judge: Hydra reports malformed overrides itself
+    task_schema = own_task_schema(overrides)
     added = lambda o: "+" if o.is_add() or o.is_force_add() else ""  # noqa: E731 (a key added with + or ++)
-    return [why for o in overrides if not o.is_delete() and (why := unknown_key(added(o) + o.key_or_group))]
+    return [why for o in overrides
+            if not o.is_delete() and (why := unknown_key(added(o) + o.key_or_group, task_schema))]
+
+
+def own_task_schema(overrides: list, conf_dir: Path | None = None) -> type | None:
+    """The schema (read from its constructor) of a task of your own that the command line selects: ``task._target_=
+    pkg.Task``, or ``task=NAME`` whose ``task/NAME.yaml`` (in conf/ or a ``hydra.searchpath=[file://DIR]`` folder)
+    names a class that is not a built-in task. None for a built-in task, or where it cannot be told before Hydra
+    composes (then validate() judges the composed node)."""
+    from omegaconf import OmegaConf
+
+    target = name = None
+    searchpath: list[str] = []
+    for o in overrides:
+        if o.is_delete() or o.is_sweep_override():
+            continue
+        if o.key_or_group == "task._target_":
+            target = str(o.value())
+        elif o.key_or_group == "task":
+            name = str(o.value())
+        elif o.key_or_group == "hydra.searchpath" and isinstance(o.value(), list):
+            searchpath = [str(p) for p in o.value()]
+    if target is None and name is not None:
+        dirs = [conf_dir or CONF_DIR] + [Path(p[len("file://"):]) for p in searchpath if p.startswith("file://")]
+        for d in dirs:
+            path = Path(d) / "task" / f"{name}.yaml"
+            if path.is_file():
+                node = OmegaConf.load(path)
+                target = node.get("_target_") if isinstance(node, dict) or hasattr(node, "get") else None
+                break
+    if target is None or target in BUILTIN_TASKS:
+        return None
+    try:
+        return schema_of(get_class(target), required=True)
+    except Exception:  # not importable here: validate() says why, once composed
+        return None
 
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -377,10 +391,41 @@ def unknown_keys(cfg: Any) -> list[str]:
     return out
 
 
+def task_errors(node: Any) -> list[str]:
+    """The errors of a task of your own (a ``_target_`` that is not a built-in task's): its options are checked
+    against its constructor's parameters (names, types, and those without a default set), as a built-in task's are
+    against its schema."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    target = node.get("_target_")
+    if target is None or getattr(OmegaConf.get_type(node), "_target_", None) == target:
+        return []  # a built-in task: its schema judged it (unknown_keys)
+    try:
+        schema = schema_of(get_class(target), required=True)
+    except Exception as e:
+        return [f"task._target_={target}: cannot import it ({type(e).__name__}: {e})"]
+    names = {f.name for f in dataclasses.fields(schema)}
+    errors = []
+    for key in node:
+        if not str(key).startswith("_") and key not in names:
+            near = difflib.get_close_matches(str(key), sorted(names - {"_target_"}), n=1)
+            errors.append(f"task.{key}: no such option of {target} (its options: {', '.join(sorted(names - {'_target_'}))}"
+                          f"){f'; did you mean task.{near[0]}?' if near else ''}")
+    if errors:
+        return errors
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema),
+                                 {k: v for k, v in node.items_ex(resolve=False) if not str(k).startswith("_")})
+    except OmegaConfBaseException as e:
+        return [f"task ({target}): {str(e).splitlines()[0]}"]
+    return [f"task.{k}: {target} needs it (no default)" for k in names if OmegaConf.is_missing(merged, k)]
+
+
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Fail fast, with the key to change, on settings that compose but cannot run."""
     r = cfg.rollout
-    errors = unknown_keys(cfg)
+    errors = unknown_keys(cfg) + task_errors(cfg.task)
     if r.group_size < 2:
         errors.append(f"rollout.group_size={r.group_size}: GRPO needs at least 2 completions per prompt")
     if r.prompts_per_step < 1 or r.prompts_per_step % world_size:
@@ -425,7 +470,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                       "report logprobs of the truncated, renormalised distribution, while the learner scores the full "
                       "softmax at the temperature, so every importance ratio would be biased. Keep top_p=1, top_k=0 "
                       "and lower rollout.temperature to sharpen sampling.")
-    if cfg.task.max_completion_length < 1:
+    if (cfg.task.get("max_completion_length") or 1) < 1:  # a task of your own may set it in code instead
         errors.append(f"task.max_completion_length={cfg.task.max_completion_length}: must be >= 1")
     if cfg.run.steps < 1:
         errors.append(f"run.steps={cfg.run.steps}: must be >= 1")

@@ -36,6 +36,9 @@ REWARD_MEAN = "reward/mean"  # mean reward (the weighted sum of the task's rewar
 REWARD_STD = "reward/std"  # standard deviation of that reward
 REWARD_FRAC_ZERO_STD_GROUPS = "reward/frac_zero_std_groups"  # share of groups whose G rewards are all equal
 REWARD_FUNCTION_PREFIX = "reward/"  # + a reward function's name: the mean of that function's reward
+REWARD_ERRORS_PREFIX = "reward/errors/"  # + a reward function's name: the step's groups on which it failed (abstained)
+# A reward function's own log_metric(name, value): the step's mean under train/<name>, as TRL's trainer logs it
+# (the learner adds it to TRL's metrics by its name; ``namespaced`` files it under train/).
 
 # -------------------------------------------------------------------------------------------------- rollout/
 # Counts are cumulative over the run, in rollouts (G per group) where they count rollouts.
@@ -59,6 +62,14 @@ ROLLOUT_REWARD_PROCESS_RESTARTS = "rollout/reward_process_restarts"  # reward pr
 ROLLOUT_COORDINATOR_RESTARTS = "rollout/coordinator_restarts"  # coordinator processes restarted by the learner
 ROLLOUT_GENERATE_S = "rollout/generate_s"  # sync source: time the step spent generating, s
 ROLLOUT_COMPLETION_LEN_MEAN = "rollout/completion_len_mean"  # mean completion length in the step's batch, tokens
+# (the model's tokens only: a multi-turn episode's environment tokens are not counted, as TRL counts them)
+# A multi-turn task's episodes (echo2/tasks/environments/), over the step's batch:
+ROLLOUT_TURNS_MEAN = "rollout/turns_mean"  # model turns per episode
+ROLLOUT_TOOL_CALLS_MEAN = "rollout/tool_calls_mean"  # tool calls per episode
+ROLLOUT_TOOL_ERRORS = "rollout/tool_errors"  # tool calls answered with an error (unknown tool, the tool raised)
+ROLLOUT_ENV_REWARD_MEAN = "rollout/env_reward_mean"  # the environment's own reward (get_reward, SkyRL step rewards)
+ROLLOUT_ENV_ERRORS = "rollout/env_errors"  # episodes ended by an environment that raised or overran its time limit
+ROLLOUT_ENV_TOKENS_FRAC = "rollout/env_tokens_frac"  # share of the completions' tokens that are the environment's
 ROLLOUT_THROUGHPUT_PREFIX = "rollout/throughput/"  # + a worker id: its measured rate, rollouts/s
 ROLLOUT_CHECK_LOG_RATIO_PREFIX = "rollout/check_log_ratio/"  # + a credential: mean log-ratio so far, nats/token
 ROLLOUT_CHECK_ABS_LOG_RATIO_PREFIX = "rollout/check_abs_log_ratio/"  # + a credential: mean |log-ratio|, nats/token
@@ -105,6 +116,7 @@ COST_USD_PER_HOUR = "cost/usd_per_hour"  # dollars per hour of the learner and a
 # ----------------------------------------------------------------------------------------------------- eval/
 EVAL_ACCURACY = "eval/accuracy"  # held-out (greedy) accuracy, 0 to 1
 EVAL_EXAMPLES = "eval/examples"  # held-out examples evaluated
+EVAL_REWARD_MEAN = "eval/reward_mean"  # a multi-turn task's eval reward over held-out episodes (poker: chips won)
 
 NAMESPACES = ("train/", "reward/", "rollout/", "buffer/", "broadcast/", "activation/", "cost/", "eval/")
 # TRL log keys with an obvious better name; the rest go under train/ as they are.

@@ -28,25 +28,33 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """What an engine returns for one sample."""
+    """What an engine returns for one sample. A multi-turn episode's completion (echo2/tasks/environments/) holds every
+    token after the prompt, the environment's too: ``mask`` tells them apart (1: the model's, trained on; 0: the
+    environment's, whose logprob is 0.0 and never trained on). None: every token is the model's."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (hit EOS) or "length" (hit max_tokens)
+    mask: list[int] | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
+        if self.mask is not None and len(self.mask) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} tokens but a mask of {len(self.mask)}")
 
 
 @dataclass
 class Rollout:
     prompt_ids: list[int]
     completion: Completion
-    version: int  # policy version that generated every token of the completion
+    version: int  # policy version that generated every token of the completion (every turn of an episode)
     text: str = ""
     reward: float = math.nan  # weighted sum of the task's rewards; NaN until scored or if unscorable
     rewards: dict[str, float] = field(default_factory=dict)
+    # a multi-turn episode's record (echo2/tasks/environments/episode.py, Trajectory.record): the prompt it started
+    # from, the environment's messages, counts, the environment's own reward and error; "messages" once read back
+    episode: dict[str, Any] | None = None
 
 
 @dataclass
@@ -59,6 +67,9 @@ class RolloutGroup:
     group_id: str = ""
     row_index: int = -1
     worker_id: str = ""  # who generated it ("" for the learner's own sync source): for the rollout checks
+    # what its reward functions logged (log_metric, log_extra) and the errors of those that failed, for the learner's
+    # log: {"metrics": {name: [value]}, "extra": {column: [value per rollout]}, "errors": {function: reason}}
+    reward_logs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def version(self) -> int:

@@ -42,6 +42,7 @@ class RunParts:
     activation: Any  # activation.settings.ActivationSettings
     broadcast_shape: Any  # activation.settings.BroadcastShape
     resume: dict | None = None  # what the source's checkpoint() returned, when the learner resumes from one
+    max_steps: int = 0  # the run's learner steps (run.steps), which reward functions read in trainer_state
 
 
 class Engine(Protocol):

@@ -83,6 +83,8 @@ class CoordinatorSettings:
     broadcaster: dict | None = None  # the broadcast.sender config (its _target_ and options), built in the process
     reward_processes: int = 2  # the reward pool's processes, each group scored within reward_timeout_s
     reward_timeout_s: float = 10.0
+    max_steps: int = 0  # the run's learner steps (run.steps): what reward functions read as trainer_state.max_steps
+    episode: dict | None = None  # a multi-turn task's EpisodeSpec (as_dict): sent to workers, who run the episodes
 
     def __post_init__(self):
         if self.reward_processes < 1 or not self.reward_timeout_s > 0:

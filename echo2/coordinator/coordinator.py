@@ -35,6 +35,7 @@ resumed from a checkpoint, carries on with the same books and data position.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import mmap
 import os
@@ -81,17 +82,19 @@ class CannotServe(BadRequest):
 
 class Coordinator:
     def __init__(self, dataset: Any, scorer: Any, tokenizer: Any, settings: CoordinatorSettings,
-                 broadcaster: Any = None):
+                 broadcaster: Any = None, encode: Any = None):
         """``scorer``: anything with ``score_many(groups)``, ``metrics()`` and ``close()`` (a scoring.Scorer, or a
         reward_pool.RewardPool); ``broadcaster``: a seams.Broadcaster, or None. The coordinator owns both: its
         ``close`` and ``abort`` close them. ``settings``: everything else (echo2/settings.py). A ``recover``ed
         coordinator starts from the journal instead of afresh; ``requires`` None: no check of what workers
-        serve."""
+        serve. ``encode(row)``: a row's prompt token ids (the task's ``prompt_ids``, with its chat template
+        arguments; default: the prompt through the chat template as it is)."""
         s = self.settings = settings
         staleness, group_size, journal, recover, version = (s.staleness, s.group_size, s.journal, s.recover,
                                                             s.version)
         self.requires = s.requires
         self.scorer, self.tokenizer, self.token = scorer, tokenizer, s.token
+        self.encode = encode or (lambda row: encode_prompt(tokenizer, row["prompt"]))
         self.staleness, self.P, self.G = staleness, s.prompts_per_step, group_size
         self.sampling, self.vocab_size = s.sampling, s.vocab_size
         self.heartbeat_timeout_s, self.groups_per_pull = s.heartbeat_timeout_s, s.groups_per_pull
@@ -102,6 +105,7 @@ class Coordinator:
         self.lock = threading.Condition()
         self.buffer = StalenessBuffer(staleness)
         self.version = version
+        self._tell_scorer(version)
         # Versions every worker holds without a delivery: a fresh run's initial weights (0), and after a coordinator
         # restart the versions the dead one may have delivered that are still admissible. A resumed learner is a
         # new epoch: its workers wait for its weights, delivered like any snapshot.
@@ -213,7 +217,8 @@ class Coordinator:
         log.info("worker %s joined (%s engine, snapshots at %s%s)", worker.worker_id, worker.engine,
                  worker.snapshot_url, f", credential {caller!r}" if caller else "")
         return {"worker_id": worker.worker_id, "version": self.version, "epoch": self.epoch, "group_size": self.G,
-                "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4, "requires": self.requires}
+                "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4, "requires": self.requires,
+                "episode": self.settings.episode}
 
     def _revoke(self, body: dict, _headers) -> dict:
         """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its workers are
@@ -273,13 +278,16 @@ class Coordinator:
             gid, index = self.ledger.draw()
             try:
                 row = self.dataset[index]
-                ids = encode_prompt(self.tokenizer, row["prompt"])
+                ids = self.encode(row)
+                if self.settings.episode:  # the row goes to the worker (its environment is reset from it): JSON
+                    json.dumps(row)
             except Exception:
                 log.exception("group %s: the prompt of row %d could not be built", gid, index)
                 self.ledger.lose(gid, "dispatch_failed", requeue=False)
                 break
             self.reg.fly(gid, InFlight(worker.worker_id, worker.principal, row, ids, index))
-            work.append({"group_id": gid, "prompt_ids": ids})
+            # a multi-turn task's environment is reset from the row (TRL's reset(**row), SkyRL's extras)
+            work.append({"group_id": gid, "prompt_ids": ids, **({"row": row} if self.settings.episode else {})})
         if work:
             rate = worker.rollouts_per_s or self.reg.fresh_rate()
             due = time.monotonic() + self.liveness.deadline_s(rate, worker.held, self.G)
@@ -296,7 +304,8 @@ class Coordinator:
             claimed, rejected = intake.claim(self.reg, self.ledger, worker, req.results)
             claimed_at = time.monotonic()
         try:
-            outcomes = intake.score(self.scorer, claimed, self.G, int(self.sampling["max_tokens"]), self.vocab_size)
+            outcomes = intake.score(self.scorer, claimed, self.G, int(self.sampling["max_tokens"]), self.vocab_size,
+                                    episodes=self.settings.episode is not None)
             with self.lock:
                 accepted = intake.settle(self.reg, self.ledger, self.buffer, worker, outcomes, rejected,
                                          version=self.version, staleness=self.staleness, group_size=self.G,
@@ -433,9 +442,15 @@ class Coordinator:
         """Called by the learner after every optimizer step."""
         with self.lock:
             self.version = version
+            self._tell_scorer(version)
             self.activation.step_done(self.reg.workers, time.monotonic())
             self._evict_stale()
             self.lock.notify_all()  # long-polling workers may now be worth dispatching to
+
+    def _tell_scorer(self, version: int) -> None:
+        """The reward functions' ``trainer_state.global_step``: the learner's version when a group is scored."""
+        if hasattr(self.scorer, "set_step"):  # a test's stand-in scorer may have none
+            self.scorer.set_step(version)
 
     def take(self, n: int, timeout_s: float | None = None) -> list[RolloutGroup]:
         """Block until ``n`` groups admissible at the current step are buffered; return them, oldest first."""

@@ -24,6 +24,7 @@ from echo2.coordinator.registry import InFlight, Registry, WorkerInfo
 from echo2.coordinator.results import parse_result
 from echo2.coordinator.schemas import MAX_ROLLOUTS_PER_S
 from echo2.records import RolloutGroup
+from echo2.tasks.environments.episode import TranscriptMismatch
 from echo2.net.http import BadRequest
 
 log = logging.getLogger(__name__)
@@ -74,17 +75,20 @@ def claim(reg: Registry, ledger: Ledger, worker: WorkerInfo, results: list[dict]
 
 
 def score(scorer: Any, claimed: list[tuple[str, InFlight, Any]], group_size: int, max_tokens: int,
-          vocab_size: int) -> list[Outcome]:
-    """Parse each claimed result (results.py) and score the well-formed ones in one call to the scorer."""
+          vocab_size: int, episodes: bool = False) -> list[Outcome]:
+    """Parse each claimed result (results.py; a multi-turn task's transcripts read back and checked against their
+    tokens) and score the well-formed ones in one call to the scorer."""
     outcomes, parsed = [], []
     for gid, flight, res in claimed:
         try:
-            rollouts = parse_result(res, flight.prompt_ids, group_size, max_tokens, vocab_size)
-        except BadRequest as e:
+            rollouts = parse_result(res, flight.prompt_ids, group_size, max_tokens, vocab_size, episodes)
+            group = RolloutGroup(row=flight.row, rollouts=rollouts, group_id=gid, row_index=flight.row_index,
+                                 worker_id=flight.worker_id)
+            if episodes:
+                scorer.check_transcripts(group)
+        except (BadRequest, TranscriptMismatch) as e:
             outcomes.append(Outcome(gid, flight, None, "invalid", str(e)))
             continue
-        group = RolloutGroup(row=flight.row, rollouts=rollouts, group_id=gid, row_index=flight.row_index,
-                             worker_id=flight.worker_id)
         outcomes.append(Outcome(gid, flight, group))
         parsed.append(outcomes[-1])
     if parsed:

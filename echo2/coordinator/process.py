@@ -8,6 +8,7 @@ process is gone.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -35,9 +36,12 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
     _configure_logging(spec["log_path"], spec["log_level"])
     task, tokenizer, settings = spec["task"], spec["tokenizer"], spec["settings"]
     # reward functions in processes of their own
-    rewards = RewardPool(task, tokenizer, processes=settings.reward_processes, timeout_s=settings.reward_timeout_s)
+    dataset = task.train_dataset()
+    rewards = RewardPool(task, tokenizer, processes=settings.reward_processes, timeout_s=settings.reward_timeout_s,
+                         max_steps=settings.max_steps, steps_per_epoch=len(dataset) / settings.prompts_per_step)
     broadcaster = instantiate(settings.broadcaster, secret=settings.token) if settings.broadcaster else None
-    coordinator = Coordinator(task.train_dataset(), rewards, tokenizer, settings, broadcaster).start()
+    coordinator = Coordinator(dataset, rewards, tokenizer, settings, broadcaster,
+                              encode=functools.partial(task.prompt_ids, tokenizer)).start()
     _exit_with_parent()
     conn.send(("ok", coordinator.url))
     while True:

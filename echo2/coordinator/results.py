@@ -7,6 +7,10 @@ scored or counted before these pass. One bad result costs its own group (dropped
 
 Rewards are never taken from a worker (the coordinator scores with the task's own functions), and a version
 from the future, or one the worker was never delivered, is refused when the group is settled (intake.py).
+
+A multi-turn task's completion (``episodes``) also carries a ``mask`` (1: the model's token, 0: the environment's,
+whose logprob must be 0.0), the episode's record (``episode``: bounded, checked for shape here and against the
+tokens when scored) and, when its environment changed the prompt, the ``prompt_ids`` it generated from.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from echo2.net.http import BadRequest
 
 
 def parse_result(res: dict, prompt_ids: list[int], group_size: int, max_tokens: int,
-                 vocab_size: int) -> list[Rollout]:
-    """The ``group_size`` rollouts of one pushed result for the prompt ``prompt_ids``."""
+                 vocab_size: int, episodes: bool = False) -> list[Rollout]:
+    """The ``group_size`` rollouts of one pushed result for the prompt ``prompt_ids`` (``episodes``: a multi-turn
+    task's, each with its mask and episode record)."""
     version = integer(res, "version", 0, 1 << 40)
     comps = res.get("completions")
     if not isinstance(comps, list) or len(comps) != group_size:
@@ -40,9 +45,58 @@ def parse_result(res: dict, prompt_ids: list[int], group_size: int, max_tokens: 
         finish = c.get("finish_reason")
         if finish not in ("stop", "length"):
             raise BadRequest(f"finish_reason {finish!r}")
-        comp = Completion(ids, [float(x) for x in lps], finish)
-        rollouts.append(Rollout(prompt_ids=prompt_ids, completion=comp, version=version))
+        if not episodes:
+            comp = Completion(ids, [float(x) for x in lps], finish)
+            rollouts.append(Rollout(prompt_ids=prompt_ids, completion=comp, version=version))
+            continue
+        mask, record, own_prompt = _episode(c, ids, lps, vocab_size)
+        comp = Completion(ids, [float(x) for x in lps], finish, mask)
+        rollouts.append(Rollout(prompt_ids=own_prompt or prompt_ids, completion=comp, version=version, episode=record))
     return rollouts
+
+
+MAX_PROMPT_TOKENS = 1 << 20
+"""The longest prompt an environment may have made (its tokens are checked against its rendering when scored)."""
+MAX_RECORD_CHARS = 1 << 20
+"""An episode's record as JSON: its prompt, the environment's messages, its state (a push's body is bounded too)."""
+RECORD_KEYS = {"prompt", "observations", "turns", "tool_calls", "tool_errors", "reward", "error", "state"}
+
+
+def _episode(c: dict, ids: list, lps: list, vocab_size: int) -> tuple[list[int], dict, list[int] | None]:
+    """A multi-turn completion's mask, episode record and own prompt ids (None: the prompt dispatched)."""
+    import json
+
+    mask = c.get("mask")
+    if not isinstance(mask, list) or len(mask) != len(ids) or not all(type(m) is int and m in (0, 1) for m in mask):
+        raise BadRequest("mask must be a list of 0/1, one per token")
+    if any(m == 0 and lp != 0 for m, lp in zip(mask, lps)):
+        raise BadRequest("an environment token (mask 0) carries a logprob: it must be 0.0")
+    record = c.get("episode")
+    if not isinstance(record, dict) or not set(record) <= RECORD_KEYS:
+        raise BadRequest(f"episode must be an object with keys among {sorted(RECORD_KEYS)}")
+    for key in ("turns", "tool_calls", "tool_errors"):
+        integer(record, key, 0, 1 << 20)
+    reward, error = record.get("reward"), record.get("error")
+    if reward is not None and not (isinstance(reward, (int, float)) and not isinstance(reward, bool)
+                                   and math.isfinite(reward) and abs(reward) <= 1e9):
+        raise BadRequest("episode.reward must be null or a finite number")
+    if error is not None and not (isinstance(error, str) and len(error) <= 2000):
+        raise BadRequest("episode.error must be null or a string of at most 2000 characters")
+    if not any(mask) and not (error and len(ids) == 1):
+        raise BadRequest("a completion without a model token stands only for an episode that failed (one token)")
+    if not isinstance(record.get("state", {}), dict) or not isinstance(record.get("observations", []), list) or not \
+            all(isinstance(o, list) and all(isinstance(m, dict) for m in o) for o in record.get("observations", [])):
+        raise BadRequest("episode.state must be an object, episode.observations a list of message lists")
+    if len(json.dumps(record)) > MAX_RECORD_CHARS:
+        raise BadRequest(f"episode record longer than {MAX_RECORD_CHARS} characters")
+    own = c.get("prompt_ids")
+    if own is not None:
+        if not isinstance(own, list) or not 1 <= len(own) <= MAX_PROMPT_TOKENS or not all(
+                type(t) is int and 0 <= t < vocab_size for t in own):
+            raise BadRequest(f"prompt_ids must be 1..{MAX_PROMPT_TOKENS} token ids inside the vocabulary")
+        if not isinstance(record.get("prompt"), list):
+            raise BadRequest("prompt_ids without the prompt (episode.prompt) they render")
+    return mask, {k: record[k] for k in record}, own
 
 
 def integer(body: dict, key: str, lo: int, hi: int) -> int:

@@ -3,7 +3,7 @@
     push handler thread ─ score_many(groups) ─ decode here ─► an idle reward process (a fresh interpreter:
         │                                                      `python -m echo2.coordinator.reward_pool FD`, holding
         │                                                      the task's reward functions)
-        │  one message with the push's groups (row, texts, token ids) ─►  scores them in turn, one answer each
+        │  one message with the push's groups (each a scoring job) ─►  scores them in turn, one answer each
         ◄─ per group: its rewards, or why not ─────────────────────────┘
     a group unanswered within ``timeout_s``: its process is killed (SIGKILL: a reward stuck in C, such as
     sympy expanding \\boxed{10^{10^{7}}} (18 s, measured), cannot be interrupted any other way) and replaced; the
@@ -69,11 +69,12 @@ class RewardPool:
     """``score_many(groups)`` as Scorer has it, in ``processes`` reward processes, ``timeout_s`` per group."""
 
     def __init__(self, task: Any, tokenizer: Any = None, processes: int = 2, timeout_s: float = 10.0,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, max_steps: int = 0, steps_per_epoch: float = 0.0):
         if processes < 1 or not timeout_s > 0:
             raise ValueError(f"reward pool: processes={processes} must be >= 1, timeout_s={timeout_s} > 0")
         self.task_bytes = pickle.dumps(task)  # what each process rebuilds its reward functions from
-        self.weights = RewardFunctions(task)  # here only to sum rewards with the task's weights
+        # here to build each group's job (with the trainer state) and sum rewards with the task's weights
+        self.weights = RewardFunctions(task, max_steps, steps_per_epoch)
         self.tokenizer, self.timeout_s, self.start_timeout_s = tokenizer, timeout_s, start_timeout_s
         self.idle: queue.Queue[_Proc] = queue.Queue()
         self.live: set[_Proc] = set()
@@ -108,8 +109,7 @@ class RewardPool:
     def _run(self, proc: _Proc, groups: list[RolloutGroup], todo: list[int], reasons: list) -> list[int]:
         """Send ``todo``'s groups to ``proc``, collect answers; returns the groups left when it had to go."""
         try:
-            proc.conn.send([(groups[i].row, [r.text for r in groups[i].rollouts],
-                             [r.completion.token_ids for r in groups[i].rollouts]) for i in todo])
+            proc.conn.send([self.weights.job(groups[i]) for i in todo])
         except OSError as e:  # it died while idle: a new one takes the same groups
             self._replace(proc, f"died while idle ({e})")
             return todo
@@ -135,6 +135,15 @@ class RewardPool:
                 log.warning("reward of group %s raised: %s", groups[i].group_id, value)
         self.idle.put(proc)
         return []
+
+    def check_transcripts(self, group: RolloutGroup) -> None:
+        """A multi-turn group's episodes read back against their tokens, here (it needs the tokenizer), before
+        scoring (scoring.RewardFunctions.read_transcripts)."""
+        self.weights.read_transcripts(self.tokenizer, group)
+
+    def set_step(self, global_step: int) -> None:
+        """The learner's version now: the ``trainer_state.global_step`` the groups scored from now on are handed."""
+        self.weights.set_step(global_step)
 
     def _acquire(self) -> _Proc | None:
         """An idle process; None if none can start (``broken``) or none came within start_timeout_s."""
@@ -234,9 +243,9 @@ def _serve(fd: int) -> None:
             job = conn.recv()
         except (EOFError, OSError):  # the coordinator closed us, or died
             return
-        for row, completions, completion_ids in job:
+        for group_job in job:
             try:
-                answer = ("ok", funcs.compute(row, completions, completion_ids))
+                answer = ("ok", funcs.compute_job(group_job))
             except Exception as e:
                 answer = ("error", f"{type(e).__name__}: {e}")
             conn.send(answer)

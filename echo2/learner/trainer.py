@@ -42,6 +42,7 @@ from trl.trainer.utils import nanstd, pad, use_adapter
 from echo2.broadcast.adapter import AdapterSpec
 from echo2.learner.corrections import SCALE_REWARDS, Correction, importance_weights, m2po_keep
 from echo2.learner.past_policies import PastPolicies
+from echo2.learner.reward_logs import log_episodes, log_reward_logs
 from echo2.learner.weights import PolicyWeights
 from echo2.metrics import (BUFFER_STALENESS_MAX, BUFFER_STALENESS_MEAN, REWARD_FRAC_ZERO_STD_GROUPS,
                            REWARD_FUNCTION_PREFIX, REWARD_MEAN, REWARD_STD, ROLLOUT_COMPLETION_LEN_MEAN,
@@ -189,9 +190,13 @@ class Echo2GRPOTrainer(GRPOTrainer):
         completion_ids = padded([r.completion.token_ids for r in rollouts], pad_id, "right")
         completion_mask = padded([[1] * len(r.completion.token_ids) for r in rollouts], 0, "right")
         behaviour_logps = padded([r.completion.logprobs for r in rollouts], 0.0, "right", torch.float32)
+        # an episode's environment tokens: attended to, never trained on (TRL's tool_mask, padded with 1 as TRL pads)
+        tool_mask = padded([r.completion.mask or [1] * len(r.completion.token_ids) for r in rollouts], 1, "right") \
+            if any(r.completion.mask is not None for r in rollouts) else None
         if self.mask_truncated_completions:
             truncated = torch.tensor([r.completion.finish_reason == "length" for r in rollouts], device=device)
             completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+        loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
 
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32, device=device)
         all_rewards = self.accelerator.gather(rewards)
@@ -199,7 +204,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
 
         lags = torch.tensor([self.version - r.version for r in rollouts], dtype=torch.float32, device=device)
         all_lags = self.accelerator.gather(lags)
-        lengths = self.accelerator.gather(completion_mask.sum(1).float())
+        lengths = self.accelerator.gather(loss_mask.sum(1).float())  # the model's tokens, as TRL counts them
         self.rollouts_consumed += len(all_rewards)
         metrics = {
             REWARD_MEAN: torch.nanmean(all_rewards).item(),
@@ -220,19 +225,22 @@ class Echo2GRPOTrainer(GRPOTrainer):
         metrics.update(self.rollout_source.metrics())
         for key, value in metrics.items():
             self._metrics["train"][key].append(value)
+        log_reward_logs(self, groups, advantages)  # the reward functions' log_metric, log_extra and errors
+        log_episodes(self, groups)  # a multi-turn task's turns, tool calls, environment rewards and errors
 
         old_logps = behaviour_logps
         if self.correction != "none":
             old_logps, advantages = self._decoupled(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                                    behaviour_logps, advantages)
+                                                    behaviour_logps, advantages, loss_mask)
         every = self.rollout_source.check_every_steps
         if every and self.version % every == 0 and any(g.worker_id for g in groups):
             learner_logps = old_logps if self.correction != "none" else None
             distrusted = self._check(groups, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                     behaviour_logps, learner_logps)
+                                     behaviour_logps, learner_logps, loss_mask)
             if distrusted:  # tokens the checks found implausible are not trained on (booked: dropped, untrusted)
                 keep = torch.tensor([g.worker_id not in distrusted for g in groups for _ in g.rollouts], device=device)
                 completion_mask = completion_mask * keep.unsqueeze(1).long()
+                loss_mask = loss_mask * keep.unsqueeze(1).long()
         batch = {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
@@ -240,9 +248,11 @@ class Echo2GRPOTrainer(GRPOTrainer):
             "completion_mask": completion_mask,
             "old_per_token_logps": old_logps,
             "advantages": advantages,
-            "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
-            "slice_tokens": completion_mask.sum(),  # 0-dim: every micro-batch of the slice gets it whole
+            "num_items_in_batch": self.accelerator.gather(loss_mask.sum()).sum(),
+            "slice_tokens": loss_mask.sum(),  # 0-dim: every micro-batch of the slice gets it whole
         }
+        if tool_mask is not None:
+            batch["tool_mask"] = tool_mask  # TRL's loss takes completion_mask * tool_mask
         if self.beta != 0.0:
             batch["ref_per_token_logps"] = self._reference_logps(prompt_ids, prompt_mask, completion_ids,
                                                                  completion_mask)
@@ -272,11 +282,12 @@ class Echo2GRPOTrainer(GRPOTrainer):
         if self.loss_type == "bnpo" and k > 1 and self.model.training:
             # TRL: (sum over the micro-batch's tokens) / (its token count) / k. The whole slice at once would be
             # (sum over the slice's tokens) / (the slice's token count): rescale to that.
-            tokens = inputs["completion_mask"].sum().clamp(min=1.0)
+            tokens = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).sum().clamp(min=1.0)
             loss = loss * (tokens * k / inputs["slice_tokens"].clamp(min=1.0))
         return loss
 
-    def _decoupled(self, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps, advantages):
+    def _decoupled(self, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps, advantages,
+                   loss_mask=None):
         """Decoupled off-policy loss (``rollout.correction`` other than none): the clipped ratio is taken against
         the *proximal* policy (the learner's weights now, recomputed without grad), and each token's advantage is
         weighted by w = π_prox / π_behaviour, corrected (echo2/learner/corrections.py says how, per correction).
@@ -285,8 +296,9 @@ class Echo2GRPOTrainer(GRPOTrainer):
             prox_logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
                 completion_ids.size(1), batch_size=self.args.per_device_train_batch_size)
-        mask = completion_mask.bool()
-        log_ratio = (prox_logps - behaviour_logps) * completion_mask
+        loss_mask = completion_mask if loss_mask is None else loss_mask  # the model's tokens (not the environment's)
+        mask = loss_mask.bool()
+        log_ratio = (prox_logps - behaviour_logps) * loss_mask
         keep = self._m2po_keep(log_ratio, mask) if self.correction == "m2po" else None
         weights = importance_weights(log_ratio, self.correction_spec, mask, keep)
         self._log_correction(log_ratio, weights, mask)
@@ -331,7 +343,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
             self._metrics["train"][key].append(value)
 
     def _check(self, groups, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps,
-               learner_logps=None) -> set[str]:
+               learner_logps=None, loss_mask=None) -> set[str]:
         """Rollout checks (echo2/coordinator/trust.py): the learner's logprobs of each worker's tokens, under the
         version the worker says generated them (echo2/learner/past_policies.py), against the behaviour logprobs it
         reported; per-worker sums (tokens, Σ log-ratio, Σ |log-ratio|) go to the source, which judges; returns the
@@ -354,9 +366,10 @@ class Echo2GRPOTrainer(GRPOTrainer):
                     load(version)
                     rows = torch.tensor([i for i, v in enumerate(versions) if v == version], device=scored.device)
                     scored[rows] = logps(rows)
-        diff = (scored - behaviour_logps) * completion_mask
+        checked = completion_mask if loss_mask is None else loss_mask  # the model's tokens only
+        diff = (scored - behaviour_logps) * checked
         ratio, absolute = diff.sum(1).tolist(), diff.abs().sum(1).tolist()
-        tokens = completion_mask.sum(1).tolist()
+        tokens = checked.sum(1).tolist()
         stats: dict[str, list] = {}
         workers = [g.worker_id for g in groups for _ in g.rollouts]
         for worker, n, total, total_abs in zip(workers, tokens, ratio, absolute, strict=True):

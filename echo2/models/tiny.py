@@ -42,8 +42,11 @@ def build_tiny(
     tie_word_embeddings: bool = False,
     vocab_size: int | None = None,
     cache_dir: str | None = None,
+    tool_chat: bool = False,
 ) -> str:
-    """Build (once) and return the folder holding the tiny model and its tokenizer."""
+    """Build (once) and return the folder holding the tiny model and its tokenizer. ``tool_chat``: a tokenizer of
+    printable ASCII with Qwen3's special tokens and chat template (TRL's copy of it, which TRL knows how to parse tool
+    calls from), for tests of multi-turn tool use; ``chars`` is then ignored."""
     spec = dict(
         chars=chars,
         hidden_size=hidden_size,
@@ -57,6 +60,9 @@ def build_tiny(
     )
     if tie_word_embeddings:  # only when set, so that the untied models keep their cache folders
         spec["tie_word_embeddings"] = True
+    if tool_chat:
+        spec["tool_chat"] = True
+        spec["chars"] = TOOL_CHAT_CHARS
     if vocab_size is not None:
         if vocab_size < len(SPECIAL_TOKENS) + len(dict.fromkeys(chars)):
             raise ValueError(f"vocab_size={vocab_size} is smaller than the {len(SPECIAL_TOKENS)} special tokens and "
@@ -77,11 +83,19 @@ def build_tiny(
     return str(out)
 
 
+TOOL_CHAT_CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
+TOOL_CHAT_SPECIAL = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<unk>"]  # pad, eos, bos, unk: ids 0-3 as above
+TOOL_CHAT_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+"""Qwen3's markup tokens: text to its tokenizer (not special: decoding keeps them), so tool calls parse."""
+
+
 def _write_tiny(out: Path, spec: dict) -> None:
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+    if spec.get("tool_chat"):
+        return _write_tool_chat(out, spec)
     chars = list(dict.fromkeys(spec["chars"]))
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + chars)}
     # Padding to a real model's vocabulary size (e.g. Qwen3's 151,936) with tokens no text encodes to: the model
@@ -118,6 +132,37 @@ def _write_tiny(out: Path, spec: dict) -> None:
         eos_token_id=1,
         bos_token_id=2,
     )
+    torch.manual_seed(spec["init_seed"])
+    model = Qwen3ForCausalLM(cfg)
+    model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    hf_tok.save_pretrained(out)
+    (out / "echo2_spec.json").write_text(json.dumps(spec, indent=1))
+
+
+def _write_tool_chat(out: Path, spec: dict) -> None:
+    """The tiny model with a tool-calling chat template (see build_tiny)."""
+    import torch
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from trl.chat_template_utils import qwen3_chat_template
+
+    vocab = {t: i for i, t in enumerate(TOOL_CHAT_SPECIAL + TOOL_CHAT_ADDED + list(dict.fromkeys(spec["chars"])))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines are characters too
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(TOOL_CHAT_SPECIAL)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_CHAT_ADDED])
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                     unk_token="<unk>", padding_side="left",
+                                     model_max_length=spec["max_position_embeddings"])
+    hf_tok.chat_template = qwen3_chat_template
+    cfg = Qwen3Config(vocab_size=len(vocab), hidden_size=spec["hidden_size"],
+                      intermediate_size=spec["intermediate_size"], num_hidden_layers=spec["num_hidden_layers"],
+                      num_attention_heads=spec["num_attention_heads"], num_key_value_heads=spec["num_key_value_heads"],
+                      head_dim=spec["head_dim"], max_position_embeddings=spec["max_position_embeddings"],
+                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     torch.manual_seed(spec["init_seed"])
     model = Qwen3ForCausalLM(cfg)
     model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2)

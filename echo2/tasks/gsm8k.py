@@ -17,6 +17,7 @@ from typing import Any
 from datasets import Dataset, load_dataset
 
 from echo2.tasks.base import RewardFunc, Task, completion_text
+from echo2.tasks.dataset import plain
 
 INSTRUCTION = "Solve the problem step by step, then give the final answer as \\boxed{N}."
 
@@ -53,12 +54,15 @@ class Gsm8kTask(Task):
         eval_size: int = 200,
         max_completion_length: int = 512,
         chat: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         self.name = "gsm8k"
         self.path, self.config_name, self.data_dir = path, config_name, data_dir
         self.train_split, self.eval_split, self.eval_size = train_split, eval_split, eval_size
         self.max_completion_length = max_completion_length
         self.chat = chat
+        # e.g. Qwen3's enable_thinking=False; applied wherever a prompt becomes token ids (Task.prompt_ids)
+        self.chat_template_kwargs = dict(plain(chat_template_kwargs) or {})
 
     def _load(self, split: str) -> Dataset:
         if self.data_dir:

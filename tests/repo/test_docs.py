@@ -25,12 +25,13 @@ def test_every_option_is_documented():
 @pytest.mark.parametrize("node, files", [
     (schema.ModelConfig, "model/*.yaml"), (schema.ArithTaskConfig, "task/arith.yaml"),
     (schema.KuhnTaskConfig, "task/kuhn.yaml"), (schema.Gsm8kTaskConfig, "task/gsm8k.yaml"),
-    (schema.ArithChatTaskConfig, "task/arith_chat.yaml"),
+    (schema.ArithChatTaskConfig, "task/arith_chat.yaml"), (schema.DatasetTaskConfig, "task/dataset.yaml"),
+    (schema.CalculatorTaskConfig, "task/calculator.yaml"), (schema.PokerTaskConfig, "task/poker.yaml"),
     (schema.LearnerConfig, "learner/default.yaml"), (schema.RolloutConfig, "rollout/*.yaml"),
     (schema.BroadcastConfig, "broadcast/*.yaml"), (schema.ActivationConfig, "activation/default.yaml"),
 ])
 def test_every_schema_field_is_in_its_yaml(node, files):
-    fields = {f.name for f in dataclasses.fields(node) if f.name != "_target_"}
+    fields = {f.name for f in dataclasses.fields(node) if not f.name.startswith("_")}  # _target_, _recursive_
     assert list(CONF.glob(files)), f"no file conf/{files}: the check would pass with nothing checked"
     for path in CONF.glob(files):
         keys = {o.key.split(".")[0] for o in options(path)}

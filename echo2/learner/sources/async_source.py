@@ -47,6 +47,8 @@ from echo2.net import rendezvous
 from echo2.records import RolloutGroup
 from echo2.learner.sources.coordinator_process import CoordinatorDied, CoordinatorProcess
 from echo2.scoring import longest_prompt
+from echo2.tasks.base import Task
+from echo2.tasks.dataset import DatasetTask
 from echo2.seams import RunParts, RunStopped, Weights
 from echo2.settings import CheckSettings, CoordinatorSettings, LivenessSettings
 from echo2.net.tls import RunCA, is_loopback
@@ -63,9 +65,13 @@ def run_needs(task: Any, tokenizer: Any, model_path: str, max_tokens: int) -> di
     """What every worker must serve (checked at registration): the learner's model (name and digest) and a
     context of the longest training prompt plus the task's completion length (``max_tokens``), in tokens."""
     t0 = time.perf_counter()
-    prompts = task.train_dataset()["prompt"]
-    need = {"model": model_identity(model_path, tokenizer),
-            "max_model_len": longest_prompt(tokenizer, list(prompts)) + max_tokens}
+    rows = task.train_dataset()
+    default = type(task).prompt_ids in (Task.prompt_ids, DatasetTask.prompt_ids) and task.episode_spec() is None
+    if default and not task.chat_template_kwargs:
+        longest = longest_prompt(tokenizer, list(rows["prompt"]))  # the default encoding: plain strings in a batch
+    else:  # the task's own (its chat template arguments, its tools)
+        longest = max((len(task.prompt_ids(tokenizer, row)) for row in rows), default=0)
+    need = {"model": model_identity(model_path, tokenizer), "max_model_len": longest + max_tokens}
     log.info("workers must serve %s (digest %s) with a context of >= %d tokens (measured in %.1f s)",
              need["model"]["name"], need["model"]["digest"], need["max_model_len"], time.perf_counter() - t0)
     return need
@@ -125,6 +131,8 @@ class AsyncRolloutSource:
             liveness=detached(LivenessSettings, liveness),
             checks=CheckSettings(max_abs_log_ratio=check_max_abs_log_ratio, evidence_nats=check_evidence_nats),
             broadcaster=broadcaster, reward_processes=reward_processes, reward_timeout_s=reward_timeout_s,
+            max_steps=parts.max_steps,
+            episode=task.episode_spec().as_dict() if task.episode_spec() is not None else None,
             # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
             epoch=os.urandom(8).hex(), version=self.version)  # a bad value fails here, not in the child
         self.check_every_steps = check_every_steps  # read by the learner (trainer._check)

@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from echo2.metrics import ROLLOUT_GENERATE_S, ROLLOUT_RECEIVED
-from echo2.records import Rollout, RolloutGroup
-from echo2.scoring import Scorer, encode_prompt
+from echo2.records import Completion, Rollout, RolloutGroup
+from echo2.scoring import Scorer
 from echo2.seams import Engine, RunParts
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,7 @@ class SyncRolloutSource:
     def __init__(self, parts: RunParts):
         self.engine: Engine = parts.engine
         self.scorer: Scorer = parts.scorer
+        self.task = parts.task
         self.tokenizer, self.sampling = parts.tokenizer, parts.sampling
         self._generated = 0
         self._generate_s = 0.0
@@ -36,16 +37,31 @@ class SyncRolloutSource:
     def collect(self, rows: list[dict[str, Any]], version: int, policy: Any = None) -> list[RolloutGroup]:
         if policy is None:
             raise ValueError("SyncRolloutSource generates with the learner's policy; collect() got none")
-        prompt_ids = [encode_prompt(self.tokenizer, r["prompt"]) for r in rows]
+        self.scorer.set_step(version)  # trainer_state.global_step of the reward functions
         t0 = time.perf_counter()
-        completions = self.engine.generate(policy, prompt_ids, self.sampling)
+        episodes = self.task.episodes(self.tokenizer) if hasattr(self.task, "episodes") else None
+        if episodes is not None:  # a multi-turn task: its episodes run here, with the live policy
+            per_row = self._episodes(episodes, rows, version, policy)
+        else:
+            prompt_ids = [self.task.prompt_ids(self.tokenizer, r) for r in rows]
+            completions = self.engine.generate(policy, prompt_ids, self.sampling)
+            per_row = [[Rollout(prompt_ids=ids, completion=c, version=version) for c in comps]
+                       for ids, comps in zip(prompt_ids, completions, strict=True)]
         self._generate_s = time.perf_counter() - t0
         groups = []
-        for row, ids, comps in zip(rows, prompt_ids, completions, strict=True):
-            rollouts = [Rollout(prompt_ids=ids, completion=c, version=version) for c in comps]
+        for row, rollouts in zip(rows, per_row, strict=True):
             groups.append(self.scorer.score(RolloutGroup(row=row, rollouts=rollouts)))
         self._generated += sum(len(g.rollouts) for g in groups)
         return groups
+
+    def _episodes(self, episodes: Any, rows: list[dict[str, Any]], version: int, policy: Any) -> list[list[Rollout]]:
+        """G episodes of each row, generated with ``policy`` (echo2/tasks/environments/episode.py)."""
+        generate = lambda ids, params: self.engine.generate(policy, ids, params)  # noqa: E731
+        runs = episodes.run(generate, rows, self.sampling, self.sampling.n,
+                            context_tokens=getattr(getattr(policy, "config", None), "max_position_embeddings", None))
+        return [[Rollout(prompt_ids=t.prompt_ids, completion=Completion(t.token_ids, t.logprobs, t.finish_reason,
+                                                                          t.mask), version=version, episode=t.record())
+                 for t in group] for group in runs]
 
     def on_version(self, version: int, policy: Any) -> None:
         """Nothing to publish: the next ``collect`` is handed the updated policy itself."""

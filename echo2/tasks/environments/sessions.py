@@ -1,0 +1,137 @@
+"""One rollout's environment, behind the two contracts (contracts.py): started from the dataset row, answering each
+model turn with observation messages (or ending the episode), and giving its reward and state at the end.
+
+    start(row) -> the conversation the model starts from
+    act(turn)  -> observation messages, or None when the episode is over (turn: the model's parsed message and text)
+    finish()   -> the environment's own reward (None: none), then its public state; closes it
+
+Each call into the environment goes through ``call_with_limit`` (its time limit); an ``EnvironmentFailed`` out of
+any of them ends the trajectory.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from echo2.tasks.environments.contracts import (EnvironmentFailed, EpisodeSpec, Overran, call_with_limit,
+                                                public_state, tool_names)
+
+log = logging.getLogger(__name__)
+
+
+class TrlSession:
+    """TRL's environment_factory contract (or plain tools without an environment), as GRPOTrainer runs it."""
+
+    def __init__(self, spec: EpisodeSpec, env_cls: type | None, tools: list[Any]):
+        self.spec = spec
+        self.env = call_with_limit(f"{env_cls.__name__}()", spec.timeout_s, env_cls) if env_cls else None
+        methods = [getattr(self.env, name) for name in tool_names(env_cls)] if env_cls else []
+        self.tools = {t.__name__: t for t in [*tools, *methods]}
+        self.tool_calls = self.tool_errors = 0
+
+    def start(self, row: dict[str, Any]) -> list[dict]:
+        """The row's prompt, with what ``reset(**row)`` returned appended to its last message (TRL's rule)."""
+        prompt = copy.deepcopy(row["prompt"])
+        if self.env is None:
+            return prompt
+        observation = call_with_limit("reset", self.spec.timeout_s, self.env.reset, **row)
+        if observation is not None:
+            content = prompt[-1]["content"]
+            if isinstance(observation, list) and isinstance(content, str):
+                content = [{"type": "text", "text": content}]
+            if isinstance(observation, str) and isinstance(content, list):
+                observation = [{"type": "text", "text": observation}]
+            prompt[-1] = {**prompt[-1], "content": content + observation}
+        return prompt
+
+    def act(self, message: dict, text: str) -> list[dict] | None:
+        """Run the turn's tool calls: one tool message each (TRL's ``{"error": ...}`` for an unknown tool, an
+        unsupported call or a tool that raised); None when the turn called no tool (the episode is over)."""
+        calls = message.get("tool_calls")
+        if not calls:
+            return None
+        out = []
+        for call in calls:
+            self.tool_calls += 1
+            if call.get("type") != "function":
+                self.tool_errors += 1
+                out.append(_tool_message(call.get("name", "unknown"),
+                                         {"error": f"Unsupported tool call type: {call.get('type')}"}))
+                continue
+            name, args = call["function"]["name"], call["function"].get("arguments") or {}
+            try:
+                if name not in self.tools:
+                    raise ValueError(f"Tool {name} not found.")
+                result = call_with_limit(f"tool {name}", self.spec.timeout_s, self.tools[name], **args)
+            except Overran:
+                raise
+            except (EnvironmentFailed, ValueError, TypeError) as e:
+                self.tool_errors += 1
+                result = {"error": str(e.__cause__ if isinstance(e, EnvironmentFailed) and e.__cause__ else e)}
+            out.append(_tool_message(name, result))
+        return out
+
+    def finish(self) -> tuple[float | None, dict]:
+        reward = None
+        if self.env is not None and callable(getattr(self.env, "get_reward", None)):
+            value = call_with_limit("get_reward", self.spec.timeout_s, self.env.get_reward)
+            reward = None if value is None else float(value)
+        return reward, public_state(self.env) if self.env is not None else {}
+
+
+def _tool_message(name: str, result: Any) -> dict:
+    """TRL's tool message: a list result (content blocks) as it is, anything else as text."""
+    return {"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
+
+
+class SkyrlSession:
+    """A SkyRL-gym BaseTextEnv, constructed and stepped as SkyRL's generator does."""
+
+    warned_postprocessed = False
+
+    def __init__(self, spec: EpisodeSpec, env_cls: type, row: dict[str, Any]):
+        from omegaconf import OmegaConf
+
+        self.spec = spec
+        extras = {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
+        if spec.max_turns is not None:
+            extras["max_turns"] = spec.max_turns  # SkyRL's generator hands its max_turns the same way
+        config = OmegaConf.create(dict(spec.environment_config))
+        self.env = call_with_limit(f"{env_cls.__name__}(env_config, extras)", spec.timeout_s, env_cls,
+                                   env_config=config, extras=extras)
+        self.rewards: list[float] = []
+        self.metadata: dict = {}
+        self.tool_calls = self.tool_errors = 0
+
+    def start(self, row: dict[str, Any]) -> list[dict]:
+        conversation, _ = call_with_limit("init", self.spec.timeout_s, self.env.init, copy.deepcopy(row["prompt"]))
+        return conversation
+
+    def act(self, message: dict, text: str) -> list[dict] | None:
+        out = call_with_limit("step", self.spec.timeout_s, self.env.step, text)
+        if out.get("reward") is not None:
+            self.rewards.append(float(out["reward"]))
+        self.metadata = dict(out.get("metadata") or {})
+        if out.get("postprocessed_action") is not None and not SkyrlSession.warned_postprocessed:
+            SkyrlSession.warned_postprocessed = True  # token in, token out: the model's own tokens are kept
+            log.warning("a SkyRL environment returned postprocessed_action: ignored (the trajectory keeps the tokens "
+                        "the model generated)")
+        return None if out.get("done") else list(out.get("observations") or [])
+
+    def finish(self) -> tuple[float | None, dict]:
+        try:
+            call_with_limit("close", self.spec.timeout_s, self.env.close)
+        except EnvironmentFailed as e:  # the episode is over: its reward stands
+            log.warning("%s", e)
+        state = public_state(self.env)
+        state.pop("tool_groups", None), state.pop("tool_to_toolgroup", None)
+        return (sum(self.rewards) if self.rewards else None), state
+
+
+def open_session(spec: EpisodeSpec, env_cls: type | None, tools: list[Any], row: dict[str, Any]) -> Any:
+    """A new environment for one rollout (one instance per rollout, as both trainers make them)."""
+    if spec.contract == "skyrl":
+        return SkyrlSession(spec, env_cls, row)
+    return TrlSession(spec, env_cls, tools)

@@ -1,0 +1,135 @@
+"""Environments and tools written for TRL and SkyRL-gym, not for echo2 (the tests run them unchanged), and a scripted
+policy that calls their tools: importable from every test folder, the worker agents and the reward processes
+(tests/ is on their path, as conftest.py is)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+
+class CounterEnv:
+    """TRL's environment_factory contract, as TRL's documentation writes one: reset(**row) may add to the prompt,
+    public methods are tools (typed, with an Args: docstring), get_reward() reads the final state."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.total = 0
+        self.target = int(kwargs["target"])
+        self.history: list[int] = []
+        return f" Reach {self.target}."
+
+    def increment(self, step: int) -> str:
+        """Add a step to the running total.
+
+        Args:
+            step: How much to add to the total.
+
+        Returns:
+            The new total.
+        """
+        self.total += step
+        self.history.append(step)
+        return f"total={self.total}"
+
+    def get_reward(self) -> float:
+        return float(self.total == self.target)
+
+
+class FlakyEnv(CounterEnv):
+    """Breaks the way real environments break: reset raises for target 13, a step of 9 hangs, a step of 7 raises."""
+
+    def reset(self, **kwargs) -> str | None:
+        if int(kwargs["target"]) == 13:
+            raise RuntimeError("no such level")
+        return super().reset(**kwargs)
+
+    def increment(self, step: int) -> str:
+        """Add a step to the running total.
+
+        Args:
+            step: How much to add to the total.
+        """
+        if step == 9:
+            time.sleep(30)
+        if step == 7:
+            raise ValueError("step 7 is not allowed")
+        return super().increment(step)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def reach_target(completions, target, environments=None, **kwargs):
+    """A reward recomputed from the transcript: the sum of the steps the model called increment with."""
+    out = []
+    for messages, t in zip(completions, target):
+        steps = [c["function"]["arguments"].get("step", 0) for m in messages for c in (m.get("tool_calls") or [])
+                 if c["function"]["name"] == "increment"]
+        out.append(float(sum(steps) == int(t)))
+    return out
+
+
+def env_history(completions, environments, **kwargs):
+    """Reads the environment as TRL hands it: its public attributes (history) and get_reward()."""
+    return [float(len(e.history)) + e.get_reward() for e in environments]
+
+
+class ScriptedPolicy:
+    """A deterministic policy over a tokenizer with Qwen3's markup: at turn k of an episode it calls
+    ``increment(step)`` with the k-th of ``steps`` (or ``add`` when ``tool="add"``), then answers "done".
+    ``generate(ids, params)`` is an engine's: one completion per prompt, logprob -0.5 per token."""
+
+    def __init__(self, tokenizer, steps=(2, 3), tool="increment", stop_after: int | None = None):
+        self.tok, self.steps, self.tool, self.stop_after = tokenizer, list(steps), tool, stop_after
+        self.calls = 0
+
+    def text(self, context: str) -> str:
+        k = context[context.find("<|im_start|>user"):].count("<tool_response>")  # tool answers so far
+        if k < len(self.steps) and (self.stop_after is None or k < self.stop_after):
+            args = {"step": self.steps[k]} if self.tool == "increment" else {"a": 2, "b": self.steps[k]}
+            return f"<tool_call>\n{json.dumps({'name': self.tool, 'arguments': args})}\n</tool_call><|im_end|>"
+        return "done<|im_end|>"
+
+    def generate(self, prompt_ids, params):
+        from echo2.records import Completion
+
+        self.calls += 1
+        out = []
+        for ids in prompt_ids:
+            text = self.text(self.tok.decode(ids))
+            new = self.tok(text, add_special_tokens=False)["input_ids"][:params.max_tokens]
+            finish = "stop" if new and new[-1] == self.tok.eos_token_id else "length"
+            out.append([Completion(new, [-0.5] * len(new), finish)] * params.n)
+        return out
+
+
+
+class StepsEnv(BaseTextEnv):
+    """SkyRL-gym's contract, written as SkyRL's documentation writes one: each step answers with a short observation,
+    rewards 1 when the model's text is the row's ``reward_spec["ground_truth"]``, and is done after
+    ``extras["max_turns"]`` steps (default 3)."""
+
+    def __init__(self, env_config=None, extras={}):
+        super().__init__()
+        self.ground_truth = extras["reward_spec"]["ground_truth"]
+        self.max_turns = int(extras.get("max_turns", 3))
+        self.suffix = str((env_config or {}).get("suffix", ""))
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        done = self.turns >= self.max_turns
+        reward = float(action.strip() == self.ground_truth)
+        observations = [] if done else [{"role": "user", "content": f"{self.turns}{self.suffix}"}]
+        return BaseTextEnvStepOutput(observations=observations, reward=reward, done=done, metadata={})

@@ -1,0 +1,146 @@
+"""task=dataset: TRL's dataset formats from local files, reward functions named by import path and handed what TRL
+hands them, held-out rows and what counts as correct, and chat template arguments on every path."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+
+from conftest import FIXTURES
+from echo2.records import Completion, Rollout, RolloutGroup
+from echo2.scoring import RewardsFailed, Scorer
+from echo2.tasks.dataset import DatasetTask
+
+DATA = FIXTURES / "datasets"
+
+
+def task(**kw) -> DatasetTask:
+    kw.setdefault("data_files", str(DATA / "sums.jsonl"))
+    kw.setdefault("reward_funcs", ["own_rewards.exact"])
+    kw.setdefault("eval_size", 2)
+    return DatasetTask(**kw)
+
+
+class Chars:
+    """A tokenizer for scoring tests: one id per character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def group(row: dict, texts: list[str]) -> RolloutGroup:
+    rollouts = [Rollout([1], Completion([ord(c) for c in t] or [32], [-1.0] * max(1, len(t)), "stop"), 0)
+                for t in texts]
+    return RolloutGroup(row=row, rollouts=rollouts, group_id="g1")
+
+
+# ---------------------------------------------------------------------- formats
+
+
+def test_standard_jsonl_holds_out_a_seeded_draw_and_forwards_the_other_columns():
+    t = task()
+    train, held_out = t.train_dataset(), t.eval_dataset()
+    assert (len(train), len(held_out)) == (6, 2)
+    assert set(train["prompt"]).isdisjoint(held_out["prompt"])  # held-out rows are not trained on
+    assert set(train.column_names) == {"prompt", "answer", "difficulty"}
+    assert list(task().eval_dataset()["prompt"]) == list(held_out["prompt"])  # the same seed, the same draw
+
+
+@pytest.mark.parametrize("files, split", [
+    (str(DATA / "sums.csv"), None),
+    ({"train": str(DATA / "sums_train.parquet"), "test": str(DATA / "sums_test.parquet")}, "test"),
+])
+def test_csv_and_parquet_with_a_named_eval_split(files, split):
+    t = task(data_files=files, eval_split=split, eval_size=2 if split is None else 200)
+    assert (len(t.train_dataset()), len(t.eval_dataset())) == (6, 2)
+    assert "2+3=" in list(t.train_dataset()["prompt"]) + list(t.eval_dataset()["prompt"])
+
+
+def test_conversational_json_with_its_own_prompt_column_and_a_system_prompt():
+    t = task(data_files=str(DATA / "sums_chat.json"), prompt_column="question", system_prompt="Be brief.",
+             reward_funcs=["trl.rewards.accuracy_reward"])
+    row = t.train_dataset()[0]
+    assert row["prompt"][0] == {"role": "system", "content": "Be brief."} and row["prompt"][1]["role"] == "user"
+    assert set(row) == {"prompt", "solution"}
+
+
+def test_bad_data_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="task.path .* or task.data_files"):
+        DatasetTask(reward_funcs=["own_rewards.exact"])
+    with pytest.raises(ValueError, match=r"task.prompt_column='question'.*columns"):
+        task(prompt_column="question").train_dataset()
+    with pytest.raises(ValueError, match="task.eval_split='validation'"):
+        task(eval_split="validation").train_dataset()
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        task(data_files=str(tmp_path / "rows.xml")).train_dataset()
+
+
+# ---------------------------------------------------------------------- reward functions by import path
+
+
+def test_reward_functions_by_path_factory_and_partial_with_names_and_weights():
+    t = task(reward_funcs=["own_rewards:exact", "trl.rewards.think_format_reward",
+                           {"_target_": "trl.rewards.get_soft_overlong_punishment", "max_completion_len": 4,
+                            "soft_punish_cache": 2},
+                           {"_target_": "own_rewards.scaled", "_partial_": True, "scale": 0.5}],
+             reward_weights=[1.0, 0.5, 1.0, 2.0])
+    scorer = Scorer(t, Chars())
+    assert scorer.names == ["exact", "think_format_reward", "soft_overlong_punishment_reward", "scaled"]
+    chat = [{"role": "user", "content": "2+3="}]  # think_format_reward reads conversational completions
+    g = scorer.score(group({"prompt": chat, "answer": "5", "difficulty": 0}, ["5", "4444"]))
+    assert g.rollouts[0].rewards == {"exact": 1.0, "think_format_reward": 0.0, "soft_overlong_punishment_reward": 0.0,
+                                     "scaled": 0.5}
+    assert g.rollouts[1].rewards["soft_overlong_punishment_reward"] == -1.0  # 4 tokens: past 4 - 2
+    assert g.rollouts[0].reward == 1.0 + 0.0 + 0.0 + 2.0 * 0.5
+    assert pickle.loads(pickle.dumps(t)).reward_funcs()[2].max_completion_len == 4  # rebuilt where it is unpickled
+
+
+def test_a_reward_function_that_does_not_import_or_a_wrong_weight_count_fails_at_construction():
+    with pytest.raises(ImportError, match="own_rewards.nope"):
+        task(reward_funcs=["own_rewards.nope"])
+    with pytest.raises(ValueError, match="2 weights for 1 reward functions"):
+        task(reward_weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="task.reward_funcs is empty"):
+        task(reward_funcs=[])
+    with pytest.raises(TypeError, match="not a callable"):
+        task(reward_funcs=["own_rewards.re"])  # a module, not a function
+
+
+def test_trl_extras_state_metrics_extra_columns_and_async():
+    """trainer_state, log_metric, log_extra and async functions, as TRL hands them; None abstains (NaN)."""
+    scorer = Scorer(task(reward_funcs=["own_rewards.schedule", "own_rewards.judge", "own_rewards.exact"]), Chars(),
+                    max_steps=50, steps_per_epoch=4.0)
+    scorer.set_step(7)
+    g = scorer.score(group({"prompt": "2+3=", "answer": "", "difficulty": 2}, ["12", "5"]))
+    assert [r.rewards["schedule"] for r in g.rollouts] == [7.0, 7.0]
+    assert [r.rewards["judge"] for r in g.rollouts] == [2.0, 1.0]
+    assert all(math.isnan(r.rewards["exact"]) for r in g.rollouts)  # no answer: cannot score, left out
+    assert [r.reward for r in g.rollouts] == [9.0, 8.0]
+    assert g.reward_logs["metrics"] == {"schedule_step": [7.0]}
+    assert g.reward_logs["extra"] == {"seen_step": [7, 7]} and g.reward_logs["errors"] == {}
+    assert scorer.state.max_steps == 50 and scorer.state.epoch == 7 / 4
+
+
+def test_a_failing_reward_function_abstains_and_is_booked_with_its_reason():
+    scorer = Scorer(task(reward_funcs=["own_rewards.exact", "own_rewards.broken", "own_rewards.too_few"]), Chars())
+    g = scorer.score(group({"prompt": "2+3=", "answer": "5"}, ["5", "6"]))
+    assert [r.reward for r in g.rollouts] == [1.0, 0.0]  # the others still score
+    assert g.reward_logs["errors"] == {"broken": "ZeroDivisionError: a bug in a reward function",
+                                       "too_few": "ValueError: returned 1 rewards for 2 completions (one per "
+                                                  "completion expected)"}
+    only_broken = Scorer(task(reward_funcs=["own_rewards.broken"]), Chars())
+    with pytest.raises(RewardsFailed, match="broken: ZeroDivisionError"):
+        only_broken.score(group({"prompt": "2+3=", "answer": "5"}, ["5"]))
+    assert only_broken.score_many([group({"prompt": "2+3=", "answer": "5"}, ["5"])]) == ["reward_error"]
+
+
+def test_what_counts_as_correct_is_the_eval_reward_at_its_threshold():
+    t = task(reward_funcs=["own_rewards.judge", "own_rewards.exact"], eval_reward="exact")
+    row = {"prompt": "2+3=", "answer": "5", "difficulty": 0}
+    assert t.is_correct("5", row) and not t.is_correct("6", row)
+    assert not t.is_correct("5", {**row, "answer": ""})  # an abstention is not correct
+    assert task(reward_funcs=["own_rewards.judge"], eval_threshold=2.0).is_correct("12", row)
+    with pytest.raises(ValueError, match="task.eval_reward='nope'"):
+        task(eval_reward="nope")

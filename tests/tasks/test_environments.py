@@ -1,0 +1,177 @@
+"""Multi-turn episodes, token in and token out, with environments written for TRL and SkyRL-gym running unchanged:
+the layout and masks TRL's code renders, budgets and turn limits as TRL counts them, failures that end a trajectory
+with their reason, and the transcript read back (and checked) where rewards are scored."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from trl import GRPOTrainer  # noqa: F401 (TRL's tool layout code; importing it runs DeepSpeed's `uname`: at collection)
+
+from echo2.models.tokenizer import load_tokenizer
+from echo2.records import Completion, Rollout, RolloutGroup, SamplingParams
+from echo2.scoring import Scorer
+from echo2.tasks.dataset import DatasetTask
+from echo2.tasks.environments import Episodes, TranscriptMismatch, spec_for
+from own_envs import ScriptedPolicy
+
+PROMPT = [{"role": "user", "content": "Count."}]
+
+
+@pytest.fixture(scope="module")
+def tok(echo2_cache):
+    from echo2.models.tiny import build_tiny
+
+    return load_tokenizer(build_tiny(tool_chat=True, max_position_embeddings=2048))
+
+
+def episodes(tok, env="own_envs:CounterEnv", tools=(), budget=300, **kw):
+    return Episodes(spec_for(env, list(tools), budget, timeout_s=kw.pop("timeout_s", 5.0), **kw), tok)
+
+
+def segments(tok, t):
+    out, i = [], 0
+    while i < len(t.mask):
+        j = i
+        while j < len(t.mask) and t.mask[j] == t.mask[i]:
+            j += 1
+        out.append((t.mask[i], tok.decode(t.token_ids[i:j])))
+        i = j
+    return out
+
+
+def test_trl_environment_runs_unchanged_with_trls_layout(tok):
+    ep = episodes(tok)
+    policy = ScriptedPolicy(tok, steps=(2, 3))
+    (t,) = ep.run(policy.generate, [{"prompt": PROMPT, "target": 5}], SamplingParams(n=1, max_tokens=300), n=1)[0]
+    assert t.prompt == [{"role": "user", "content": "Count. Reach 5."}]  # reset's text, appended as TRL appends it
+    assert tok.decode(t.prompt_ids).endswith("Count. Reach 5.<|im_end|>\n<|im_start|>assistant\n")
+    assert '"name": "increment"' in tok.decode(t.prompt_ids)  # the tool's schema, from its hints and docstring
+    assert segments(tok, t) == [
+        (1, '<tool_call>\n{"name": "increment", "arguments": {"step": 2}}\n</tool_call><|im_end|>'),
+        (0, "\n<|im_start|>user\n<tool_response>\ntotal=2\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+        (1, '<tool_call>\n{"name": "increment", "arguments": {"step": 3}}\n</tool_call><|im_end|>'),
+        (0, "\n<|im_start|>user\n<tool_response>\ntotal=5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+        (1, "done<|im_end|>")]
+    assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.mask) if m == 0)  # environment tokens: no behaviour logprob
+    assert all(lp == -0.5 for lp, m in zip(t.logprobs, t.mask) if m == 1)
+    assert (t.turns, t.tool_calls, t.tool_errors, t.reward, t.error) == (3, 2, 0, 1.0, None)
+    assert t.state == {"history": [2, 3], "target": 5, "total": 5}
+    assert policy.calls == 3  # one generation batch per turn
+    messages = ep.transcript(t.prompt_ids, t.token_ids, t.mask, t.record(), PROMPT)
+    assert [m["role"] for m in messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert messages[0]["tool_calls"][0]["function"] == {"name": "increment", "arguments": {"step": 2}}
+    assert messages[1] == {"role": "tool", "name": "increment", "content": "total=2"}
+
+
+def test_the_budget_counts_every_turn_and_an_answer_that_does_not_fit_ends_the_episode(tok):
+    ep = episodes(tok, budget=120)  # room for the first turn and answer, not the second answer
+    (t,) = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, [{"prompt": PROMPT, "target": 5}],
+                  SamplingParams(n=1, max_tokens=120), n=1)[0]
+    assert len(t.token_ids) <= 120 and t.observations == [[{"role": "tool", "name": "increment", "content": "total=2"}]]
+    assert t.mask[-1] == 1 and t.turns == 2  # the second tool answer was not appended (TRL rolls it back)
+    short = episodes(tok, budget=30)
+    (t,) = short.run(ScriptedPolicy(tok).generate, [{"prompt": PROMPT, "target": 5}], SamplingParams(n=1), n=1)[0]
+    assert (len(t.token_ids), t.finish_reason, t.turns) == (30, "length", 1)  # the turn cut at the budget
+
+
+def test_max_turns_is_trls_max_tool_calling_iterations_plus_one(tok):
+    ep = episodes(tok, max_turns=2)
+    (t,) = ep.run(ScriptedPolicy(tok, steps=(1, 1, 1)).generate, [{"prompt": PROMPT, "target": 5}],
+                  SamplingParams(n=1, max_tokens=300), n=1)[0]
+    assert (t.turns, t.tool_calls, len(t.observations)) == (2, 1, 1)  # the last turn's call is not run
+
+
+def test_plain_tools_without_an_environment(tok):
+    ep = episodes(tok, env=None, tools=["own_envs.add"])
+    (t,) = ep.run(ScriptedPolicy(tok, steps=(4,), tool="add").generate, [{"prompt": PROMPT}],
+                  SamplingParams(n=1, max_tokens=300), n=1)[0]
+    assert t.observations == [[{"role": "tool", "name": "add", "content": "6"}]] and t.reward is None
+
+
+def test_failures_end_the_trajectory_with_their_reason_and_a_raising_tool_is_answered(tok):
+    ep = episodes(tok, env="own_envs:FlakyEnv", timeout_s=0.5)
+    rows = [{"prompt": PROMPT, "target": 13}, {"prompt": PROMPT, "target": 5}]
+    runs = ep.run(ScriptedPolicy(tok, steps=(7, 9)).generate, rows, SamplingParams(n=1, max_tokens=300), n=1)
+    (reset_failed,), (hung,) = runs  # (the scripted steps: 7 raises, 9 hangs)
+    assert reset_failed.error == "reset raised RuntimeError: no such level"
+    assert reset_failed.token_ids == [tok.eos_token_id] and reset_failed.mask == [0]  # a stand-in, never trained on
+    assert hung.observations[0] == [{"role": "tool", "name": "increment", "content": "{'error': 'step 7 is not allowed'}"}]
+    assert hung.tool_errors == 1 and hung.error.startswith("tool increment did not return within 0.5 s")
+
+
+def test_skyrl_environments_run_unchanged_constructed_as_skyrl_does(tok):
+    ep = episodes(tok, env="own_envs:StepsEnv", max_turns=3, environment_config={"suffix": "!"})
+    assert ep.spec.contract == "skyrl" and ep.spec.environment_reward == "StepsEnv"
+
+    def gen(ids, params):  # answers "7" each turn
+        return [[Completion(tok("7<|im_end|>", add_special_tokens=False)["input_ids"], [-0.1] * 2, "stop")]
+                for _ in ids]
+
+    row = {"prompt": PROMPT, "reward_spec": {"ground_truth": "7"}}
+    (t,) = ep.run(gen, [row], SamplingParams(n=1, max_tokens=300), n=1)[0]
+    assert (t.turns, t.reward, t.error) == (3, 3.0, None)  # the step rewards, summed
+    assert t.observations == [[{"role": "user", "content": "1!"}], [{"role": "user", "content": "2!"}]]
+    assert segments(tok, t)[1] == (0, "\n<|im_start|>user\n1!<|im_end|>\n<|im_start|>assistant\n")
+    assert t.state["ground_truth"] == "7" and t.state["max_turns"] == 3  # extras: the row, max_turns
+    library = episodes(tok, env="skyrl_gym.envs.gsm8k.multi_turn_env:GSM8kMultiTurnEnv", max_turns=2, budget=400)
+    (t,) = library.run(gen, [row], SamplingParams(n=1, max_tokens=400), n=1)[0]  # one SkyRL ships, as it is
+    assert t.turns == 2 and t.error is None and len(t.observations) == 1
+
+
+def test_a_transcript_that_does_not_match_its_tokens_is_refused(tok):
+    ep = episodes(tok)
+    (t,) = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, [{"prompt": PROMPT, "target": 5}],
+                  SamplingParams(n=1, max_tokens=300), n=1)[0]
+    record = t.record()
+    forged = {**record, "observations": [[{"role": "tool", "name": "increment", "content": "total=5"}],
+                                         record["observations"][1]]}
+    with pytest.raises(TranscriptMismatch, match="answer 1 does not render"):
+        ep.transcript(t.prompt_ids, t.token_ids, t.mask, forged, PROMPT)
+    extra = {**record, "observations": record["observations"] + [[{"role": "tool", "name": "x", "content": "1"}]]}
+    with pytest.raises(TranscriptMismatch, match="3 environment answers reported, 2 found"):
+        ep.transcript(t.prompt_ids, t.token_ids, t.mask, extra, PROMPT)
+    start = t.mask.index(0)
+    hidden = t.mask[:start] + [1] * (t.mask.index(1, start) - start) + t.mask[t.mask.index(1, start):]
+    with pytest.raises(TranscriptMismatch):  # an environment answer passed off as the model's tokens
+        ep.transcript(t.prompt_ids, t.token_ids, hidden, record, PROMPT)
+    swapped = {**record, "prompt": [{"role": "user", "content": "Something else. Reach 5."}]}
+    with pytest.raises(TranscriptMismatch, match="does not render to its prompt tokens"):
+        ep.transcript(t.prompt_ids, t.token_ids, t.mask, swapped, PROMPT)
+
+
+def test_rewards_read_the_transcript_the_environments_and_their_own_reward(tok, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "Count."}], "target": 5}\n' * 3)
+    task = DatasetTask(data_files=str(rows), eval_size=0, environment="own_envs:CounterEnv",
+                       reward_funcs=["own_envs.reach_target", "own_envs.env_history"])
+    scorer = Scorer(task, tok)
+    assert scorer.names == ["reach_target", "env_history", "CounterEnv"] and scorer.weights == [1.0, 1.0, 1.0]
+    ep = task.episodes(tok)
+    runs = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, [task.train_dataset()[0]] * 2,
+                  SamplingParams(n=1, max_tokens=300), n=1)
+    rollouts = [Rollout(t.prompt_ids, Completion(t.token_ids, t.logprobs, t.finish_reason, t.mask), 0,
+                        episode=t.record()) for (t,) in runs]
+    rollouts[1].episode["error"] = "step raised"  # as a failed environment reports itself
+    group = scorer.score(RolloutGroup(row=task.train_dataset()[0], rollouts=rollouts))
+    assert group.rollouts[0].rewards == {"reach_target": 1.0, "env_history": 3.0, "CounterEnv": 1.0}
+    assert group.rollouts[0].reward == 5.0
+    assert all(math.isnan(v) for v in group.rollouts[1].rewards.values()) and math.isnan(group.rollouts[1].reward)
+
+
+def test_a_turn_never_asks_more_than_the_engines_context_holds(tok):
+    ep = episodes(tok, budget=300)
+    asked = []
+    policy = ScriptedPolicy(tok, steps=(2, 3))
+
+    def generate(ids, params):
+        asked.append(max(len(i) for i in ids) + params.max_tokens)
+        return policy.generate(ids, params)
+
+    prompt_len = len(ep.prompt_ids([{"role": "user", "content": "Count. Reach 5."}]))
+    (t,) = ep.run(generate, [{"prompt": PROMPT, "target": 5}], SamplingParams(n=1), n=1,
+                  context_tokens=prompt_len + 100)[0]
+    assert max(asked) <= prompt_len + 100 and t.turns == 2  # the second answer would not fit: the episode ends
+    (t,) = ep.run(generate, [{"prompt": PROMPT, "target": 5}], SamplingParams(n=1), n=1, context_tokens=prompt_len)[0]
+    assert t.error == "the prompt does not fit the engine's context" and t.mask == [0]
