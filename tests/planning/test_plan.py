@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 ARGS = ["--pool", "conf/pool/demo_market.yaml", "--rollouts-per-step", "512", "--train-step-s", "30",

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, alive, descendants, wait_until
 
 
