@@ -156,10 +156,11 @@ def run_workers_sbatch(args: list[str], tmp_path: Path) -> list[str]:
 
 def check(where: str, line: str, tmp_path: Path) -> str:
     """Check one README command; returns how it was checked (a test asserts every kind is exercised)."""
-    # Placeholders a reader replaces: N agents/processes, [optional parts], "..." for more of the same. Such a
-    # line shows a command's form: its fixed part must parse, but it need not run as it stands.
+    # Placeholders a reader replaces: N agents/processes, [optional parts] (not a list value, key=[a,b]), "..." for
+    # more of the same. Such a line shows a command's form: its fixed part must parse, but it need not run as it
+    # stands.
     form = "..." in line or "[" in line
-    line = re.sub(r"\[[^\]]*\]", "", line).replace(" N ", " 2 ").replace("...", "").strip()
+    line = re.sub(r"(?<!=)\[[^\]]*\]", "", line).replace(" N ", " 2 ").replace("...", "").strip()
     if line.startswith("export "):
         name, _, value = line[len("export "):].partition("=")
         assert re.fullmatch(r"[A-Z_][A-Z0-9_]*", name), line
@@ -334,7 +335,7 @@ def starts_a_process(line: str) -> bool:
     a launcher's stand-in, Hydra's CLI): its test is then an e2e one; composing and parsing run in this process."""
     if "$(" in line:
         return True
-    argv = shlex.split(re.sub(r"\[[^\]]*\]", "", line).replace("...", ""), comments=True)
+    argv = shlex.split(re.sub(r"(?<!=)\[[^\]]*\]", "", line).replace("...", ""), comments=True)
     argv = argv[1:] if argv[:1] in (["python"], [".venv/bin/python"], ["sudo"]) else argv
     return (argv[:1] == ["train.py"] and "-m" in argv or argv[:2] == ["-m", "echo2.plan"]
             or argv[:1] == ["-m"] and len(argv) == 2 or argv[0].startswith("benchmarks/")
@@ -458,4 +459,4 @@ def test_readme_override_composes(override):
 
 
 # Options the README offers inside a group option it names in the same sentence.
-CONTEXT = {"learner.deepspeed.": "learner=zero2", "task.data_dir=": "task=gsm8k"}
+CONTEXT = {"learner.deepspeed.": "learner=zero2", "task.data_dir=": "task=gsm8k", "task.environment": "task=dataset"}
