@@ -66,8 +66,9 @@ class Scorer(RewardFunctions):
         return self.apply(group, self.compute(group.row, [r.text for r in group.rollouts],
                                               [r.completion.token_ids for r in group.rollouts]))
 
-    def score_many(self, groups: list[RolloutGroup]) -> list[str | None]:
-        """Score each group in place; per group None, or why it could not be (``reward_error``: a reward raised)."""
+    def score_many(self, groups: list[RolloutGroup], principal: str | None = None) -> list[str | None]:
+        """Score each group in place; per group None, or why it could not be (``reward_error``: a reward raised).
+        ``principal``: who sent them (a reward pool orders and charges by it; here, in the caller's thread, unused)."""
         reasons: list[str | None] = []
         for group in groups:
             try:

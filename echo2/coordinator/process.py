@@ -35,7 +35,8 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
     _configure_logging(spec["log_path"], spec["log_level"])
     task, tokenizer, settings = spec["task"], spec["tokenizer"], spec["settings"]
     # reward functions in processes of their own
-    rewards = RewardPool(task, tokenizer, processes=settings.reward_processes, timeout_s=settings.reward_timeout_s)
+    rewards = RewardPool(task, tokenizer, processes=settings.reward_processes, timeout_s=settings.reward_timeout_s,
+                         memory_mb=settings.reward_memory_mb, cpu_s=settings.reward_cpu_s)
     broadcaster = instantiate(settings.broadcaster, secret=settings.token) if settings.broadcaster else None
     coordinator = Coordinator(task.train_dataset(), rewards, tokenizer, settings, broadcaster).start()
     _exit_with_parent()

@@ -444,9 +444,8 @@ class BackgroundServer:
             timed_out = isinstance(e, ConnectionAbortedError) and "longer than" in str(e)
             if timed_out or isinstance(e, ssl.SSLError):
                 self.on_reject("HandshakeTimeout" if timed_out else "HandshakeFailed", peer[0])
-        except asyncio.CancelledError:  # cut for a newcomer, or the server closes
-            sock.close()
-            self.slots.release(slot)
+        except asyncio.CancelledError:  # cut for a newcomer, or the server closes: the loop closes the transport
+            self.slots.release(slot)  # (and the socket it owns now; closing it here too could close a reused fd)
             raise
 
 
