@@ -44,14 +44,14 @@ import mmap
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
 from echo2.activation.planner import OnlinePlanner
 from echo2.metrics import BROADCAST_BYTES
 from echo2.models.identity import mismatch
 from echo2.settings import CoordinatorSettings
-from echo2.coordinator import bounds, intake, schemas, views
+from echo2.coordinator import bounds, intake, schemas, verdicts, views
 from echo2.coordinator.on_change import OnChangeHook
 from echo2.coordinator.buffer import StalenessBuffer, worth_dispatching
 from echo2.coordinator.gate import Gate
@@ -70,6 +70,11 @@ log = logging.getLogger(__name__)
 MAX_IDS_PER_CREDENTIAL = 16
 """Live worker ids one credential may hold at once (a box with 8 GPUs runs 8 agents): each id costs a registry
 entry, heartbeats and a broadcast peer, so a credential cannot register without bound."""
+
+
+CLOSE_WAIT_S = 15.0
+"""How long close() waits for pushes being scored to settle (the reward pool, closed first, ends them at once; a
+scorer in this process may take its own time)."""
 
 
 class CannotServe(BadRequest):
@@ -117,6 +122,7 @@ class Coordinator:
         self.ledger = open_ledger(journal, recover, group_size, len(dataset), s.seed)
         self.registered = 0
         self.deadline_misses = self.reaper_errors = 0
+        self.scoring = 0  # pushes claimed and not yet settled (close() waits for them, CLOSE_WAIT_S at most)
         self.closed = False
         activation, shape = s.activation, s.broadcast_shape
         self.activation = OnlinePlanner(activation, shape, staleness=staleness,
@@ -306,6 +312,7 @@ class Coordinator:
             worker = self._worker(req, headers)
             claimed, rejected = intake.claim(self.reg, self.ledger, worker, req.results)
             claimed_at = time.monotonic()
+            self.scoring += 1
         try:
             outcomes = intake.score(self.scorer, claimed, self.G, int(self.sampling["max_tokens"]), self.vocab_size,
                                     principal=worker.principal)
@@ -313,10 +320,14 @@ class Coordinator:
                 accepted = intake.settle(self.reg, self.ledger, self.buffer, worker, outcomes, rejected,
                                          version=self.version, staleness=self.staleness, group_size=self.G,
                                          claimed_at=claimed_at, reported_rate=req.rollouts_per_s, faults=self.faults)
+                if self.closed:  # settled after close() booked the buffer: nobody will take these now
+                    self._drop_buffered("unconsumed_at_end")
                 self.lock.notify_all()
         finally:
             with self.lock:
                 intake.unclaim(self.reg, self.ledger, [gid for gid, _, _ in claimed])
+                self.scoring -= 1
+                self.lock.notify_all()
         return {"accepted": accepted, "rejected": rejected, "version": self.version}
 
     def _snapshot_delivered(self, worker_id: str, version: int) -> None:
@@ -469,53 +480,12 @@ class Coordinator:
 
     def check(self, stats: dict[str, tuple]) -> list[str]:
         """The learner's scores of the last batch's behaviour logprobs, ``{worker id: (tokens, Σ log-ratio,
-        Σ |log-ratio|)}`` (trust.py), judged per credential. A credential found cheating is retired whole: its
-        credential revoked, every id retired (groups in flight lost: untrusted), its buffered groups dropped
-        (untrusted, prompts re-queued). Returns the worker ids whose groups in that batch the learner must not
-        train on (booked: dropped, untrusted)."""
+        Σ |log-ratio|)}`` (trust.py), judged per credential (verdicts.py). Returns the worker ids whose groups in
+        that batch the learner must not train on (booked: dropped, untrusted)."""
         with self.lock:
-            per: dict[str, list] = {}
-            for wid, (n, total, *rest) in stats.items():
-                key = (self.reg.owner(wid) or f"#{wid}")
-                acc = per.setdefault(key, [0, 0.0, 0.0])
-                acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + total, acc[2] + (rest[0] if rest else abs(total))
-            verdict = self.checks.update({k: tuple(v) for k, v in per.items()})
-            for key in verdict.flagged:
-                log.warning("worker %s flagged: mean |log-ratio| %.2f against the learner's logprobs (credential %s)",
-                            ",".join(sorted(self._ids(key))) or key, self.checks.mean_abs(key), key)
-            for key in verdict.retire:
-                self._distrust(key)
-            bad = {wid for wid in stats if (self.reg.owner(wid) or f"#{wid}") in set(verdict.reject)}
-            judged = [(gid, row) for gid, wid, row in self.last_taken if wid in bad]
-            self.ledger.distrusted([gid for gid, _ in judged], [row for _, row in judged], "untrusted")
-            self.last_taken = []  # judged once
+            bad = verdicts.judge(self, stats)
             self.lock.notify_all()
-        return sorted(bad)
-
-    def _ids(self, key: str) -> set[str]:
-        principal = self.reg.principals.get(key)
-        return set(principal.ids) if principal is not None else set()
-
-    def _distrust(self, key: str) -> None:
-        """Retire a principal as untrusted: revoke its credential, drop its buffered groups, retire its ids."""
-        principal = self.reg.principals.get(key)
-        ids = self._ids(key)
-        if principal is not None and principal.name is not None:
-            # else it would come back under a new id; in effect even if the disk is full (then logged and counted)
-            self.gate.revoke(principal.name, verdict=True)
-        keep = deque()
-        for x, group in self.buffer.groups:
-            if self.reg.owner(group.worker_id) == key:
-                self.ledger.drop(group.group_id, "untrusted", requeue=True)
-            else:
-                keep.append((x, group))
-        self.buffer.groups = keep
-        for wid in sorted(ids):
-            self._retire(wid, "untrusted")
-            log.warning("worker %s retired as untrusted (credential %s: mean |log-ratio| %.2f over %d tokens)", wid,
-                        key, self.checks.mean_abs(key), self.checks.tokens.get(key, 0))
-        if self.broadcaster is not None and principal is not None and principal.name is not None:
-            self.broadcaster.rekey()  # its credential was revoked: off the relay too
+        return bad
 
     def _evict_stale(self) -> None:
         for group in self.buffer.evict_stale(self.version):
@@ -573,9 +543,7 @@ class Coordinator:
         """Stop serving; what is still buffered or in flight is counted (dropped / lost at shutdown)."""
         with self.lock:
             self.closed = True
-            for _, group in self.buffer.groups:
-                self.ledger.drop(group.group_id, "unconsumed_at_end", requeue=False)
-            self.buffer.groups.clear()
+            self._drop_buffered("unconsumed_at_end")
             for gid in list(self.reg.in_flight):  # a push for it that races the shutdown is refused, not struck
                 self.reg.remember(gid, self.reg.land(gid), "in_flight_at_end")
                 self.ledger.lose(gid, "in_flight_at_end", requeue=False)
@@ -584,9 +552,19 @@ class Coordinator:
             self.server.close()
         finally:
             self._close_parts()
+        with self.lock:  # pushes being scored end at once with the reward pool closed: their books first
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while self.scoring and time.monotonic() < deadline:
+                self.lock.wait(timeout=0.1)
         accounting = self.accounting()
         self.ledger.close()
         return accounting
+
+    def _drop_buffered(self, reason: str) -> None:
+        """Every buffered group dropped with ``reason``, its prompt not re-queued. Holds the lock."""
+        for _, group in self.buffer.groups:
+            self.ledger.drop(group.group_id, reason, requeue=False)
+        self.buffer.groups.clear()
 
 
 def _nonzero(counter: Counter) -> dict[str, int]:

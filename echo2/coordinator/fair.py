@@ -10,7 +10,9 @@ A principal (a worker credential; each of the run secret's workers is its own) i
 held a reward process, decayed with a half-life of ``half_life_s``: one that sends groups slow to score (math-verify
 on a crafted answer takes seconds and then scores 0) goes behind everyone else for as long as it keeps doing it,
 and honest groups, quick to score, go first. Nobody is starved: a waiting principal's charge only decays, so it gets
-its turn. Work-conserving: a process is never left idle while any group waits.
+its turn. And no principal has more than ``max_busy`` groups scored at once (the pool gives half its processes):
+otherwise one that is alone for a moment takes every process with groups that each hold one for seconds, and the
+next honest push waits that long whatever the order (measured in the hostile soak: the learner idled 8-13 s a step).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class _Principal:
 
 
 class FairQueue:
-    def __init__(self, half_life_s: float = HALF_LIFE_S):
-        self.half_life_s = half_life_s
+    def __init__(self, half_life_s: float = HALF_LIFE_S, max_busy: int | None = None):
+        """``max_busy``: most groups of one principal being scored at once (None: no limit)."""
+        self.half_life_s, self.max_busy = half_life_s, max_busy
         self.principals: dict[str, _Principal] = {}
         self.busy: Counter = Counter()  # principal -> its groups being scored now
         self.queued = 0
@@ -52,9 +55,16 @@ class FairQueue:
         p.pushes.append(deque(jobs))
         self.queued += len(jobs)
 
+    def ready(self) -> bool:
+        """Whether a job may be popped now (one waits, of a principal below ``max_busy``)."""
+        return any(p.pushes and self._may(k) for k, p in self.principals.items())
+
+    def _may(self, key: str) -> bool:
+        return self.max_busy is None or self.busy[key] < self.max_busy
+
     def pop(self, now: float) -> tuple[str, Any] | None:
-        """The next (principal, job) to score, counted as being scored until ``done``; None if nothing waits."""
-        waiting = [k for k, p in self.principals.items() if p.pushes]
+        """The next (principal, job) to score, counted as being scored until ``done``; None if nothing may be."""
+        waiting = [k for k, p in self.principals.items() if p.pushes and self._may(k)]
         if not waiting:
             return None
         key = min(waiting, key=lambda k: (self.busy[k], self.charge(k, now), self.principals[k].waiting_since))

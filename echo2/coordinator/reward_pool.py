@@ -14,7 +14,8 @@
 
 A process goes back to the pool after every group, not after a whole push, and the next group is the fairest one
 (fair.py): a principal whose groups are slow to score (math-verify spends seconds on a crafted answer it then scores
-0) is charged that time and goes behind everyone else, so it cannot hold the pool while honest pushes wait. Each
+0) is charged that time and goes behind everyone else, and never holds more than half the processes, so it cannot
+hold the pool while honest pushes wait (with ``processes`` >= 2; a pool of one process is shared in turn only). Each
 reward process leaves the run secret out of its environment (SECRET_ENV) and bounds itself: its address space to
 what loading the task took plus ``memory_mb``, each group to ``cpu_s`` CPU seconds (RLIMIT_CPU, so that one stuck
 in C ends even if the coordinator that would kill it is gone).
@@ -61,6 +62,9 @@ log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 5.0
 """Wait before starting a reward process again after one failed to start (a task that does not unpickle in a
 fresh interpreter fails every time: no tight loop)."""
+SLOW_GROUP_S = 1.0
+"""A group whose scoring took longer is logged (SLOW_LOG_PERIOD_S apart at most): an honest one takes milliseconds."""
+SLOW_LOG_PERIOD_S = 10.0
 SECRET_ENV = ("ECHO2_TOKEN",)
 """Left out of a reward process's environment: it parses strangers' text, and needs no secret to do so."""
 
@@ -103,11 +107,13 @@ class RewardPool:
         self.tokenizer, self.timeout_s, self.start_timeout_s = tokenizer, timeout_s, start_timeout_s
         self.limits = (int(memory_mb), float(cpu_s))
         self.cond = threading.Condition()
-        self.fair = FairQueue()
+        # half the processes at most to one principal's groups at once: the others always have the rest (fair.py)
+        self.fair = FairQueue(max_busy=max(1, processes // 2))
         self.live: set[_Proc] = set()
         self.closed = False
         self.broken: str | None = None  # why no process can start (set after one failed to)
-        self.counts: Counter = Counter()  # reason -> groups, and "restarts"
+        self.counts: Counter = Counter()  # reason -> groups, "restarts", "slow_groups"
+        self.slow_logged = -SLOW_LOG_PERIOD_S
         self.runners = [threading.Thread(target=self._runner, name=f"reward-{i}", daemon=True)
                         for i in range(processes)]
         for t in self.runners:
@@ -157,7 +163,7 @@ class RewardPool:
                 if proc is None:
                     return  # closed
             with self.cond:
-                while not self.closed and not self.fair.queued:
+                while not self.closed and not self.fair.ready():
                     self.cond.wait()
                 if self.closed:
                     break
@@ -173,12 +179,24 @@ class RewardPool:
                 self.counts["restarts"] += 1
                 self._discard(proc)
                 proc = None
+            took_s = time.monotonic() - t0
+            if took_s > SLOW_GROUP_S:
+                self._note_slow(principal, job.group.group_id, took_s)
             with self.cond:
-                self.fair.done(principal, time.monotonic() - t0, time.monotonic())
+                self.fair.done(principal, took_s, time.monotonic())
                 job.reason, job.finished = reason, True
                 self.cond.notify_all()
         if proc is not None:
             self._discard(proc)
+
+    def _note_slow(self, principal: str, group_id: str, took_s: float) -> None:
+        """Say which principal's groups are slow to score: one line per SLOW_LOG_PERIOD_S at most, with a count."""
+        self.counts["slow_groups"] += 1
+        now = time.monotonic()
+        if now - self.slow_logged >= SLOW_LOG_PERIOD_S:
+            log.warning("reward of group %s (%s) took %.1f s, charged to it (%d groups slower than %.0f s so far)",
+                        group_id, principal, took_s, self.counts["slow_groups"], SLOW_GROUP_S)
+            self.slow_logged = now
 
     def _score(self, proc: _Proc, group: RolloutGroup) -> str | None:
         """Score one group in ``proc``: None (its rewards set), or why not."""

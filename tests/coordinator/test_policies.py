@@ -105,6 +105,18 @@ def test_charges_decay_and_idle_principals_are_forgotten():
     assert "x" not in q.principals and q.queued == 0 and not q.busy
 
 
+def test_no_principal_has_more_than_its_share_of_processes_at_once():
+    """With max_busy=1 (a pool of 2 processes), a principal alone gets one process, not both: the other stays free
+    for the next honest push, however slow its groups are to score."""
+    q = FairQueue(max_busy=1)
+    q.push("slow", ["s1", "s2"], 0.0)
+    assert q.pop(0.0) == ("slow", "s1") and not q.ready() and q.pop(0.0) is None
+    q.push("honest", ["h1"], 1.0)
+    assert q.ready() and q.pop(1.0) == ("honest", "h1")
+    q.done("slow", 8.0, 8.0)
+    assert q.pop(8.0) == ("slow", "s2")
+
+
 def test_a_job_that_gave_up_waiting_is_taken_out():
     q = FairQueue()
     q.push("x", ["x1", "x2"], 0.0)
