@@ -311,6 +311,8 @@ def _serve(fd: int, memory_mb: int = 0, cpu_s: float = 0.0) -> None:
         if memory_mb > 0:  # on top of what loading the task took: its imports vary by task, hostile text does not
             room = _address_space_bytes() + (memory_mb << 20)
             resource.setrlimit(resource.RLIMIT_AS, (room, room))
+        if cpu_s > 0:  # SIGXCPU's default action dumps core: a reward process that ran out leaves no core file
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     except Exception:
         conn.send(("failed", traceback.format_exc(limit=5)))
         return
