@@ -5,7 +5,8 @@ coordinator (TLS on, even over loopback), each with a worker credential of its o
     ECHO2_TOKEN=<credential> python benchmarks/hostile.py KIND --run-dir RUN_DIR --report OUT.json \
         [--go FILE] [--victim https://127.0.0.1:PORT]
 
-It waits for ``--go`` to exist (the soak's calm phase comes first), finds the learner in RUN_DIR/coordinator.json
+Once imported it writes REPORT's ``.ready`` file, then waits for ``--go`` to exist (the soak's calm phase comes
+first), finds the learner in RUN_DIR/coordinator.json
 (URL, CA fingerprint, model, context), attacks until SIGTERM, then writes what it was told to ``--report``.
 
     absurd        /register with absurd declarations (down_mbit 0, up_mbit 0, usd_per_hour 1e308 or -1, NaN,
@@ -31,6 +32,12 @@ It waits for ``--go`` to exist (the soak's calm phase comes first), finds the le
                   an order signed with a key of its own, a /key order; only the learner's orders may be taken
     hung_relay    a worker that takes its snapshots like any other (so it is measured and placed like one) but
                   advertises a relay that accepts connections and never answers
+    slow_reward   a worker pushing well-formed groups whose every completion is slow to score and then scores 0
+                  (the stand-in for math-verify on a crafted answer: benchmarks/slow_task.py, which the soak's
+                  learner runs), as many as it is handed
+    smuggler, ca_bomb, ca_trickler, churner
+                  two Authorization headers on every route; GET /ca with a 16 MiB or chunked body; connections that
+                  trickle GET /ca from another address; register/leave in a loop (benchmarks/hostile_wire.py)
 
 Every agent-based kind (invalid, liar, forger, relay_orders, hung_relay) is echo2's own worker agent
 (echo2/worker/agent.py) with a fake engine and the one behaviour changed; it joins over TLS with the pinned CA,
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import select
@@ -66,6 +74,7 @@ from echo2.worker.agent import Agent  # noqa: E402
 from echo2.records import Completion, SamplingParams  # noqa: E402
 from echo2.net.http import BadRequest, Client, RemoteError  # noqa: E402
 from echo2.net.tls import LEARNER_NAME, PEER_NAME, join  # noqa: E402
+from benchmarks.hostile_wire import CaBomb, CaTrickler, Churner, Smuggler  # noqa: E402
 
 RETRY_S = 5.0  # a refused client knocks again this often
 HUGE_BYTES = 400 << 20  # the body an outsider declares
@@ -460,6 +469,21 @@ class HungRelay(HostileAgent):
         return {**super().report(), "relay_connections": len(self.accepted), "relay_connection_times": self.accepted}
 
 
+class SlowReward(HostileAgent):
+    """The honest loop, but every completion of a group is the model's unknown token twice: well-formed, and slow to
+    score (benchmarks/slow_task.py: ECHO2_SLOW_REWARD_S a completion, then 0)."""
+
+    def __init__(self, run: Run, args, stop: threading.Event):
+        super().__init__(run, args, stop)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(run.declared["model"]["name"])
+        self.token = tok.unk_token_id if tok.unk_token_id is not None else tok.pad_token_id
+
+    def fabricate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        return [Completion([self.token] * 2, [-0.05, -0.05], "length") for _ in range(params.n)]
+
+
 # ---------------------------------------------------------------------- the outsider
 
 
@@ -478,7 +502,8 @@ class Outsider:
 
     def _connect(self, url: str, handshake: bool = True, timeout_s: float = 10.0) -> socket.socket:
         host, port = url.split("://")[1].rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        source = (self.args.source_address, 0) if self.args.source_address else None  # another host, as seen
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s, source_address=source)
         return self.tls.wrap_socket(sock, server_hostname="x") if handshake and url.startswith("https") else sock
 
     def serve(self, stop: threading.Event) -> None:
@@ -561,7 +586,9 @@ class Outsider:
 
 
 KINDS = {"absurd": Absurd, "hoarder": Hoarder, "invalid": Invalid, "liar": Liar, "forger": Forger,
-         "outsider": Outsider, "relay_orders": RelayOrders, "hung_relay": HungRelay}
+         "outsider": Outsider, "relay_orders": RelayOrders, "hung_relay": HungRelay, "slow_reward": SlowReward,
+         "smuggler": Smuggler, "ca_bomb": CaBomb, "ca_trickler": CaTrickler, "churner": Churner}
+OUTSIDERS = ("outsider", "ca_bomb", "ca_trickler")  # no credential: they find the run in its directory only
 
 
 def main() -> None:
@@ -574,17 +601,23 @@ def main() -> None:
     p.add_argument("--period-s", type=float, default=1.0, help="pause between two rounds of an attack")
     p.add_argument("--half-open", type=int, default=100, help="outsider: half-open connections held per target")
     p.add_argument("--silent-every-s", type=float, default=30.0, help="absurd: a silent registration this often")
+    p.add_argument("--source-address", default=None,
+                   help="ca_bomb, ca_trickler: connect from this local address (127.0.0.2: another host, as the "
+                        "coordinator sees it)")
+    p.add_argument("--trickle-s", type=float, default=2.0, help="ca_trickler: one byte a connection this often")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][hostile %(name)s][%(levelname)s] %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    Path(args.report).with_suffix(".ready").touch()  # imported: the soak's calm phase may begin
     while args.go and not os.path.exists(args.go) and not stop.wait(0.2):
         pass
     client, run, out = None, None, {"kind": args.kind, "started_at": time.time()}
     try:
         if not stop.is_set():
-            if args.kind == "outsider":
-                client = Outsider(args.run_dir, args)
+            if args.kind in OUTSIDERS:
+                client = KINDS[args.kind](args.run_dir, args)
             else:
                 run = Run(args.run_dir, os.environ["ECHO2_TOKEN"])
                 cls = KINDS[args.kind]

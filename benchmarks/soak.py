@@ -27,13 +27,17 @@ No new faults come in the last --drain-s seconds, so that every fault has time t
 
 A real learner (train.py: tiny model, copy task, rollout=async with pool=static, TLS on over loopback, rollout
 checks every --check-every-steps steps) and --workers honest worker agents (`python -m echo2.worker`, each with its
-own credential, finding the learner through its run dir's coordinator.json). After a calm phase (--calm-minutes,
-from the first learner step: the reference pace, same run), one client of each kind in benchmarks/hostile.py
+own credential, finding the learner through its run dir's coordinator.json). The hostile clients are started after
+the learner's first step and idle until told to attack; after a calm phase (--calm-minutes, from when they are all
+ready: the reference pace, same run), one client of each kind in benchmarks/hostile.py
 attacks at once until the end: absurd declarations, a hoarding credential with many ids, invalid results, version
 claims never delivered, fabricated completions, an outsider's floods and ~100 half-open connections (to the
 coordinator and to an honest worker's snapshot-control port), orders to a worker from a worker, and a relay that
-accepts connections and never answers. A reward slow on a crafted completion is task-specific: the copy task's
-reward parses an integer, so no completion makes it slow (tests/coordinator/test_reward_pool.py covers a slow reward).
+accepts connections and never answers; then the second round's: groups slow to score (the learner runs the copy
+task with a reward slow on one crafted answer, benchmarks/slow_task.py, --slow-reward-s a completion: math-verify's
+limit), two Authorization headers on every route, GET /ca with a 16 MiB or chunked body, connections trickling GET
+/ca, and register/leave in a loop. The outsiders (outsider, ca_bomb, ca_trickler) connect from 127.0.0.2-4: a host
+each, as the coordinator sees it (127.0.0.1, the learner host itself, is not capped per address).
 
 The rollout checks run with b = check_max_abs_log_ratio = 2 nats a token (the default). They score each worker's
 tokens under the version it claims: scored with the learner's current weights, on the tiny model (learning rate
@@ -44,7 +48,8 @@ failure).
 
 Reported (and with --json as JSON): whether the run finished (the learner stopped by SIGTERM, summary.json
 written); the learner's steps/s in --window-s windows of the hostile phase against the calm phase's (goal: every
-window >= 0.5); per kind, what its client was told and what the coordinator did (its metrics, summary.json's
+window >= --pace-goal, 0.8); the coordinator process's memory (RSS, sampled every second: goal, the hostile phase's
+peak within --memory-goal-mib, 64, of the calm phase's); per kind, what its client was told and what the coordinator did (its metrics, summary.json's
 rollout_accounting, coordinator.log); what was trained on, by credential (consumed.jsonl against the journal's
 received and distrusted groups: nothing of the forger after it was retired, nothing of any other hostile kind at
 all; the forger's groups consumed in the unchecked steps before its first checked batch are trained on, and
@@ -317,9 +322,13 @@ def table(r: dict) -> str:
 
 # ---------------------------------------------------------------------- --hostile: a soak with hostile clients
 
-HOSTILE_KINDS = ("absurd", "hoarder", "invalid", "liar", "forger", "outsider", "relay_orders", "hung_relay")
-SLOW_REWARD = ("skipped: the copy task's reward parses a leading integer, so no completion makes it slow; a slow "
-               "reward is task-specific (task=gsm8k's math-verify), covered by tests/coordinator/test_reward_pool.py")
+HOSTILE_KINDS = ("absurd", "hoarder", "invalid", "liar", "forger", "outsider", "relay_orders", "hung_relay",
+                 "slow_reward", "smuggler", "ca_bomb", "ca_trickler", "churner")
+OUTSIDERS = {"outsider": "127.0.0.2", "ca_bomb": "127.0.0.3", "ca_trickler": "127.0.0.4"}
+"""The kinds with no credential, and the address each connects from: a host of its own, as the coordinator sees it
+(capped per address, unlike 127.0.0.1, the learner host itself)."""
+SLOW_REWARD = ("the learner runs benchmarks/slow_task.py (the copy task; a group whose every completion is one token "
+               "twice costs ECHO2_SLOW_REWARD_S a completion, then scores 0): the slow_reward kind sends only those")
 JOINED = re.compile(r"worker (w\d+) joined \(.*?(?:, credential '([^']+)')?\)$")
 
 
@@ -353,6 +362,27 @@ def left_behind() -> list[dict]:
             out.append({"pid": pid, "cmd": cmd})
             os.kill(pid, signal.SIGKILL)
     return out
+
+
+def kinds_of(args) -> tuple[str, ...]:
+    """The hostile kinds this soak runs (--kinds; default every one)."""
+    return tuple(getattr(args, "kinds", None) or HOSTILE_KINDS)
+
+
+def coordinator_rss(learner_pid: int) -> int | None:
+    """Resident bytes of the learner's coordinator process (its multiprocessing child: spawn_main on its command
+    line), or None if it is not running now."""
+    from echo2.env import descendants
+
+    for pid in sorted(descendants(learner_pid)):
+        try:
+            if b"spawn_main" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        return next((int(line.split()[1]) << 10 for line in status.splitlines() if line.startswith("VmRSS:")), None)
+    return None
 
 
 def cpu_seconds(procs: dict[str, subprocess.Popen]) -> dict[str, dict[int, float]]:
@@ -413,12 +443,14 @@ class HostileSoak:
         model = build_tiny()
         self._start("learner", [
             sys.executable, "train.py", "pool=static", "rollout.source.tls=on",
+            "task._target_=benchmarks.slow_task.SlowCopyTask",  # the copy task, slow on one crafted answer
             f"rollout.source.check_every_steps={a.check_every_steps}",
             f"rollout.source.check_max_abs_log_ratio={a.check_max_abs_log_ratio}",
             f"rollout.source.heartbeat_timeout_s={a.heartbeat_s}",
             f"rollout.source.liveness.floor_s={a.deadline_floor_s}", f"rollout.source.min_workers={a.workers}",
             "run.steps=1000000", "run.save_every_steps=0", "run.eval_every_steps=0", "run.progress=false",
-            "run.wandb=disabled", f"hydra.run.dir={self.out}", *a.override], self.env, self.out / "learner.out")
+            "run.wandb=disabled", f"hydra.run.dir={self.out}", *a.override],
+            dict(self.env, ECHO2_SLOW_REWARD_S=str(a.slow_reward_s)), self.out / "learner.out")
         for i in range(a.workers):  # honest agents, as launchers start them, each with its own credential
             env = dict(self.env, ECHO2_TOKEN=self.credential(f"honest{i}"),
                        VLLM_CPU_OMP_THREADS_BIND=str(engine_core(i)))
@@ -428,15 +460,28 @@ class HostileSoak:
                 model, "--engine", a.engine, "--dtype", "float32", "--max-groups", "4", "--snapshot-port", str(port),
                 "--reconnect-timeout-s", "300", "--engine-log", str(self.out / f"honest{i}.engine.log")],
                 env, self.out / f"honest{i}.log")
+
+    def start_hostile(self) -> None:
+        """One client of each kind, started after the learner's first step (so that a dozen interpreters importing
+        torch do not compete with the learner's own start), attacking once --go appears; returns once each has
+        finished its imports (its ``.ready`` file), so that the calm phase is calm."""
+        a = self.args
         victim = f"https://127.0.0.1:{self.victim_port}"  # honest0's snapshot-control port
-        for kind in HOSTILE_KINDS:  # started now (imports and all), attacking once --go appears
+        for kind in kinds_of(a):
             env = dict(self.env, ECHO2_TOKEN=self.credential(kind))
-            if kind == "outsider":
+            if kind in OUTSIDERS:
                 env.pop("ECHO2_TOKEN")
             self._start(kind, [sys.executable, "benchmarks/hostile.py", kind, "--run-dir", str(self.out), "--report",
                                str(self.out / "hostile" / f"{kind}.json"), "--go", str(self.go), "--victim", victim,
-                               "--half-open", str(a.half_open), "--silent-every-s", str(a.silent_every_s)],
+                               "--half-open", str(a.half_open), "--silent-every-s", str(a.silent_every_s),
+                               *(["--source-address", OUTSIDERS[kind]] if kind in OUTSIDERS else [])],
                         env, self.out / "hostile" / f"{kind}.log")
+        deadline = time.monotonic() + a.start_timeout_s
+        ready = lambda: all((self.out / "hostile" / f"{k}.ready").exists() for k in kinds_of(a))  # noqa: E731
+        while not ready() and time.monotonic() < deadline:
+            if any(self.procs[k].poll() is not None for k in kinds_of(a)):
+                break  # one exited: its report says why
+            time.sleep(0.5)
 
     def poll_status(self, phase: str) -> None:
         from echo2.net.http import Client
@@ -447,14 +492,15 @@ class HostileSoak:
             self.client = Client(info["url"], self.secret, timeout_s=10, ca_file=str(self.out / "tls" / "ca.pem"),
                                  server_name=LEARNER_NAME)
         t0 = time.perf_counter()
+        rss = coordinator_rss(self.procs["learner"].pid)
         try:
             st = self.client.session.get(self.client.base_url + "/status", timeout=10, verify=self.client.verify).json()
         except Exception as e:  # noqa: BLE001 (a sample that failed is a result)
-            self.samples.append({"t": time.time(), "phase": phase, "error": type(e).__name__})
+            self.samples.append({"t": time.time(), "phase": phase, "error": type(e).__name__, "rss": rss})
             return
         self.samples.append({"t": time.time(), "phase": phase, "latency_s": time.perf_counter() - t0,
                              "held": st["held"], "benched": st["benched"], "by_worker": st["by_worker"],
-                             "workers": len(st["workers"])})
+                             "workers": len(st["workers"]), "rss": rss})
 
     def run(self) -> dict:
         a = self.args
@@ -467,6 +513,8 @@ class HostileSoak:
             if time.monotonic() - t_start > a.start_timeout_s:
                 raise SystemExit(f"no learner step within {a.start_timeout_s} s: see {self.out}")
             time.sleep(0.5)
+        self.start_hostile()
+        calm_from = len(steps_of(self.out))  # the calm phase's reference pace: from when the clients were ready
         phases = [("calm", a.calm_minutes * 60), ("hostile", (a.minutes - a.calm_minutes) * 60)]
         split, self.cpu = 0, {}
         for phase, seconds in phases:
@@ -485,7 +533,7 @@ class HostileSoak:
         from echo2.learner.sources.pool import terminate
 
         end_split = len(steps_of(self.out))  # the steps after this one come after the hostile clients
-        terminate([self.procs[k] for k in HOSTILE_KINDS], timeout_s=30)  # first: each writes its report
+        terminate([self.procs[k] for k in kinds_of(a)], timeout_s=30)  # first: each writes its report
         learner = self.procs["learner"]
         learner.send_signal(signal.SIGTERM)  # it finishes its step, closes the coordinator, writes summary.json
         try:
@@ -495,10 +543,10 @@ class HostileSoak:
         terminate([p for name, p in self.procs.items() if name.startswith("honest")])
         terminate(list(self.procs.values()), timeout_s=10)
         time.sleep(1.0)  # an engine orphaned by its agent's exit has a moment to go
-        state = {"split": [split, end_split], "t_go": self.t_go, "samples": self.samples, "args": vars(a),
+        state = {"split": [split, end_split, calm_from], "t_go": self.t_go, "samples": self.samples, "args": vars(a),
                  "cpu": self.cpu}
         (self.out / "hostile" / "soak_state.json").write_text(json.dumps(state) + "\n")  # --report-only reads it
-        result = hostile_report(self.out, (split, end_split), self.t_go, self.samples, a)
+        result = hostile_report(self.out, (split, end_split, calm_from), self.t_go, self.samples, a)
         result.update(wall_s=time.monotonic() - t_start, learner_rc=learner.returncode, left_behind=left_behind(),
                       cpu_cores=self.cpu)
         result["finished"] = learner.returncode == 0 and result["finished"]
@@ -522,13 +570,13 @@ def steps_of(out: Path) -> list[dict]:
     return rows
 
 
-def pace(steps: list[dict], split: tuple[int, int], window_s: float) -> dict:
-    """Steps/s of the calm phase (its first step, a warm-up, left out) and of each full ``window_s`` window of the
-    hostile phase (from the last calm step's time; ``split``: the steps taken when it began and ended), each with its
-    ratio to the calm pace."""
-    split, end = split
+def pace(steps: list[dict], split: tuple[int, ...], window_s: float) -> dict:
+    """Steps/s of the calm phase (from when the hostile clients were ready; its first step, a warm-up, left out) and
+    of each full ``window_s`` window of the hostile phase (from the last calm step's time), each with its ratio to the
+    calm pace. ``split``: the steps taken when the hostile phase began and ended, and when the calm phase began."""
+    split, end, calm_from = (*split, 1)[:3]  # calm_from: the hostile clients were ready (older runs: 1)
     steps = steps[:end]
-    calm = steps[1:split]
+    calm = steps[max(1, calm_from):split]
     out: dict[str, Any] = {"calm": {"steps": len(calm)}}
     if len(calm) < 2 or len(steps) <= split:
         return {**out, "windows": [], "min_ratio": None}
@@ -635,7 +683,7 @@ def snapshot_applies(log: Path, t_go: float) -> dict:
     return {"calm": len(times) - len(after), "hostile": len(after), "max_gap_s": max(gaps, default=None)}
 
 
-def hostile_report(out: Path, split: tuple[int, int], t_go: float, samples: list[dict], args) -> dict:
+def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list[dict], args) -> dict:
     """Everything the soak reports (see the module doc), with one verdict per kind."""
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -665,20 +713,30 @@ def hostile_report(out: Path, split: tuple[int, int], t_go: float, samples: list
             held[name] = max(held[name], n)
     latency = {ph: sorted(s["latency_s"] for s in samples if s["phase"] == ph and "latency_s" in s)
                for ph in ("calm", "hostile")}
+    peak = {ph: max((s["rss"] for s in samples if s["phase"] == ph and s.get("rss")), default=None)
+            for ph in ("calm", "hostile")}
+    goal_mib = getattr(args, "memory_goal_mib", 64.0)
+    memory = {"calm_peak_mib": peak["calm"] and peak["calm"] / 2**20,
+              "hostile_peak_mib": peak["hostile"] and peak["hostile"] / 2**20,
+              "within_goal": None if None in peak.values() else peak["hostile"] - peak["calm"] <= goal_mib * 2**20}
     kinds = {k: {"client": clients[k], "coordinator": dict(story.get(k, {})), "trained": trained.get(k, {}),
                  "max_held": held.get(k, 0)} for k in HOSTILE_KINDS}
     verdicts = hostile_verdicts(kinds, metrics, acc, names, log, t_go, args)
+    kinds = {k: kinds[k] for k in kinds_of(args)}
+    verdicts = {k: verdicts[k] for k in kinds}
     for k, v in verdicts.items():
         kinds[k]["verdict"] = v
     honest = {n: {"trained": trained.get(n, {}), "coordinator": dict(story.get(n, {})),
                   "snapshots": snapshot_applies(out / f"{n}.log", t_go)}
               for n in sorted({n for n in names.values() if n.startswith("honest")})}
     honest_ok = honest_verdict(story, names, {names.get(w, w) for s in samples for w in s.get("benched", [])})
+    pace_goal = getattr(args, "pace_goal", 0.8)
+    pace_met = p["min_ratio"] is not None and p["min_ratio"] >= pace_goal
     ok = all(all(v.values()) for v in verdicts.values()) and all(honest_ok.values()) and books["balanced"] \
-        and p["min_ratio"] is not None and p["min_ratio"] >= 0.5
+        and pace_met and memory["within_goal"] is not False
     return {"out": str(out), "finished": bool(summary) and summary.get("stopped_by") == "SIGTERM",
-            "steps": summary.get("steps"), "pace": p,
-            "pace_goal_met": p["min_ratio"] is not None and p["min_ratio"] >= 0.5,
+            "steps": summary.get("steps"), "pace": p, "pace_goal": pace_goal, "pace_goal_met": pace_met,
+            "coordinator_memory": memory,
             "kinds": kinds, "slow_reward": SLOW_REWARD, "books": books, "honest": honest, "honest_verdict": honest_ok,
             "status_latency_s": {ph: {"p50": v[len(v) // 2], "max": v[-1]} if v else {} for ph, v in latency.items()},
             "coordinator": {k: metrics.get(k) for k in sorted(metrics) if k.startswith(("rollout/", "broadcast/"))
@@ -735,11 +793,43 @@ def hostile_verdicts(kinds: dict, metrics: dict, acc: dict, names: dict, log: st
                            "relay_connections", 0) == 0 or story["hung_relay"].get(
                            "its relay reported silent: planned last", 0) > 0,
                        "nothing of it trained on": untrained("hung_relay")},
+        **second_round_verdicts(kinds, c, untrained, refused_all, args),
     }
     for k in v:
         if c[k].get("error"):
             v[k]["its client ran"] = False
     return v
+
+
+def second_round_verdicts(kinds: dict, c: dict, untrained, refused_all, args) -> dict:
+    """The properties for benchmarks/hostile_wire.py's kinds and the slow-reward pusher."""
+    from echo2.coordinator.bounds import REGISTER_BURST, REGISTER_EVERY_S
+    from echo2.net.httpd import Limits
+
+    smug, bomb, trick, churn = c["smuggler"], c["ca_bomb"], c["ca_trickler"], c["churner"]
+    hostile_s = (args.minutes - args.calm_minutes) * 60
+    limits = Limits()
+    return {
+        "slow_reward": {"it pushed groups slow to score": sum(c["slow_reward"].get("pushed", {}).values()) > 0,
+                        "nothing of it trained on after it was retired":
+                            kinds["slow_reward"]["trained"].get("trained_after_retired", 0) == 0},
+        "smuggler": {"every request with two credentials refused (400)": bool(smug.get("smuggled")) and all(
+                         s == "400" for per in smug["smuggled"].values() for s in per),
+                     "nothing done for another credential's worker id": all(
+                         s != "200" for per in smug.get("for_others_alone", {}).values() for s in per),
+                     "GET /status showed it its own workers only":
+                         set(smug.get("status_showed", [])) <= set(smug.get("own_ids", [])),
+                     "nothing of it trained on": untrained("smuggler")},
+        "ca_bomb": {"every body on GET /ca refused": refused_all(bomb.get("statuses", {})),
+                    "answered before its body was read": bomb.get("max_answer_s") is not None
+                    and bomb["max_answer_s"] < 5},
+        "ca_trickler": {"it held at most its address's share of connections":
+                            trick.get("most_held_at_once", 0) <= limits.max_anonymous_per_address,
+                        "each connection dropped at the header deadline": trick.get("held_s_max") is not None
+                        and trick["held_s_max"] <= limits.header_timeout_s + 5},
+        "churner": {"registering again and again slowed to the bucket's rate": churn.get("statuses", {}).get("429", 0) > 0,
+                    "its ids bounded": churn.get("ids_registered", 0) <= REGISTER_BURST + hostile_s / REGISTER_EVERY_S + 2},
+    }
 
 
 def honest_verdict(story: dict[str, Counter], names: dict[str, str], benched: set[str]) -> dict[str, bool]:
@@ -766,8 +856,9 @@ def hostile_table(r: dict) -> str:
     for w in p["windows"]:
         lines.append(f"| {w['from_s']:.0f} | {w['steps']} | {w['steps_per_s']:.2f} | {w['ratio']:.2f} |")
     lines += ["", f"slowest window / calm: {p['min_ratio'] if p['min_ratio'] is None else round(p['min_ratio'], 2)} "
-              f"(goal >= 0.5: {r['pace_goal_met']})", "", "| kind | what the coordinator did | trained on | verdict |",
-              "|---|---|---|---|"]
+              f"(goal >= {r.get('pace_goal', 0.5)}: {r['pace_goal_met']})",
+              f"coordinator memory (RSS peak, MiB): {r.get('coordinator_memory')}", "",
+              "| kind | what the coordinator did | trained on | verdict |", "|---|---|---|---|"]
     for k, d in r["kinds"].items():
         did = "; ".join(f"{what} x{n}" for what, n in sorted(d["coordinator"].items())) or "-"
         t = d["trained"]
@@ -807,6 +898,13 @@ def main() -> None:
     h.add_argument("--deadline-floor-s", type=float, default=10.0, help="rollout.source.liveness.floor_s")
     h.add_argument("--half-open", type=int, default=100, help="the outsider's half-open connections per target")
     h.add_argument("--silent-every-s", type=float, default=30.0, help="a silent registration this often (absurd)")
+    h.add_argument("--slow-reward-s", type=float, default=1.0,
+                   help="seconds a crafted completion costs to score (slow_reward; math-verify's limit is 1 s)")
+    h.add_argument("--kinds", nargs="+", choices=HOSTILE_KINDS, default=None,
+                   help="run only these hostile kinds (default: every one)")
+    h.add_argument("--pace-goal", type=float, default=0.8, help="every hostile window's pace / calm must reach this")
+    h.add_argument("--memory-goal-mib", type=float, default=64.0,
+                   help="the coordinator's hostile-phase RSS peak may exceed its calm peak by at most this")
     h.add_argument("--start-timeout-s", type=float, default=600.0, help="give up if no learner step by then")
     h.add_argument("--override", action="append", default=[], help="one more train.py override (repeatable)")
     h.add_argument("--report-only", metavar="RUN_DIR", default=None,

@@ -16,9 +16,12 @@ import argparse
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
+import string
 import sys
+import zlib
 
 from echo2.net.http import Client
 
@@ -27,6 +30,37 @@ from echo2.net.tls import LEARNER_NAME
 
 
 WORKER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MIN_SECRET_BITS = 128
+"""The least a run secret must carry on a run strangers can reach. Every credential is HMAC(secret, name) and every
+worker holds one, so a worker can test guesses of the secret offline, as fast as it can compute HMACs, with no
+server to slow it down; whoever finds it is the learner (it signs snapshots and revokes credentials). 128 bits is
+out of reach; ``secrets.token_urlsafe(24)`` (192) or ``token_hex(16)`` (128) clear it."""
+_CLASSES = ((string.ascii_lowercase, 26), (string.ascii_uppercase, 26), (string.digits, 10))
+
+
+def secret_bits(secret: str) -> float:
+    """At most how many bits of entropy ``secret`` can hold: the lesser of its length x log2(the alphabets it draws
+    from: lower case 26, upper case 26, digits 10, anything else 33) and 8 x its size compressed (less zlib's own
+    ~8 bytes), which a repeated pattern does not survive. An upper bound: a random string scores about what it holds,
+    a short, narrow or repetitive one far less; a passphrase of dictionary words scores more than it holds (only a
+    generator is sure: secrets.token_urlsafe(24))."""
+    if not secret:
+        return 0.0
+    alphabet = sum(size for chars, size in _CLASSES if any(c in chars for c in secret))
+    alphabet += 33 if any(not any(c in chars for chars, _ in _CLASSES) for c in secret) else 0
+    compressed = 8 * max(0, len(zlib.compress(secret.encode(), 9)) - 8)
+    return min(len(secret) * math.log2(alphabet), float(compressed))
+
+
+def check_run_secret(secret: str, exposed: bool) -> None:
+    """Refuse a run secret weaker than MIN_SECRET_BITS on a run strangers can reach (``exposed``: the coordinator
+    listens off loopback); a loopback run's secret never leaves the machine."""
+    bits = secret_bits(secret)
+    if exposed and bits < MIN_SECRET_BITS:
+        raise ValueError(f"the run secret ($ECHO2_TOKEN) holds at most ~{bits:.0f} bits; a coordinator others can "
+                         f"reach needs >= {MIN_SECRET_BITS} (every worker's credential lets it guess the secret "
+                         "offline). Make one with: export ECHO2_TOKEN=$(python -c 'import secrets; "
+                         "print(secrets.token_urlsafe(24))'), or unset it to have the learner generate one")
 
 
 def worker_credential(run_secret: str, name: str) -> str:

@@ -168,9 +168,10 @@ class Scorer(RewardFunctions):
         """A worker's episodes read back against their tokens (read_transcripts), where its results are taken in."""
         self.read_transcripts(self.tokenizer, group)
 
-    def score_many(self, groups: list[RolloutGroup]) -> list[str | None]:
+    def score_many(self, groups: list[RolloutGroup], principal: str | None = None) -> list[str | None]:
         """Score each group in place; per group None, or why it could not be (``reward_error``: every reward
-        failed)."""
+        failed). ``principal``: who sent them (a reward pool orders and charges by it; here, in the caller's thread,
+        unused)."""
         reasons: list[str | None] = []
         for group in groups:
             try:

@@ -85,11 +85,22 @@ class CoordinatorSettings:
     reward_timeout_s: float = 10.0
     max_steps: int = 0  # the run's learner steps (run.steps): what reward functions read as trainer_state.max_steps
     episode: dict | None = None  # a multi-turn task's EpisodeSpec (as_dict): sent to workers, who run the episodes
+    # what scoring may add to a reward process's address space on top of what loading the task took, MiB (0: no limit)
+    reward_memory_mb: int = 2048
+    # CPU seconds one group's scoring may use in a reward process (RLIMIT_CPU, re-armed per group; 0: no limit)
+    reward_cpu_s: float = 30.0
 
     def __post_init__(self):
+        from echo2.credential import check_run_secret
+        from echo2.net.tls import is_loopback
+
         if self.reward_processes < 1 or not self.reward_timeout_s > 0:
             raise ValueError(f"rollout.source.reward_processes={self.reward_processes} must be >= 1 and "
                              f"reward_timeout_s={self.reward_timeout_s} > 0")
+        if self.reward_memory_mb < 0 or self.reward_cpu_s < 0:
+            raise ValueError(f"reward_memory_mb={self.reward_memory_mb} and reward_cpu_s={self.reward_cpu_s}: "
+                             "must be >= 0 (0: no limit)")
+        check_run_secret(self.token, exposed=not is_loopback(str(self.host)))
 
     def items(self) -> dict[str, Any]:
         """Field by field (nested settings stay objects, unlike dataclasses.asdict)."""

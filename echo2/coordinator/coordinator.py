@@ -19,9 +19,13 @@
     release: a worker whose generate or push failed hands its groups back at once (lost, with its reason)
     credentials: the run secret (the learner's own, the local pool's, admin routes) or a worker's own
             ``name:HMAC(secret, name)`` (credential.worker_credential), which acts only for the worker ids it
-            registered; all the ids of one credential are one principal (registry.py): one share, one record
-            of strikes, one verdict of the rollout checks; ``POST /revoke`` (run secret only) refuses a name from
-            then on and re-queues its work
+            registered; who sent a request is decided once, as it is admitted (gate.Gate.authorize: one credential
+            a request), and routes read that (gate.Caller), never the headers; all the ids of one credential are one
+            principal (registry.py): one share, one record of strikes, one verdict of the rollout checks, one
+            bucket of registrations (bounds.py); ``POST /revoke`` (run secret only) refuses a name from then on and
+            re-queues its work, all or nothing; ``GET /status`` shows a worker credential its own workers only
+    bodies: each route's limit is its largest honest body (bounds.py: a push sized from (S+1)·P groups of G
+            completions of max_tokens), refused on its declared length before a byte is read
 
 It runs as threads (an HTTP server and a reaper) of its own process (process.py; the learner's side:
 echo2/learner/sources/coordinator_process.py), which answers the learner's ``take`` / ``set_version`` calls over a pipe; the learner
@@ -41,29 +45,25 @@ import mmap
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
 from echo2.activation.planner import OnlinePlanner
-from echo2.metrics import (BROADCAST_BYTES, BUFFER_DROPPED_STALE, BUFFER_GROUPS, BUFFER_IN_FLIGHT_GROUPS,
-                           ROLLOUT_BENCHED_WORKERS, ROLLOUT_CHECK_ABS_LOG_RATIO_PREFIX, ROLLOUT_CHECK_LOG_RATIO_PREFIX,
-                           ROLLOUT_DEADLINE_MISSES, ROLLOUT_DISPATCHED, ROLLOUT_DROPPED, ROLLOUT_DROPPED_UNTRUSTED,
-                           ROLLOUT_FLAGGED_WORKERS, ROLLOUT_INVALID_STRIKES, ROLLOUT_JOURNAL_ERRORS, ROLLOUT_LOST,
-                           ROLLOUT_LOST_DEADLINE, ROLLOUT_REAPER_ERRORS, ROLLOUT_RECEIVED, ROLLOUT_REFUSED_RESULTS,
-                           ROLLOUT_REJECTED_REQUESTS, ROLLOUT_THROUGHPUT_PREFIX, ROLLOUT_WORKERS)
+from echo2.metrics import BROADCAST_BYTES
 from echo2.models.identity import mismatch
 from echo2.settings import CoordinatorSettings
-from echo2.coordinator import intake, schemas
+from echo2.coordinator import bounds, intake, schemas, verdicts, views
 from echo2.coordinator.on_change import OnChangeHook
 from echo2.coordinator.buffer import StalenessBuffer, worth_dispatching
 from echo2.coordinator.gate import Gate
 from echo2.coordinator.ledger import open_ledger
 from echo2.coordinator.liveness import Liveness
 from echo2.coordinator.registry import InFlight, Registry, WorkerInfo
+from echo2.coordinator.reward_faults import RewardFaults
 from echo2.scoring import encode_prompt
 from echo2.coordinator.trust import Checks
 from echo2.records import RolloutGroup
-from echo2.net.http import BadRequest, JsonServer, Unauthorized
+from echo2.net.http import BadRequest, JsonServer, TooManyRequests, Unauthorized
 from echo2.net.tls import is_loopback
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,11 @@ log = logging.getLogger(__name__)
 MAX_IDS_PER_CREDENTIAL = 16
 """Live worker ids one credential may hold at once (a box with 8 GPUs runs 8 agents): each id costs a registry
 entry, heartbeats and a broadcast peer, so a credential cannot register without bound."""
+
+
+CLOSE_WAIT_S = 15.0
+"""How long close() waits for pushes being scored to settle (the reward pool, closed first, ends them at once; a
+scorer in this process may take its own time)."""
 
 
 class CannotServe(BadRequest):
@@ -121,6 +126,7 @@ class Coordinator:
         self.ledger = open_ledger(journal, recover, group_size, len(dataset), s.seed)
         self.registered = 0
         self.deadline_misses = self.reaper_errors = 0
+        self.scoring = 0  # pushes claimed and not yet settled (close() waits for them, CLOSE_WAIT_S at most)
         self.closed = False
         activation, shape = s.activation, s.broadcast_shape
         self.activation = OnlinePlanner(activation, shape, staleness=staleness,
@@ -131,8 +137,12 @@ class Coordinator:
         self.gate = Gate(s.token, os.path.dirname(journal) if journal else None, fresh=not recover, tls_dir=s.tls_dir)
         trust = self.gate.trust
         self.tls, self.exposed = trust is not None, not is_loopback(s.host)
+        self.registrations = bounds.Registrations()
+        self.faults = RewardFaults()  # whose output made a reward hang or crash (reward_faults.py)
         self.server = JsonServer(s.host, s.port, s.token, name="coordinator", tls=trust and trust.server,
-                                 public=Gate.PUBLIC_ROUTES, authorize=self.gate.authorize, routes={
+                                 public=Gate.PUBLIC_ROUTES, authorize=self.gate.authorize, max_bytes=bounds.SMALL_BYTES,
+                                 route_max_bytes=bounds.body_limits(staleness, self.P, self.G,
+                                                                    int(self.sampling["max_tokens"])), routes={
             **self.gate.routes(), "POST /revoke": self._revoke,
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
             "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "POST /release": self._release,
@@ -169,12 +179,12 @@ class Coordinator:
     def _worker(self, req: schemas.WorkerCall, headers) -> WorkerInfo:
         """The calling worker (its credential must be the one it registered with); notes it alive and, if it is
         one it may hold (delivered, initial or ordered), the version it claims. Holds the lock."""
+        who = self.gate.caller(headers)  # as the request's admission established it
         worker = self.reg.workers.get(req.worker_id)
         if worker is None:
             raise BadRequest(f"unknown worker {req.worker_id!r}: register first")
-        caller = self.gate.caller(headers)
-        if caller is not None and worker.name != caller:
-            raise Unauthorized(f"worker {worker.worker_id} did not register with {caller!r}'s credential")
+        if not who.secret and worker.name != who.name:
+            raise Unauthorized(f"worker {worker.worker_id} did not register with {who.name!r}'s credential")
         if req.version is not None and req.version > self.version:
             raise BadRequest(f"'version' {req.version} is ahead of the learner's {self.version}")
         worker.last_seen = time.monotonic()
@@ -186,10 +196,12 @@ class Coordinator:
         req = schemas.parse(schemas.Register, body)
         if self.requires is not None and (why := mismatch(self.requires, body)):
             raise CannotServe(f"this worker cannot serve this run: {why}")  # registered never: no work, no id
-        caller = self.gate.caller(headers)
-        exposed = self.exposed and caller is not None  # the run secret's agents are the learner's own
-        url = req.snapshot_url and schemas.snapshot_url(req.snapshot_url, tls=self.tls, exposed=exposed)
-        relay = req.relay and schemas.relay_address(req.relay, exposed=exposed)
+        who = self.gate.caller(headers)
+        caller = None if who.secret else who.name
+        exposed = self.exposed and not who.secret  # the run secret's agents are the learner's own
+        client = getattr(headers, "client", None)  # where it connects from: may it name private addresses?
+        url = req.snapshot_url and schemas.snapshot_url(req.snapshot_url, tls=self.tls, exposed=exposed, client=client)
+        relay = req.relay and schemas.relay_address(req.relay, exposed=exposed, client=client)
         with self.lock:
             known = self.reg.principals.get(caller) if caller is not None else None
             if known is not None and self.liveness.benched(known.misses):
@@ -198,6 +210,10 @@ class Coordinator:
             if known is not None and len(known.ids) >= MAX_IDS_PER_CREDENTIAL:
                 raise BadRequest(f"the credential {caller!r} already has {len(known.ids)} live workers "
                                  f"(at most {MAX_IDS_PER_CREDENTIAL}): leave with one first")
+            if caller is not None and not self.registrations.allow(caller, time.monotonic()):
+                raise TooManyRequests(f"the credential {caller!r} registers too often (bounds.REGISTER_BURST at "
+                                      f"once, then one every {bounds.REGISTER_EVERY_S:.0f} s): again in "
+                                      f"{self.registrations.wait_s(caller, time.monotonic()):.0f} s")
             wid = self.ledger.new_worker_id()
             principal = self.reg.principal(caller, wid)
             worker = WorkerInfo(wid, principal.key, url or None, req.engine, relay or None, caller,
@@ -222,10 +238,11 @@ class Coordinator:
 
     def _revoke(self, body: dict, _headers) -> dict:
         """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its workers are
-        retired (their in-flight groups lost: revoked, prompts re-queued) and dropped from the broadcast."""
+        retired (their in-flight groups lost: revoked, prompts re-queued) and dropped from the broadcast. All or
+        nothing: written down first (gate.revoke); a revocation that cannot be (a full disk) changes nothing (507)."""
         name = schemas.parse(schemas.Revoke, body).name
         with self.lock:
-            self.gate.revoke(name)
+            self.gate.revoke(name)  # raises before anything changes when it cannot be written down
             principal = self.reg.principals.get(name)
             retired = sorted(principal.ids) if principal is not None else []
             for wid in retired:
@@ -303,17 +320,22 @@ class Coordinator:
             worker = self._worker(req, headers)
             claimed, rejected = intake.claim(self.reg, self.ledger, worker, req.results)
             claimed_at = time.monotonic()
+            self.scoring += 1
         try:
             outcomes = intake.score(self.scorer, claimed, self.G, int(self.sampling["max_tokens"]), self.vocab_size,
-                                    episodes=self.settings.episode is not None)
+                                    episodes=self.settings.episode is not None, principal=worker.principal)
             with self.lock:
                 accepted = intake.settle(self.reg, self.ledger, self.buffer, worker, outcomes, rejected,
                                          version=self.version, staleness=self.staleness, group_size=self.G,
-                                         claimed_at=claimed_at, reported_rate=req.rollouts_per_s)
+                                         claimed_at=claimed_at, reported_rate=req.rollouts_per_s, faults=self.faults)
+                if self.closed:  # settled after close() booked the buffer: nobody will take these now
+                    self._drop_buffered("unconsumed_at_end")
                 self.lock.notify_all()
         finally:
             with self.lock:
                 intake.unclaim(self.reg, self.ledger, [gid for gid, _, _ in claimed])
+                self.scoring -= 1
+                self.lock.notify_all()
         return {"accepted": accepted, "rejected": rejected, "version": self.version}
 
     def _snapshot_delivered(self, worker_id: str, version: int) -> None:
@@ -361,17 +383,15 @@ class Coordinator:
         log.warning("worker %s handed back %d groups: %s", worker.worker_id, len(released), req.reason)
         return {"released": released}
 
-    def _status(self, _body, _headers) -> dict:
-        return self.status()
+    def _status(self, _body, headers) -> dict:
+        who = self.gate.caller(headers)
+        return self.status(None if who.secret else who.name)
 
-    def status(self) -> dict[str, Any]:
-        """A point-in-time view (also ``GET /status``): version, queue depths, live workers, who delivered what."""
+    def status(self, name: str | None = None) -> dict[str, Any]:
+        """A point-in-time view (also ``GET /status``): version, queue depths, live workers, who delivered what.
+        ``name``: a worker credential's view, its own workers only (the roster is the run secret's to see)."""
         with self.lock:
-            return {"version": self.version, "buffered_groups": len(self.buffer),
-                    "in_flight_groups": len(self.reg.in_flight), "workers": sorted(self.reg.workers),
-                    "registered": self.registered, "by_worker": dict(self.ledger.by_worker),
-                    "held": {w.worker_id: w.held for w in self.reg.workers.values() if w.held},
-                    "benched": sorted(w.worker_id for w in self.reg.workers.values() if self.reg.benched(w))}
+            return views.status(self, name)
 
     # ---------------------------------------------------------------- liveness
 
@@ -474,52 +494,12 @@ class Coordinator:
 
     def check(self, stats: dict[str, tuple]) -> list[str]:
         """The learner's scores of the last batch's behaviour logprobs, ``{worker id: (tokens, Σ log-ratio,
-        Σ |log-ratio|)}`` (trust.py), judged per credential. A credential found cheating is retired whole: its
-        credential revoked, every id retired (groups in flight lost: untrusted), its buffered groups dropped
-        (untrusted, prompts re-queued). Returns the worker ids whose groups in that batch the learner must not
-        train on (booked: dropped, untrusted)."""
+        Σ |log-ratio|)}`` (trust.py), judged per credential (verdicts.py). Returns the worker ids whose groups in
+        that batch the learner must not train on (booked: dropped, untrusted)."""
         with self.lock:
-            per: dict[str, list] = {}
-            for wid, (n, total, *rest) in stats.items():
-                key = self.reg.principal_of.get(wid, f"#{wid}")
-                acc = per.setdefault(key, [0, 0.0, 0.0])
-                acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + total, acc[2] + (rest[0] if rest else abs(total))
-            verdict = self.checks.update({k: tuple(v) for k, v in per.items()})
-            for key in verdict.flagged:
-                log.warning("worker %s flagged: mean |log-ratio| %.2f against the learner's logprobs (credential %s)",
-                            ",".join(sorted(self._ids(key))) or key, self.checks.mean_abs(key), key)
-            for key in verdict.retire:
-                self._distrust(key)
-            bad = {wid for wid in stats if self.reg.principal_of.get(wid, f"#{wid}") in set(verdict.reject)}
-            judged = [(gid, row) for gid, wid, row in self.last_taken if wid in bad]
-            self.ledger.distrusted([gid for gid, _ in judged], [row for _, row in judged], "untrusted")
-            self.last_taken = []  # judged once
+            bad = verdicts.judge(self, stats)
             self.lock.notify_all()
-        return sorted(bad)
-
-    def _ids(self, key: str) -> set[str]:
-        principal = self.reg.principals.get(key)
-        return set(principal.ids) if principal is not None else set()
-
-    def _distrust(self, key: str) -> None:
-        """Retire a principal as untrusted: revoke its credential, drop its buffered groups, retire its ids."""
-        principal = self.reg.principals.get(key)
-        ids = self._ids(key)
-        if principal is not None and principal.name is not None:
-            self.gate.revoke(principal.name)  # else it would come back under a new id
-        keep = deque()
-        for x, group in self.buffer.groups:
-            if self.reg.principal_of.get(group.worker_id) == key:
-                self.ledger.drop(group.group_id, "untrusted", requeue=True)
-            else:
-                keep.append((x, group))
-        self.buffer.groups = keep
-        for wid in sorted(ids):
-            self._retire(wid, "untrusted")
-            log.warning("worker %s retired as untrusted (credential %s: mean |log-ratio| %.2f over %d tokens)", wid,
-                        key, self.checks.mean_abs(key), self.checks.tokens.get(key, 0))
-        if self.broadcaster is not None and principal is not None and principal.name is not None:
-            self.broadcaster.rekey()  # its credential was revoked: off the relay too
+        return bad
 
     def _evict_stale(self) -> None:
         for group in self.buffer.evict_stale(self.version):
@@ -533,29 +513,7 @@ class Coordinator:
 
     def metrics(self) -> dict[str, float]:
         with self.lock:
-            led = self.ledger
-            out = {BUFFER_GROUPS: float(len(self.buffer)), BUFFER_IN_FLIGHT_GROUPS: float(len(self.in_flight)),
-                   BUFFER_DROPPED_STALE: float(led.dropped["stale"]),
-                   ROLLOUT_DISPATCHED: float(led.rollouts["dispatched"]),
-                   ROLLOUT_RECEIVED: float(led.rollouts["received"]),
-                   ROLLOUT_DROPPED: float(sum(led.dropped.values())),
-                   ROLLOUT_LOST: float(sum(led.lost.values())), ROLLOUT_WORKERS: float(len(self.workers)),
-                   ROLLOUT_REJECTED_REQUESTS: float(sum(self.server.rejected.values())),
-                   ROLLOUT_REFUSED_RESULTS: float(sum(led.refused.values())),
-                   ROLLOUT_LOST_DEADLINE: float(led.lost["deadline"]),
-                   ROLLOUT_FLAGGED_WORKERS: float(len(self.checks.flagged)),
-                   ROLLOUT_DROPPED_UNTRUSTED: float(led.dropped["untrusted"]),
-                   ROLLOUT_DEADLINE_MISSES: float(self.deadline_misses),
-                   ROLLOUT_INVALID_STRIKES: float(self.reg.invalid_strikes),
-                   ROLLOUT_REAPER_ERRORS: float(self.reaper_errors),
-                   ROLLOUT_JOURNAL_ERRORS: float(led.journal_errors),
-                   ROLLOUT_BENCHED_WORKERS: float(sum(self.reg.benched(w) for w in self.workers.values()))}
-            for w in self.workers.values():
-                out[f"{ROLLOUT_THROUGHPUT_PREFIX}{w.worker_id}"] = w.rollouts_per_s
-            for key in self.checks.tokens:  # rollout checks, per credential (#w3: a run-secret worker)
-                out[f"{ROLLOUT_CHECK_LOG_RATIO_PREFIX}{key}"] = self.checks.mean(key)
-                out[f"{ROLLOUT_CHECK_ABS_LOG_RATIO_PREFIX}{key}"] = self.checks.mean_abs(key)
-            out.update(self.activation.metrics(self.workers))
+            out = views.metrics(self)
         out.update(self.scorer.metrics())
         if self.broadcaster is not None:
             out.update(self.broadcaster.metrics())
@@ -599,9 +557,7 @@ class Coordinator:
         """Stop serving; what is still buffered or in flight is counted (dropped / lost at shutdown)."""
         with self.lock:
             self.closed = True
-            for _, group in self.buffer.groups:
-                self.ledger.drop(group.group_id, "unconsumed_at_end", requeue=False)
-            self.buffer.groups.clear()
+            self._drop_buffered("unconsumed_at_end")
             for gid in list(self.reg.in_flight):  # a push for it that races the shutdown is refused, not struck
                 self.reg.remember(gid, self.reg.land(gid), "in_flight_at_end")
                 self.ledger.lose(gid, "in_flight_at_end", requeue=False)
@@ -610,9 +566,19 @@ class Coordinator:
             self.server.close()
         finally:
             self._close_parts()
+        with self.lock:  # pushes being scored end at once with the reward pool closed: their books first
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while self.scoring and time.monotonic() < deadline:
+                self.lock.wait(timeout=0.1)
         accounting = self.accounting()
         self.ledger.close()
         return accounting
+
+    def _drop_buffered(self, reason: str) -> None:
+        """Every buffered group dropped with ``reason``, its prompt not re-queued. Holds the lock."""
+        for _, group in self.buffer.groups:
+            self.ledger.drop(group.group_id, reason, requeue=False)
+        self.buffer.groups.clear()
 
 
 def _nonzero(counter: Counter) -> dict[str, int]:

@@ -7,17 +7,24 @@
                                                                                └ else 401
 
 A worker credential is ``name:HMAC(run secret, name)`` (credential.worker_credential), so the gate needs no table of
-workers; the coordinator binds each worker id to the name it registered with (``caller``). Revocations are kept in
-``<run dir>/revoked.txt``: a restarted coordinator or a resumed learner refuses the same names; a fresh run in a
-used directory starts with none. The gate also answers the routes that hand out what joining needs: the run CA
+workers. Who sent a request is decided once, by ``authorize`` as the request is admitted (one credential per
+request: net.http refuses two), and handed to the route as a ``Caller``; a route asks ``caller(headers)`` for it and
+never reads the Authorization header again, and the run secret is a Caller that says so (``secret``), never "not a
+worker credential". The coordinator binds each worker id to the name it registered with. Revocations are kept in
+``<run dir>/revoked.txt``, written before they take effect (``revoke``: on a full disk an operator's revocation
+does nothing and says so; a verdict of the rollout checks takes effect all the same and is reported): a restarted
+coordinator or a resumed learner refuses the same names; a fresh run in a used directory starts with none. The gate also answers the routes that hand out what joining needs: the run CA
 (public: the worker checks its fingerprint), a certificate for the worker's own servers, and the public key
 the learner's snapshot manifests and orders are signed for.
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
+import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from echo2.broadcast.manifest import verify_key
@@ -25,6 +32,32 @@ from echo2.coordinator import schemas
 from echo2.credential import credential_name
 from echo2.net.http import BadRequest, Revoked, Unauthorized
 from echo2.net.tls import PEER_NAME, RunCA, Trust
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: a worker credential's ``name``, or the run ``secret`` (the learner's own agents and the
+    operator). Established by Gate.authorize as the request is admitted."""
+
+    name: str | None = None
+    secret: bool = False
+
+    @property
+    def connection_key(self) -> str | None:
+        """What its connections are counted under (httpd.Limits.max_connections_per_principal): its name; the run
+        secret's are not capped."""
+        return None if self.secret else self.name
+
+
+RUN_SECRET = Caller(secret=True)
+
+
+class NotSaved(BadRequest):
+    """A revocation could not be written down (a full disk): it was not applied (HTTP 507)."""
+
+    status = 507
 
 
 class Gate:
@@ -39,14 +72,16 @@ class Gate:
         if self.revoked_path and fresh and os.path.exists(self.revoked_path):
             os.unlink(self.revoked_path)  # a fresh run in a used directory: the old revocations are not this run's
         self.revoked: set[str] = set()
+        self.unwritten: set[str] = set()  # revoked in memory, not (yet) written down: a full disk
         if self.revoked_path and os.path.exists(self.revoked_path):
             with open(self.revoked_path, encoding="utf-8") as f:
                 self.revoked = {line.strip() for line in f if line.strip()}
 
-    def authorize(self, route: str, credential: str) -> None:
-        """The run secret may call anything; a worker credential the worker routes, until its name is revoked."""
+    def authorize(self, route: str, credential: str) -> Caller:
+        """Who ``credential`` is: the run secret may call anything; a worker credential the worker routes, until its
+        name is revoked; anything else is refused (401)."""
         if hmac.compare_digest(credential.encode(), self.secret.encode()):
-            return
+            return RUN_SECRET
         name = credential_name(self.secret, credential)
         if name is None:
             raise Unauthorized("missing or wrong token (the run secret or a worker credential)")
@@ -54,22 +89,64 @@ class Gate:
             raise Revoked(f"the credential of worker {name!r} was revoked")
         if route in self.ADMIN_ROUTES:
             raise Unauthorized(f"{route} needs the run secret, not a worker credential")
+        return Caller(name)
 
-    def caller(self, headers: dict[str, str]) -> str | None:
-        """The worker name of an authorized request's credential; None for the run secret."""
-        auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
-        return credential_name(self.secret, auth.removeprefix("Bearer "))
+    @staticmethod
+    def caller(headers: Any) -> Caller:
+        """Who sent a request, as its admission established (never read from its headers again)."""
+        identity = getattr(headers, "identity", None)
+        if not isinstance(identity, Caller):  # a public route, or a route not served through authorize: nobody
+            raise Unauthorized("no credential was established for this request")
+        return identity
 
-    def revoke(self, name: Any) -> str:
-        """Record ``name`` as revoked for the rest of the run (idempotent); returns it."""
+    def revoke(self, name: Any, *, verdict: bool = False) -> bool:
+        """Revoke ``name`` for the rest of the run (idempotent), written down before it takes effect. If it cannot be
+        written (a full disk): an operator's revocation raises NotSaved and nothing changes, so that it can be
+        retried whole; a ``verdict`` (the rollout checks caught a forger) takes effect in memory all the same (a
+        forger must not keep working because a disk filled) and is reported. Returns whether it was written."""
         if not isinstance(name, str) or not name:
             raise BadRequest("'name' must be a worker name")
-        if name not in self.revoked:
+        if name in self.revoked and name not in self.unwritten:
+            return True
+        try:
+            self._append(name)
+        except OSError as e:
+            if not verdict and name not in self.revoked:
+                raise NotSaved(f"could not record the revocation of {name!r} in {self.revoked_path} ({e}): nothing "
+                               "was revoked; free space and revoke again") from None
+            if not verdict:  # in effect already (a verdict's), still not written down
+                raise NotSaved(f"{name!r} is revoked in this coordinator, but still not recorded in "
+                               f"{self.revoked_path} ({e}): free space and revoke again") from None
+            self.unwritten.add(name)
             self.revoked.add(name)
-            if self.revoked_path:
-                with open(self.revoked_path, "a", encoding="utf-8") as f:
-                    f.write(name + "\n")
-        return name
+            log.error("could not record the revocation of %r in %s (%s): it holds for this coordinator only (a "
+                      "restarted one would let it in again); free space and revoke it again", name,
+                      self.revoked_path, e)
+            return False
+        self.unwritten.discard(name)
+        self.revoked.add(name)
+        return True
+
+    def _append(self, name: str) -> None:
+        """One line in revoked.txt, on disk before this returns; a write that fails leaves no partial line."""
+        if not self.revoked_path:
+            return
+        data = (name + "\n").encode()
+        fd = os.open(self.revoked_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                if os.write(fd, data) != len(data):  # a short write: the disk filled part-way
+                    raise OSError(errno.ENOSPC, "short write")
+                os.fsync(fd)
+            except OSError:
+                try:
+                    os.ftruncate(fd, size)
+                except OSError:
+                    pass
+                raise
+        finally:
+            os.close(fd)
 
     def routes(self) -> dict[str, Any]:
         return {"GET /ca": self._ca, "POST /certificate": self._certificate, "POST /manifest-key": self._manifest_key}

@@ -22,6 +22,7 @@ from echo2.coordinator.buffer import StalenessBuffer
 from echo2.coordinator.ledger import IN_FLIGHT, Ledger
 from echo2.coordinator.registry import InFlight, Registry, WorkerInfo
 from echo2.coordinator.results import parse_result
+from echo2.coordinator.reward_faults import RewardFaults
 from echo2.coordinator.schemas import MAX_ROLLOUTS_PER_S
 from echo2.records import RolloutGroup
 from echo2.tasks.environments.episode import TranscriptMismatch
@@ -29,11 +30,12 @@ from echo2.net.http import BadRequest
 
 log = logging.getLogger(__name__)
 
-STRIKES = frozenset({"invalid", "future_version", "undelivered_version", "reward_timeout", "reward_crashed"})
-"""Outcomes that count as a miss for the worker's credential (liveness.py): what it sent was ill-formed,
-claimed weights it was never given (or that do not exist yet), or made the reward hang or crash. A reward that
-raises (``reward_error``) or a pool that cannot start (``reward_unavailable``) is more likely the task's fault:
-booked, not struck, so that a broken reward cannot bench every honest worker."""
+STRIKES = frozenset({"invalid", "future_version", "undelivered_version"})
+"""Outcomes that count as a miss for the worker's credential (liveness.py): what it sent was ill-formed, or claimed
+weights it was never given (or that do not exist yet). A reward that hung or crashed on its group is struck only
+once the reward is seen to work for others (reward_faults.py); one that raises (``reward_error``) or a pool that
+cannot start (``reward_unavailable``) is the task's fault: booked, never struck, so that a broken reward cannot
+bench every honest worker."""
 REQUEUE = frozenset({"invalid", "future_version", "undelivered_version", "unproven_version", "worker_gone",
                      "coordinator_error"})
 """Drops whose prompt goes back to the queue: nothing about the prompt itself was wrong. A reward that failed
@@ -75,9 +77,10 @@ def claim(reg: Registry, ledger: Ledger, worker: WorkerInfo, results: list[dict]
 
 
 def score(scorer: Any, claimed: list[tuple[str, InFlight, Any]], group_size: int, max_tokens: int,
-          vocab_size: int, episodes: bool = False) -> list[Outcome]:
+          vocab_size: int, episodes: bool = False, principal: str = "?") -> list[Outcome]:
     """Parse each claimed result (results.py; a multi-turn task's transcripts read back and checked against their
-    tokens) and score the well-formed ones in one call to the scorer."""
+    tokens) and score the well-formed ones in one call to the scorer, queued for ``principal`` (the reward pool
+    charges it the time: reward_pool.py)."""
     outcomes, parsed = [], []
     for gid, flight, res in claimed:
         try:
@@ -92,7 +95,7 @@ def score(scorer: Any, claimed: list[tuple[str, InFlight, Any]], group_size: int
         outcomes.append(Outcome(gid, flight, group))
         parsed.append(outcomes[-1])
     if parsed:
-        reasons = scorer.score_many([o.group for o in parsed])
+        reasons = scorer.score_many([o.group for o in parsed], principal=principal)
         for o, why in zip(parsed, reasons, strict=True):
             if why is not None:
                 o.group, o.reason, o.detail = None, why, why
@@ -107,12 +110,16 @@ def delivery_horizon(version: int, staleness: int) -> int:
 
 def settle(reg: Registry, ledger: Ledger, buffer: StalenessBuffer, worker: WorkerInfo, outcomes: list[Outcome],
            rejected: list[dict], *, version: int, staleness: int, group_size: int, claimed_at: float,
-           reported_rate: float | None) -> list[str]:
+           reported_rate: float | None, faults: RewardFaults | None = None) -> list[str]:
     """Book each scored group (received, buffered) or dropped one (its reason, told to the worker in ``rejected``);
     a version from the future, or one the worker was never delivered, is dropped too. Strike or credit the
-    worker's credential; measure the worker's rate from its valid groups. Returns the accepted group ids."""
+    worker's credential (and any credential ``faults`` now proves made the reward fail); measure the worker's rate
+    from its valid groups. Returns the accepted group ids."""
     accepted, struck, live = [], set(), worker.worker_id in reg.workers
     for o in outcomes:
+        if faults is not None and (o.group is not None or o.reason is not None and o.reason != "invalid"):
+            for key in faults.observe(worker.principal, None if o.group is not None else o.reason):
+                reg.strike_principal(key, "rewards that hung or crashed on its groups alone")
         if o.group is not None:  # scored: received, then judged by the version it claims
             ledger.received(o.gid, worker.worker_id)
             x = o.group.version  # older than the horizon: no longer remembered, and the buffer drops it as stale

@@ -38,7 +38,8 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
     # reward functions in processes of their own
     dataset = task.train_dataset()
     rewards = RewardPool(task, tokenizer, processes=settings.reward_processes, timeout_s=settings.reward_timeout_s,
-                         max_steps=settings.max_steps, steps_per_epoch=len(dataset) / settings.prompts_per_step)
+                         memory_mb=settings.reward_memory_mb, cpu_s=settings.reward_cpu_s, max_steps=settings.max_steps,
+                         steps_per_epoch=len(dataset) / settings.prompts_per_step)
     broadcaster = instantiate(settings.broadcaster, secret=settings.token) if settings.broadcaster else None
     coordinator = Coordinator(dataset, rewards, tokenizer, settings, broadcaster,
                               encode=functools.partial(task.prompt_ids, tokenizer)).start()

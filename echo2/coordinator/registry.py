@@ -27,6 +27,10 @@ from echo2.coordinator.liveness import Liveness
 
 log = logging.getLogger(__name__)
 
+RETIRED_MEMORY = 1 << 16
+"""Retired worker ids remembered with their principal (``owner``): groups a retired worker pushed may still be
+buffered or judged by the rollout checks; past this many retirements the oldest are forgotten, so that a credential
+registering and leaving in a loop (which coordinator.bounds.Registrations slows down) cannot grow the registry."""
 SETTLED_MEMORY = 1 << 16
 """Groups that left flight (claimed by a push, lost to their deadline, handed back, lost with their retired worker
 or at shutdown) remembered with their principal: a late result (its miss is counted already), a repeated push (a
@@ -100,7 +104,8 @@ class Registry:
         self.principals: dict[str, Principal] = {}
         self.in_flight: dict[str, InFlight] = {}
         self.settled: OrderedDict[str, tuple[str, str]] = OrderedDict()  # group id -> (principal, refusal reason)
-        self.principal_of: dict[str, str] = {}  # every worker id ever registered -> its principal
+        self.principal_of: dict[str, str] = {}  # every live worker id -> its principal
+        self.retired_of: OrderedDict[str, str] = OrderedDict()  # the last RETIRED_MEMORY retired ids -> principal
 
     @staticmethod
     def key(name: str | None, worker_id: str) -> str:
@@ -122,10 +127,17 @@ class Registry:
         worker = self.workers.pop(worker_id, None)
         if worker is not None:
             self.principals[worker.principal].ids.discard(worker_id)
+            self.retired_of[worker_id] = self.principal_of.pop(worker_id, worker.principal)
+            while len(self.retired_of) > RETIRED_MEMORY:
+                self.retired_of.popitem(last=False)
         return worker
 
+    def owner(self, worker_id: str) -> str | None:
+        """The principal of a live worker id, or of one retired not too long ago (RETIRED_MEMORY); None: unknown."""
+        return self.principal_of.get(worker_id) or self.retired_of.get(worker_id)
+
     def of(self, worker_id: str) -> Principal | None:
-        key = self.principal_of.get(worker_id)
+        key = self.owner(worker_id)
         return self.principals.get(key) if key is not None else None
 
     # ------------------------------------------------------------------ the policy, applied
@@ -156,12 +168,17 @@ class Registry:
 
     def strike(self, worker: WorkerInfo, why: str) -> None:
         """A miss for an invalid push (liveness.py): halves the credential's share; at ``strikes``, benched."""
-        principal = self.principals[worker.principal]
+        self.strike_principal(worker.principal, why, worker.worker_id)
+
+    def strike_principal(self, key: str, why: str, worker_id: str | None = None) -> None:
+        principal = self.principals.get(key)
+        if principal is None:
+            return
         principal.misses += 1
         self.invalid_strikes += 1
-        log.warning("worker %s (%s): a strike for %s (miss %d of %d)%s", worker.worker_id, principal.key, why,
-                    principal.misses, self.liveness.strikes,
-                    "; it gets no more work" if self.liveness.benched(principal.misses) else "")
+        log.warning("worker %s (%s): a strike for %s (miss %d of %d)%s",
+                    worker_id or ",".join(sorted(principal.ids)) or key, principal.key, why, principal.misses,
+                    self.liveness.strikes, "; it gets no more work" if self.liveness.benched(principal.misses) else "")
 
     # ------------------------------------------------------------------ groups in flight
 

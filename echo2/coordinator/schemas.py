@@ -13,13 +13,20 @@ The bounds (each with its reason) are module constants, so that the planner's te
 A pushed result's completions are checked by results.py (per result: one bad result costs its own group, not
 the whole push); the push envelope is checked here. Addresses a worker declares (``snapshot_url``, ``relay``)
 are checked by ``snapshot_url`` and ``relay_address``: the learner host will POST the relay key to the first
-and point other workers at the second.
+and point other workers at the second. A host is read the way the resolver reads it (``127.1``, ``2130706433``
+and ``0x7f.1`` are 127.0.0.1 to it, and so to us), and on an exposed coordinator a worker may not name the
+learner host, link-local (cloud metadata), multicast or reserved addresses, nor a private one unless it reaches us
+from a private network itself (a cluster's workers name their cluster addresses; a stranger cannot point the
+learner host into its network). Names are not resolved here (what a name resolves to can change after any check):
+``localhost`` is refused, and with TLS on the learner host sends nothing to a server the run did not certify.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import reprlib
+import socket
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -121,6 +128,8 @@ class Revoke(Body):
 
 
 M = TypeVar("M", bound=Body)
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 80, 80
 
 
 def parse(model: type[M], body: Any) -> M:
@@ -135,7 +144,7 @@ def _explain(e: ValidationError, most: int = 4) -> str:
     parts = []
     for err in e.errors()[:most]:
         where = ".".join(map(str, err["loc"])) or "body"
-        got = repr(err.get("input"))
+        got = _BRIEF.repr(err.get("input"))  # bounded: a stranger's value may be long or deeply nested
         parts.append(f"{where}: {err['msg']} (got {got[:60] + '...' if len(got) > 60 else got})")
     more = e.error_count() - most
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
@@ -147,14 +156,15 @@ _HOSTNAME = re.compile(r"(?=.{1,253}\.?$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
 
 
-def snapshot_url(url: str, *, tls: bool, exposed: bool) -> str:
+def snapshot_url(url: str, *, tls: bool, exposed: bool, client: str | None = None) -> str:
     """The control URL of a worker's snapshot receiver, which the learner host POSTs the relay key to.
 
     ``https://host:port`` when the run speaks TLS (the learner then verifies the run CA's peer certificate, so
     the key reaches only a server the run issued a certificate to), ``http://host:port`` when it does not (an
     https URL could not be verified). No credentials, path or query. ``exposed`` (the coordinator listens off
-    loopback): a worker may not name loopback, link-local (cloud metadata), multicast or unspecified
-    addresses, which would make the learner host talk to itself or its provider."""
+    loopback): a worker may not name loopback, link-local (cloud metadata), multicast, unspecified or reserved
+    addresses, which would make the learner host talk to itself or its provider, nor a private one unless its own
+    address (``client``, what it connected from) is private too."""
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -168,28 +178,61 @@ def snapshot_url(url: str, *, tls: bool, exposed: bool) -> str:
         raise BadRequest(f"snapshot_url {url!r}: only {scheme}://HOST:PORT")
     if port is None or not 0 < port < 65536:
         raise BadRequest(f"snapshot_url {url!r}: needs a port in 1..65535")
-    _host(parts.hostname or "", "snapshot_url", exposed)
+    _host(parts.hostname or "", "snapshot_url", exposed, client)
     return url
 
 
-def relay_address(addr: str, *, exposed: bool) -> str:
+def relay_address(addr: str, *, exposed: bool, client: str | None = None) -> str:
     """A worker's relay node, ``host:port`` (an IPv6 host in brackets), which other workers will fetch from."""
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise BadRequest(f"'relay' must be 'host:port', got {addr!r}")
-    _host(host[1:-1] if host.startswith("[") and host.endswith("]") else host, "relay", exposed)
+    _host(host[1:-1] if host.startswith("[") and host.endswith("]") else host, "relay", exposed, client)
     return addr
 
 
-def _host(host: str, what: str, exposed: bool) -> None:
+_NUMERIC = re.compile(r"[0-9a-fA-FxX.]+")
+"""What inet_aton may read as an IPv4 address in one of its shorthand forms (decimal, octal or hex parts)."""
+
+
+def address_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` is to the resolver, if it is a literal one in any form: IPv6, a dotted quad, or one of
+    inet_aton's shorthands (``127.1``, ``2130706433``, ``0x7f.1``, ``017700000001``, ``169.254.43518``); an
+    IPv4-mapped IPv6 address as its IPv4 one. None: a host name."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        if not _HOSTNAME.fullmatch(host):
+        ip = None
+        if _NUMERIC.fullmatch(host) and host[:1].isdigit():
+            try:  # the C library's own parser: the one getaddrinfo applies to a name before any lookup
+                ip = ipaddress.IPv4Address(socket.inet_aton(host.rstrip(".") or "x"))
+            except OSError:
+                pass
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip
+
+
+def _private(host: str | None) -> bool:
+    """Whether ``host`` (a client's address) is on a private, loopback or otherwise non-global network."""
+    ip = address_of(host) if host else None
+    return ip is not None and not ip.is_global
+
+
+def _host(host: str, what: str, exposed: bool, client: str | None = None) -> None:
+    ip = address_of(host)
+    if ip is None:
+        last = host.rstrip(".").rpartition(".")[2]
+        if not _HOSTNAME.fullmatch(host) or last.isdigit():  # an all-numeric top label is no name (RFC 3696 2)
             raise BadRequest(f"{what}: {host!r} is neither an IP address nor a host name") from None
         if exposed and (host.lower() == "localhost" or host.lower().rstrip(".").endswith(".localhost")):
             raise BadRequest(f"{what}: {host!r} names the learner's own host; advertise an address it can reach")
         return
-    if exposed and (ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified or ip.is_reserved):
-        raise BadRequest(f"{what}: {host} is not an address of another host (loopback, link-local, multicast, "
+    if not exposed:
+        return
+    if ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified or ip.is_reserved:
+        raise BadRequest(f"{what}: {host} ({ip}) is not an address of another host (loopback, link-local, multicast, "
                          "unspecified or reserved); advertise the address the learner reaches it at")
+    if not ip.is_global and not _private(client):
+        raise BadRequest(f"{what}: {host} ({ip}) is a private address, and this worker connects from a public one "
+                         f"({client}); advertise the address the learner reaches it at")

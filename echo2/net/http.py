@@ -1,7 +1,8 @@
 """HTTP + JSON for every server and client of the run, judged on the headers before a byte of the body is read.
 
-Every request carries a credential (``Authorization: Bearer ...``), compared in constant time and checked on the
-headers, before a byte of the body is read. Bodies are JSON (never pickle), optionally validated by a pydantic
+Every request carries one credential (``Authorization: Bearer ...``; two are refused), compared in constant time
+and checked on the headers, before a byte of the body is read; who it names is established there, once, and handed
+to the route (``RequestHeaders.identity``), never parsed again. Bodies are JSON (never pickle), optionally validated by a pydantic
 schema per route, except snapshot uploads, which are raw bytes whose authenticity is checked by the receiver. A bad
 request gets a 4xx with ``{"error": ...}``, a log line, and a counter; the server goes on. Servers (JsonServer)
 run on uvicorn's HTTP protocol with timeouts and a connection cap (echo2/net/httpd.py: a port strangers can reach);
@@ -71,13 +72,33 @@ class TooLarge(BadRequest):
     status = 413
 
 
+class TooManyRequests(BadRequest):
+    status = 429
+
+
+class Unavailable(BadRequest):
+    status = 503
+
+
+class RequestHeaders(Headers):
+    """A request's headers (read-only, lookups ignore case) and what its admission established: ``identity``, what
+    ``authorize`` returned for its one credential (None on a public route), and ``client``, the sender's address."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]], identity: Any = None, client: str = "?"):
+        super().__init__(raw=raw)
+        self.identity, self.client = identity, client
+
+
 class JsonServer:
     """``routes`` maps ``"POST /path"`` to ``fn(body, headers) -> jsonable``; ``raw`` routes get bytes.
 
-    A request is judged on its headers before a byte of its body is read: the credential (``authorize``, which
-    runs on the server's event loop, so it must be quick and never wait on a lock a route holds), the route, the
-    declared length (over the route's limit: 413; a POST with neither Content-Length nor chunked encoding: 411);
-    a refusal there is answered at once and the connection closed, its body unread. Then the body is read (a
+    A request is judged on its headers before a byte of its body is read: its one credential (two Authorization
+    headers: 400; ``authorize``, which runs on the server's event loop, so it must be quick and never wait on a lock
+    a route holds, returns who it names: the route gets that as ``headers.identity``, and an identity with a
+    ``connection_key`` has the connection counted under it, httpd.Limits.max_connections_per_principal), the route,
+    the declared length (over the route's limit: 413; a POST with neither Content-Length nor chunked encoding: 411;
+    any body on a public route or a GET: 400); a refusal there is answered at once and the connection closed, its
+    body unread. Then the body is read (a
     chunked one is cut off at the limit; a stalled one dropped, see httpd.Limits) and the route runs in a handler
     thread, never on the event loop. A BadRequest is its status with ``{"error": ...}``, any other exception a
     500; the server goes on. ``headers`` is a read-only mapping whose lookups ignore case.
@@ -86,16 +107,17 @@ class JsonServer:
     violation is a 400 naming each bad field) and the route gets the model instance, not a dict; a route may
     return a model too. ``route_max_bytes``: per-route body limits, ``max_bytes`` for the others. ``limits``:
     timeouts and caps per connection (httpd.Limits). ``rejected`` counts refusals by kind: a BadRequest
-    subclass's name, or what the connection layer refused (TooManyConnections, HeaderTimeout, BodyTimeout,
-    HeadersTooLarge, MalformedRequest)."""
+    subclass's name, or what the connection layer refused (TooManyConnections, TooManyFromAddress,
+    TooManyForCredential, AnonymousCut, HeaderTimeout, BodyTimeout, HeadersTooLarge, MalformedRequest)."""
 
     def __init__(self, host: str, port: int, token: str, routes: dict[str, Route], raw: frozenset[str] = frozenset(),
                  max_bytes: int = MAX_JSON_BYTES, name: str = "server", tls: ssl.SSLContext | None = None,
-                 public: frozenset[str] = frozenset(), authorize: Callable[[str, str], None] | None = None,
+                 public: frozenset[str] = frozenset(), authorize: Callable[[str, str], Any] | None = None,
                  schemas: dict[str, type[pydantic.BaseModel]] | None = None,
                  route_max_bytes: dict[str, int] | None = None, limits: Limits | None = None):
-        """``tls``: serve HTTPS with this context. ``public``: routes answered without a credential.
-        ``authorize(route, credential)``: raises Unauthorized; default: the credential must be ``token``."""
+        """``tls``: serve HTTPS with this context. ``public``: routes answered without a credential (and without a
+        body). ``authorize(route, credential)``: raises Unauthorized, or returns the caller's identity; default: the
+        credential must be ``token``."""
         self.token, self.routes, self.raw, self.max_bytes, self.name = token, routes, raw, max_bytes, name
         self.tls, self.public, self.authorize = tls, public, authorize or self._token_only
         self.schemas, self.route_max_bytes = dict(schemas or {}), dict(route_max_bytes or {})
@@ -124,9 +146,10 @@ class JsonServer:
         self.server.close()
         self.pool.close()
 
-    def _token_only(self, _route: str, credential: str) -> None:
+    def _token_only(self, _route: str, credential: str) -> str:
         if not hmac.compare_digest(credential.encode(), self.token.encode()):
             raise Unauthorized("missing or wrong token")
+        return "token"
 
     def _reject(self, kind: str, client: str, what: str = "the connection", why: str = "") -> None:
         """Count a refusal made on the event loop (before any route ran) and log it, at most one line per kind per
@@ -146,7 +169,11 @@ class JsonServer:
         key = f"{scope['method']} {scope['path']}"
         client = scope["client"][0] if scope.get("client") else "?"
         try:
-            route, limit = self._admit(key, scope["method"], scope["headers"])
+            route, limit, identity = self._admit(key, scope["method"], scope["headers"])
+            if key not in self.public and "echo2.admitted" in scope:  # the connection holds an authenticated slot
+                refusal = scope["echo2.admitted"](getattr(identity, "connection_key", None))
+                if refusal is not None:
+                    raise Unavailable(f"{refusal}: this credential holds too many connections")
             data = await _read_body(receive, limit)
         except BadRequest as e:  # the body is (partly) unread: answer and close rather than read on
             self._reject(type(e).__name__, client, key, str(e))
@@ -162,7 +189,7 @@ class JsonServer:
         done = loop.create_future()
 
         def job() -> None:
-            result = self._handle(key, route, data, scope["headers"], client)
+            result = self._handle(key, route, data, RequestHeaders(scope["headers"], identity, client), client)
             try:
                 loop.call_soon_threadsafe(_settle, done, result)
             except RuntimeError:  # the server closed while the route ran: nobody waits for its answer
@@ -177,35 +204,48 @@ class JsonServer:
             self.rejected[refusal] += 1
         await _respond(send, status, out)
 
-    def _admit(self, key: str, method: str, headers: list[tuple[bytes, bytes]]) -> tuple[Route, int]:
+    def _admit(self, key: str, method: str, headers: list[tuple[bytes, bytes]]) -> tuple[Route, int, Any]:
         """What is decided on the headers alone: the credential, the route and the declared length. Returns the
-        route and the most body bytes to read."""
-        auth = length = chunked = None
+        route, the most body bytes to read and the caller's identity (what ``authorize`` returned; None on a public
+        route). Identity is established here only: a request carrying two credentials is refused, not read one way
+        here and another way in the route."""
+        auth: list[str] = []
+        length = chunked = None
         for name, value in headers:
             if name == b"authorization":
-                auth = value.decode("latin-1")
+                auth.append(value.decode("latin-1"))
             elif name == b"content-length":
                 length = value
             elif name == b"transfer-encoding":
                 chunked = value
+        if len(auth) > 1:
+            raise BadRequest(f"{len(auth)} Authorization headers: a request carries one credential")
+        identity = None
         if key not in self.public:
-            self.authorize(key, auth.removeprefix("Bearer ") if auth and auth.startswith("Bearer ") else "")
+            credential = auth[0].removeprefix("Bearer ") if auth and auth[0].startswith("Bearer ") else ""
+            identity = self.authorize(key, credential)
         route = self.routes.get(key)
         if route is None:
             raise NotFound(f"no route {key}")
+        declared = int(length) if length is not None else 0  # the HTTP parser refused a negative one (400) already
+        if key in self.public or method in ("GET", "HEAD"):  # no body: none is read, parsed or held
+            if declared or chunked is not None:
+                raise BadRequest(f"{key} takes no body")
+            return route, 0, identity
         limit = self.route_max_bytes.get(key, self.max_bytes)
-        if length is not None:  # the HTTP parser has refused a negative or non-decimal one (400) already
-            if int(length) > limit:
-                raise TooLarge(f"body of {int(length)} bytes exceeds the {limit}-byte limit")
+        if length is not None:
+            if declared > limit:
+                raise TooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit")
         elif chunked is None and method == "POST":
             raise LengthRequired("a POST needs Content-Length (or chunked encoding)")
-        return route, limit
+        return route, limit, identity
 
-    def _handle(self, key: str, route: Route, data: bytes, headers: list, client: str) -> tuple[int, bytes, str | None]:
+    def _handle(self, key: str, route: Route, data: bytes, headers: RequestHeaders,
+                client: str) -> tuple[int, bytes, str | None]:
         """In a handler thread: decode, run the route, encode. Returns (status, JSON bytes, kind of refusal)."""
         try:
             body = data if key in self.raw else self._decode(key, data)
-            return 200, json.dumps(route(body, Headers(raw=headers)), default=_jsonable).encode(), None
+            return 200, json.dumps(route(body, headers), default=_jsonable).encode(), None
         except BadRequest as e:
             log.warning("%s: rejected %s from %s: %s", self.name, key, client, e)
             return e.status, json.dumps({"error": str(e)}).encode(), type(e).__name__
@@ -224,6 +264,8 @@ class JsonServer:
             body = json.loads(data or b"{}")
         except ValueError as e:
             raise BadRequest(f"malformed JSON: {e}") from None
+        except RecursionError:  # nesting deeper than the interpreter's recursion limit: a stranger's, never ours
+            raise BadRequest("malformed JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise BadRequest("JSON body must be an object")
         return body

@@ -11,11 +11,14 @@ handler (a long poll, a snapshot download) holds one thread, never the loop. Wha
 public port needs, is added here:
 
 - a watchdog per connection: a client that sends half its headers (or nothing) is dropped after
-  ``header_timeout_s``, one whose body stops arriving after ``body_timeout_s`` without a byte, an idle kept-alive
-  connection after ``keep_alive_s``. No timer runs while a handler works: a long poll is not a stall.
-- a cap on open connections, counted from accept (TLS handshakes in progress included), never above what the
-  process's file limit allows: one more is answered 503 (cut, on a TLS port) and closed at once; connections
-  already admitted are not affected.
+  ``header_timeout_s``; a body must keep arriving (no silence over ``body_timeout_s``) and keep up a minimum rate
+  (``min_body_rate_bytes_per_s``: each byte buys the body that much more time, so a trickle cannot push its
+  deadline out for ever); an idle kept-alive connection is closed after ``keep_alive_s`` once authenticated, after
+  ``header_timeout_s`` before. No timer runs while a handler works: a long poll is not a stall.
+- connection slots (echo2/net/slots.py), counted from accept (TLS handshakes in progress included), never above
+  what the process's file limit allows: capped per address, per worker credential and in all, with room kept for
+  authenticated connections (an anonymous one may be cut to make room for a newcomer); one refused is answered
+  503 (cut, on a TLS port) and closed at once.
 - the TLS handshake, run per accepted connection (loop.connect_accepted_socket: same context, same pinning as
   ever) under ``header_timeout_s``.
 - a bound on the request line and headers (``max_header_bytes``): llhttp itself has none.
@@ -43,6 +46,8 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from echo2.net.slots import Slot, SlotLimits, Slots
+
 try:
     import uvloop
 except ImportError:  # pragma: no cover - vLLM installs it; asyncio's own loop serves the same, slower
@@ -68,13 +73,32 @@ class Limits:
     """From connecting (or the first byte of a request on a kept-alive connection) to the end of its headers; also
     the TLS handshake's limit. One WAN round trip carries a request's headers: 10 s is generous."""
     body_timeout_s: float = 30.0
-    """Longest silence while a body arrives (not its total time: a 64 MB push over a slow link takes minutes)."""
+    """Longest silence while a body arrives, and the time a body gets before ``min_body_rate_bytes_per_s`` counts."""
+    min_body_rate_bytes_per_s: float = 1024.0
+    """Each byte of a body buys it 1/rate s more: a body is dropped once it is further behind this rate than
+    ``body_timeout_s`` (Apache mod_reqtimeout's MinRate). 1 KiB/s is below the slowest link a worker may declare
+    (10 kbit/s): an honest upload never comes near it, while one byte every few seconds is dropped within
+    ``body_timeout_s``."""
     keep_alive_s: float = 60.0
     """An idle kept-alive connection is closed after this: well above a worker's heartbeat period, so an active
-    worker keeps its connection (a close racing a new request would cost it a failed request)."""
+    worker keeps its connection (a close racing a new request would cost it a failed request). A connection that
+    has not authenticated gets ``header_timeout_s`` instead: an outsider holds no idle slot for a minute."""
     max_connections: int = 4096
     """Open connections (idle kept-alive ones included); one more is refused. ~2 per worker (its agent's client and
     the broadcaster's calls), with room for the idle and half-open connections of strangers."""
+    anonymous_share: float = 0.5
+    """Of max_connections, the most that connections not yet authenticated may hold (slots.py): the rest is kept for
+    authenticated workers. Past it, the oldest anonymous connection is cut for a newcomer."""
+    max_anonymous_per_address: int = 16
+    """Connections not yet authenticated from one address (an IPv6 /64): a NAT'd site's workers reconnecting at once
+    each hold one for about a round trip."""
+    max_connections_per_address: int = 512
+    """All connections from one address: a NAT'd cluster of a few hundred workers behind one address fits."""
+    max_connections_per_principal: int = 64
+    """Authenticated connections of one worker credential, from any address: 4 for each of the 16 worker ids a
+    credential may hold (coordinator.MAX_IDS_PER_CREDENTIAL)."""
+    exempt_addresses: frozenset[str] = frozenset({"127.0.0.1", "::1"})
+    """Not capped per address (still counted in all): the learner host itself, where its local agents connect."""
     max_header_bytes: int = 64 << 10
     """Request line plus headers. Ours are a few hundred bytes."""
     max_threads: int = 4096
@@ -147,31 +171,40 @@ class _Protocol(HttpToolsProtocol):
     kept-alive connection); later deadlines are picked up when it fires, so a request costs about one timer, not
     one per event."""
 
-    def __init__(self, limits: Limits, on_reject: Callable[[str, str], None], opened: Callable[[], None],
+    def __init__(self, limits: Limits, on_reject: Callable[[str, str], None], slot: Slot, slots: Slots,
                  **kwargs: Any):
         super().__init__(**kwargs)
         self.logger = _protocol_log
-        self.limits, self.on_reject, self.opened = limits, on_reject, opened
+        self.limits, self.on_reject, self.slot, self.slots = limits, on_reject, slot, slots
         self.phase = "header"  # header | body | busy (a handler runs) | idle (kept alive between requests)
         self.deadline: float | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
         self.header_bytes = 0
+        self.body_start = 0.0  # when the body phase began (loop time)
+        self.body_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self.opened()  # counted as open from now on (in server_state.connections), no longer as opening
         super().connection_made(transport)
+        self.slot.cut = transport.abort  # a newcomer may need this slot (slots.Slots.admit)
         self._watch(self.loop.time() + self.limits.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        self.slots.release(self.slot)
         super().connection_lost(exc)
+
+    def _admitted(self, principal: str | None) -> str | None:
+        """Called by the app (on the loop) once a request on this connection passed its credential check: the slot
+        counts as authenticated, under ``principal``; returns the kind of refusal when that principal holds its cap."""
+        return self.slots.authenticate(self.slot, principal)
 
     # parser events (httptools calls them from data_received)
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["echo2.admitted"] = self._admitted  # type: ignore[typeddict-unknown-key]
         self.header_bytes = 0
         if self.phase == "idle":
             self.phase = "header"
@@ -192,12 +225,18 @@ class _Protocol(HttpToolsProtocol):
             self.phase, self.deadline = "busy", None
         else:
             self.phase = "body"
-            self._watch(self.loop.time() + self.limits.body_timeout_s)
+            self.body_start, self.body_bytes = self.loop.time(), 0
+            self._watch(self.body_start + self.limits.body_timeout_s)
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
         if self.phase == "body":
-            self.deadline = self.loop.time() + self.limits.body_timeout_s  # later: the timer picks it up
+            # no silence over body_timeout_s, and never further behind the minimum rate than that; both only grow
+            # (the timer picks a later deadline up when it fires)
+            self.body_bytes += len(body)
+            lim = self.limits
+            self.deadline = min(self.loop.time() + lim.body_timeout_s,
+                                self.body_start + lim.body_timeout_s + self.body_bytes / lim.min_body_rate_bytes_per_s)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -211,10 +250,12 @@ class _Protocol(HttpToolsProtocol):
         cycle = self.cycle
         if self.pipeline or (cycle is not None and not cycle.response_complete):  # a pipelined request started
             self.phase = "body" if cycle is not None and cycle.more_body else "busy"
+            self.body_start, self.body_bytes = self.loop.time(), 0
             self._watch(self.loop.time() + self.limits.body_timeout_s if self.phase == "body" else None)
         else:
             self.phase = "idle"
-            self._watch(self.loop.time() + self.limits.keep_alive_s)
+            idle_s = self.limits.keep_alive_s if self.slot.authenticated else self.limits.header_timeout_s
+            self._watch(self.loop.time() + idle_s)
 
     def _count_header(self, n: int) -> None:
         self.header_bytes += n
@@ -292,6 +333,9 @@ class BackgroundServer:
         if cap < limits.max_connections:
             log.warning("%s: at most %d connections (the open-file limit), not %d", name, cap, limits.max_connections)
         self.conn_limits = replace(limits, max_connections=cap)
+        self.slots = Slots(SlotLimits(cap, limits.anonymous_share, limits.max_anonymous_per_address,
+                                      limits.max_connections_per_address, limits.max_connections_per_principal,
+                                      limits.exempt_addresses))
         # uvicorn's Config only as the protocol reads it: no logging setup, no proxy headers, no websockets
         self.config = uvicorn.Config(app, http=_Protocol, ws="none", lifespan="off", log_config=None,
                                      access_log=False, proxy_headers=False, server_header=False, date_header=False,
@@ -299,7 +343,6 @@ class BackgroundServer:
         self.config.load()
         self.state = ServerState()
         self.opening: set[asyncio.Task] = set()  # _open tasks: accepted connections being set up (TLS handshakes)
-        self.handshaking = 0  # accepted connections not yet in state.connections (counted against the cap)
         self.sock = _bind(host, port, backlog=2048)
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -358,8 +401,8 @@ class BackgroundServer:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _accept(self) -> None:
-        """Accept connections, each counted against the cap from this moment (a TLS handshake in progress holds
-        a slot and a file descriptor as much as an open connection does)."""
+        """Accept connections, each holding a slot from this moment (a TLS handshake in progress holds a file
+        descriptor as much as an open connection does): slots.py decides whether it may, and whom it displaces."""
         while True:
             try:
                 sock, peer = await self.loop.sock_accept(self.sock)
@@ -367,33 +410,29 @@ class BackgroundServer:
                 log.warning("%s: accept failed: %s", self.name, e)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self.state.connections) + self.handshaking >= self.conn_limits.max_connections:
-                self.on_reject("TooManyConnections", peer[0])
+            slot, refusal, cut = self.slots.admit(peer[0])
+            for old in cut:  # the oldest anonymous connections, for room
+                self.on_reject("AnonymousCut", old.address)
+                old.cut()
+            if slot is None:
+                self.on_reject(refusal, peer[0])
                 _refuse(sock, plain=self.tls is None)
                 continue
-            self.handshaking += 1
             # Headers and body go out as separate writes; with Nagle + delayed ACK each small response would stall
             # ~40 ms (measured: 0.16 s of learner idle per step over loopback).
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = self.loop.create_task(self._open(sock, peer))
+            task = self.loop.create_task(self._open(sock, peer, slot))
+            slot.cut = task.cancel  # until the protocol takes over (its transport then)
             self.opening.add(task)
             task.add_done_callback(self.opening.discard)
 
-    async def _open(self, sock: socket.socket, peer: Any) -> None:
-        """Serve HTTP on an accepted socket, over TLS after a handshake of at most ``header_timeout_s``. The
-        connection counts as ``handshaking`` until its protocol joins server_state.connections (``opened``), or
-        until it fails: never twice, never not at all."""
-        counted = True
-
-        def opened() -> None:
-            nonlocal counted
-            if counted:
-                counted = False
-                self.handshaking -= 1
-
+    async def _open(self, sock: socket.socket, peer: Any, slot: Slot) -> None:
+        """Serve HTTP on an accepted socket, over TLS after a handshake of at most ``header_timeout_s``. Its slot is
+        released when the protocol's connection is lost, or here when it never gets one: never twice (idempotent),
+        never not at all."""
         def protocol() -> asyncio.Protocol:
-            return _Protocol(self.conn_limits, self.on_reject, opened, config=self.config, server_state=self.state,
-                             app_state={})
+            return _Protocol(self.conn_limits, self.on_reject, slot, self.slots, config=self.config,
+                             server_state=self.state, app_state={})
 
         try:
             await self.loop.connect_accepted_socket(
@@ -401,11 +440,13 @@ class BackgroundServer:
                 ssl_handshake_timeout=self.limits.header_timeout_s if self.tls is not None else None)
         except OSError as e:  # ssl.SSLError; ConnectionAbortedError when it timed out; a peer gone
             sock.close()
+            self.slots.release(slot)
             timed_out = isinstance(e, ConnectionAbortedError) and "longer than" in str(e)
             if timed_out or isinstance(e, ssl.SSLError):
                 self.on_reject("HandshakeTimeout" if timed_out else "HandshakeFailed", peer[0])
-        finally:
-            opened()
+        except asyncio.CancelledError:  # cut for a newcomer, or the server closes: the loop closes the transport
+            self.slots.release(slot)  # (and the socket it owns now; closing it here too could close a reused fd)
+            raise
 
 
 def _refuse(sock: socket.socket, plain: bool) -> None:

@@ -29,10 +29,14 @@ def extract_gold(answer_field: str) -> str:
     return answer_field.split("####")[-1].strip().replace(",", "").rstrip(".")
 
 
-VERIFY_TIMEOUT_S = 5
-"""math-verify's own limit on parsing and on comparing, where it can apply it: its timeout uses SIGALRM, which only
-works in a main thread (a reward process of the coordinator's pool, which also kills a group past its own limit);
-elsewhere (a learner's thread) it runs without one."""
+VERIFY_TIMEOUT_S = 1
+"""math-verify's own limit per completion on parsing and on comparing, where it can apply it: its timeout uses SIGALRM,
+which only works in a main thread (a reward process of the coordinator's pool, which also kills a group past its
+own limit); elsewhere (a learner's thread) it runs without one. An honest GSM8K answer parses in milliseconds; a
+crafted one (``\\boxed{10^{10^{9}}}``) runs to the limit and is then scored 0, so the limit is what a stranger can
+make one completion cost a reward process: at 5 s (math-verify's default) a group of 8 cost 40 s, four times the
+pool's limit per group; at 1 s a group costs at most 2 s per completion (parse, then compare), is charged to its
+sender (coordinator/fair.py), and one past the pool's limit is dropped (reward_timeout)."""
 
 
 def verify_answer(completion: str, gold: str) -> bool:

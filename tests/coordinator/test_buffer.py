@@ -39,6 +39,17 @@ def test_buffer_takes_oldest_admissible_after_eviction():
     assert b.take(1, step=3) is None
 
 
+def _admin():
+    """What a route is handed for a request admitted with the run secret."""
+    from echo2.coordinator.gate import RUN_SECRET
+    from echo2.net.http import RequestHeaders
+
+    return RequestHeaders([], RUN_SECRET, "127.0.0.1")
+
+
+ADMIN = _admin()
+
+
 class SimCoordinatorHarness:
     """Drives the real Coordinator's route handlers (no sockets) with simulated workers."""
 
@@ -56,7 +67,7 @@ class SimCoordinatorHarness:
             token="t", staleness=S, prompts_per_step=P, group_size=G, vocab_size=len(tok), long_poll_s=0.0,
             sampling={"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
         self.G, self.rng = G, random.Random(seed)
-        self.workers = [self.c._register({"engine": "sim"}, {})["worker_id"] for _ in range(n_workers)]
+        self.workers = [self.c._register({"engine": "sim"}, ADMIN)["worker_id"] for _ in range(n_workers)]
         self.held = {w: [] for w in self.workers}  # (group_id, version it generates with)
         self.versions = {w: 0 for w in self.workers}
 
@@ -68,7 +79,7 @@ class SimCoordinatorHarness:
             self.c._snapshot_delivered(w, self.c.version)  # a snapshot arrived (the broadcaster says so)
             self.versions[w] = self.c.version
         elif action < 0.6:
-            reply = self.c._pull({"worker_id": w, "version": self.versions[w], "max_groups": 2}, {})
+            reply = self.c._pull({"worker_id": w, "version": self.versions[w], "max_groups": 2}, ADMIN)
             self.held[w] += [(g["group_id"], self.versions[w]) for g in reply["work"]]
         elif self.held[w]:
             k = self.rng.randint(1, len(self.held[w]))
@@ -76,7 +87,7 @@ class SimCoordinatorHarness:
             results = [{"group_id": gid, "version": v,
                         "completions": [{"token_ids": [5, 1], "logprobs": [-1.0, -0.5], "finish_reason": "stop"}]
                         * self.G} for gid, v in batch]
-            self.c._push({"worker_id": w, "results": results}, {})
+            self.c._push({"worker_id": w, "results": results}, ADMIN)
 
 
 @settings(max_examples=25, deadline=None)

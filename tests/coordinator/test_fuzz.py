@@ -1,11 +1,13 @@
 """Fuzzing the parsers that face the network: the coordinator's routes and the relay's frames.
 
-Whatever a peer sends, the answer is a clear error (HTTP 4xx / a refused frame), nothing crashes, and the
-books still balance. Hypothesis drives the real route handlers and the real relay server over TCP.
+Whatever a peer sends, on whichever route, with whichever credential (or none, or two), the answer is a clear error
+(HTTP 4xx / a refused frame), never a 500; nothing crashes, the coordinator's memory and registry stay bounded, and
+the books still balance. Hypothesis drives the real route handlers and the real relay server over TCP.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -16,7 +18,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import small_coordinator
+from conftest import balanced, small_coordinator
 from echo2.broadcast.manifest import make_manifest, signing_key, verify_key
 from echo2.broadcast.relay import Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
@@ -52,6 +54,66 @@ def test_coordinator_routes_never_crash(coord, route, body, raw):
     acc = coord.accounting()
     assert acc["dispatched"] == (acc["consumed"] + sum(acc["dropped"].values()) + sum(acc["lost"].values())
                                  + acc["in_flight"] + acc["buffered"])
+
+
+ROUTES = ["POST /register", "POST /pull", "POST /push", "POST /heartbeat", "POST /leave", "POST /release",
+          "POST /revoke", "POST /certificate", "POST /manifest-key", "GET /status", "GET /ca"]
+deep = st.integers(1, 5000).map(lambda n: "[" * n + "]" * n)  # past the recursion limit, and below it
+raw_bodies = st.one_of(bodies.map(lambda b: json.dumps(b).encode()), st.binary(max_size=64), deep.map(str.encode),
+                       st.just(b'{"worker_id": "w0", "results": [' + b'{}, ' * 2000 + b'{}]}'))  # past the push limit
+callers = st.sampled_from(["secret", "fuzz", "none", "junk+fuzz", "fuzz+secret"])
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+@pytest.fixture(scope="module")
+def every_route(tiny_model_dir):
+    c = small_coordinator(tiny_model_dir, group_size=G)
+    requests.post(c.url + "/register", json={}, headers={"Authorization": "Bearer secret"}, timeout=10)  # w0
+    yield c, rss_bytes()
+    assert balanced(c.close())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(ROUTES), data=raw_bodies, caller=callers)
+def test_no_body_on_any_route_from_any_caller_gives_a_500_or_unbalances_the_books(every_route, route, data, caller):
+    """Every route, any body (JSON of the routes' fields, bytes, nesting past the recursion limit, a push past its
+    limit), as the run secret, a worker credential, nobody, or with two Authorization headers: the answer is never a
+    500, the coordinator's memory stays within a bound, its registry within its caps, and the books balance."""
+    from echo2.credential import worker_credential
+
+    coord, rss0 = every_route
+    method, path = route.split()
+    creds = {"secret": ["secret"], "fuzz": [worker_credential("secret", "fuzz")], "none": [],
+             "junk+fuzz": ["junk", worker_credential("secret", "fuzz")],
+             "fuzz+secret": [worker_credential("secret", "fuzz"), "secret"]}[caller]
+    conn = http.client.HTTPConnection(*coord.server.address, timeout=30)
+    conn.putrequest(method, path)
+    for cred in creds:
+        conn.putheader("Authorization", f"Bearer {cred}")
+    if method == "POST":
+        conn.putheader("Content-Length", str(len(data)))
+    conn.endheaders(data if method == "POST" else None)
+    r = conn.getresponse()
+    body = r.read()
+    conn.close()
+    assert r.status in (200, 400, 401, 403, 404, 409, 411, 413, 429, 507), (r.status, body[:300])
+    assert r.status != 200 or isinstance(json.loads(body), dict)
+    if r.status >= 400:
+        assert "error" in json.loads(body)
+    if len(creds) > 1:
+        assert r.status == 400  # two credentials: refused, whatever they are
+    if caller == "none" and route != "GET /ca":
+        assert r.status == 401
+    acc = coord.accounting()
+    assert acc["dispatched"] == (acc["consumed"] + sum(acc["dropped"].values()) + sum(acc["lost"].values())
+                                 + acc["in_flight"] + acc["buffered"])
+    principal = coord.reg.principals.get("fuzz")
+    assert principal is None or len(principal.ids) <= 16
+    assert rss_bytes() - rss0 < 64 << 20
 
 
 @pytest.fixture(scope="module")

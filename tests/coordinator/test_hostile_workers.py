@@ -14,10 +14,11 @@ import pytest
 
 from conftest import balanced, small_coordinator, wait_until
 from echo2.settings import LivenessSettings
-from echo2.net.http import Client, RemoteError
+from echo2.net.http import BadRequest, Client, RemoteError
 from echo2.credential import worker_credential
 
 G = 2
+STRONG = "c2VjcmV0LWVub3VnaC1mb3ItYW4tZXhwb3NlZC1ydW4"  # an exposed coordinator refuses a weak run secret
 DONE = {"token_ids": [5, 1], "logprobs": [-1.0, -0.2], "finish_reason": "stop"}
 
 
@@ -47,16 +48,15 @@ def join(url, name=None, **declared):
     ("/register", {"usd_per_hour": -1}, "usd_per_hour"),
     ("/register", {"rtt_ms": "10"}, "rtt_ms"),
     ("/register", {"down_mbit": True}, "down_mbit"),
-    ("/register", {"engine": "x" * 10_000}, "engine"),
+    ("/register", {"engine": "x" * 1000}, "engine"),
     ("/register", {"max_model_len": 2.5}, "max_model_len"),
     ("/register", {"favourite_colour": "blue"}, "favourite_colour"),
     ("/register", {"model": {"name": "m", "digest": "d", "weights": "mine"}}, "model.weights"),
     ("/heartbeat", {"worker_id": "w0", "version": -1}, "version"),
     ("/pull", {"worker_id": "w0", "max_groups": 10 ** 9}, "max_groups"),
     ("/pull", {"worker_id": "w" * 1000}, "worker_id"),
-    ("/push", {"worker_id": "w0", "results": [{}] * 5000}, "results"),
+    ("/push", {"worker_id": "w0", "results": [{}] * 1100}, "results"),
     ("/push", {"worker_id": "w0", "results": [], "rollouts_per_s": -1.0}, "rollouts_per_s"),
-    ("/release", {"worker_id": "w0", "reason": "generate_failed", "group_ids": ["g1"] * 5000}, "group_ids"),
     ("/release", {"worker_id": "w0", "reason": "bored", "group_ids": []}, "reason"),
     ("/leave", {"worker_id": 7}, "worker_id"),
     ("/revoke", {"name": "a b"}, "name"),
@@ -69,6 +69,16 @@ def test_bad_declarations_are_refused_naming_the_field(coord, route, body, field
         client.post(route, body)
     assert "got" in str(e.value)  # the value it got, so that the sender sees what was wrong
     assert coord.status()["workers"] == ["w0"] and coord.ledger.next_worker == 1  # nothing half-done
+
+
+def test_a_body_past_its_routes_limit_is_refused_unread(coord):
+    """Every route's body limit is what its largest honest body can be (coordinator/bounds.py): a release naming more
+    groups than the in-flight cap holds is refused on its declared length (413) before its schema could see it."""
+    client = Client(coord.url, "secret")
+    client.post("/register", {})
+    with pytest.raises(RemoteError, match="HTTP 413: body of .* exceeds"):
+        client.post("/release", {"worker_id": "w0", "reason": "generate_failed", "group_ids": ["g1"] * 1100})
+    assert coord.server.rejected["TooLarge"] == 1 and coord.status()["workers"] == ["w0"]
 
 
 def test_nan_is_refused_where_a_number_belongs(coord):
@@ -101,7 +111,7 @@ def test_the_reaper_survives_a_failing_replan_and_still_retires_the_dead(coord, 
 class _BrokenScorer:
     """A scorer that fails outright (a bug on our side): the push gets a 500, its groups must still be booked."""
 
-    def score(self, group):
+    def score(self, group, principal=None):
         raise RuntimeError("scorer bug")
 
     score_many = score
@@ -130,11 +140,12 @@ def test_a_push_of_many_refused_results_writes_one_journal_line(tiny_model_dir, 
     try:
         client, wid = join(coord.url)
         lines = len((tmp_path / "rollouts.journal").read_text().splitlines())
-        bogus = [{"group_id": f"g{i}", "version": 0, "completions": []} for i in range(1000, 2000)]
+        # as many as fit in a push's body limit (coordinator/bounds.py: sized from the in-flight cap and G)
+        bogus = [{"group_id": f"g{i}", "version": 0, "completions": []} for i in range(1000, 1100)]
         reply = client.post("/push", {"worker_id": wid, "results": bogus})
-        assert len(reply["rejected"]) == 1000
+        assert len(reply["rejected"]) == 100
         assert len((tmp_path / "rollouts.journal").read_text().splitlines()) - lines <= 1
-        assert coord.accounting()["results_refused"] == {"not_in_flight_for_this_worker": 1000}
+        assert coord.accounting()["results_refused"] == {"not_in_flight_for_this_worker": 100}
     finally:
         coord.close()
 
@@ -285,9 +296,9 @@ def test_a_version_ordered_to_the_worker_but_not_proven_costs_it_no_strike(coord
 def test_a_worker_cannot_point_the_learner_host_anywhere(tiny_model_dir, tmp_path, declared, why):
     """The learner host POSTs the relay key to a worker's snapshot_url: with TLS on it must be https (verified against
     the run's CA), HOST:PORT only, and, off loopback, not the learner host itself or its provider's addresses."""
-    coord = small_coordinator(tiny_model_dir, host="0.0.0.0", tls_dir=str(tmp_path / "tls"))
+    coord = small_coordinator(tiny_model_dir, host="0.0.0.0", tls_dir=str(tmp_path / "tls"), token=STRONG)
     try:
-        client = Client(f"https://127.0.0.1:{coord.server.address[1]}", worker_credential("secret", "box"),
+        client = Client(f"https://127.0.0.1:{coord.server.address[1]}", worker_credential(STRONG, "box"),
                         ca_file=coord.gate.trust.ca_file, server_name="learner.echo2.invalid")
         with pytest.raises(RemoteError, match=f"400.*{why}"):
             client.post("/register", declared)
@@ -346,3 +357,39 @@ def test_capacity_refuses_a_zero_rate_by_name():
 
     with pytest.raises(ValueError, match="must be finite and > 0"):
         bcast_time_s("chain", 1e9, 1000.0, 2, 0.0, 100.0, 10.0)
+
+
+@pytest.mark.parametrize("host, client, refused", [
+    # the resolver's shorthands for loopback and the metadata address (they passed as host names)
+    ("127.1", "198.51.100.9", "not an address of another host"),
+    ("2130706433", "198.51.100.9", "not an address of another host"),
+    ("0x7f.1", "198.51.100.9", "not an address of another host"),
+    ("017700000001", "198.51.100.9", "not an address of another host"),
+    ("169.254.43518", "198.51.100.9", "not an address of another host"),
+    ("::ffff:127.0.0.1", "198.51.100.9", "not an address of another host"),
+    ("fe80::1", "198.51.100.9", "not an address of another host"),
+    ("1.2.3.4.5", "198.51.100.9", "neither an IP address nor a host name"),  # an all-numeric top label: no name
+    # private ranges: only for a worker that reaches the coordinator from a private network itself
+    ("10.0.0.7", "8.8.8.8", "private address"),
+    ("172.16.3.4", "8.8.8.8", "private address"),
+    ("192.168.1.20", "8.8.8.8", "private address"),
+    ("100.64.0.9", "8.8.8.8", "private address"),  # carrier-grade NAT's shared space
+    ("fd00::17", "8.8.8.8", "private address"),
+    ("10.0.0.7", "10.0.0.99", None),  # a cluster's worker names its cluster address
+    ("fd00::17", "fd00::99", None),
+    ("8.8.4.4", "8.8.8.8", None),
+    ("box17.example", "8.8.8.8", None),
+])
+def test_an_exposed_coordinator_reads_addresses_as_the_resolver_does(host, client, refused):
+    from echo2.coordinator.schemas import relay_address, snapshot_url
+
+    bracketed = f"[{host}]" if ":" in host else host
+    for check in (lambda: snapshot_url(f"https://{bracketed}:8702", tls=True, exposed=True, client=client),
+                  lambda: relay_address(f"{bracketed}:8703", exposed=True, client=client)):
+        if refused is None:
+            check()
+        else:
+            with pytest.raises(BadRequest, match=refused):
+                check()
+    if refused != "neither an IP address nor a host name":  # a loopback run's own workers may name anything else
+        assert snapshot_url(f"https://{bracketed}:8702", tls=True, exposed=False, client=client)

@@ -1,6 +1,8 @@
 """Rewards in processes of their own with a time limit: a reward that hangs, spins in C, raises or kills its process
 costs its group (dropped with the reason, counted), never the coordinator's liveness; and the coordinator's
-process keeps answering heartbeats while math-verify chews on \\boxed{10^{10^{7}}}."""
+process keeps answering heartbeats while math-verify chews on \\boxed{10^{10^{7}}}. The pool is shared fairly:
+a process goes back after every group, and a principal whose groups are slow to score goes behind the others;
+reward processes hold no run secret and bound their own memory and CPU. Every test here starts reward processes."""
 
 from __future__ import annotations
 
@@ -15,14 +17,37 @@ from conftest import FIXTURES, balanced
 from echo2.records import Completion, Rollout, RolloutGroup
 from echo2.tasks.base import Task
 
+pytestmark = pytest.mark.e2e  # reward processes are processes
 G = 2
 
 
-def slow(prompts, completions, **_):
+def slow(prompts, completions, log=None, **_):
     """A reward by the completion's text: 'sleep' sleeps, 'spin' computes in C (no signal interrupts it), 'raise'
-    raises, 'die' kills its process; anything else scores 1."""
+    raises, 'die' kills its process, 'slow' takes 0.5 s and scores 0 (math-verify on a crafted answer), 'secret'
+    scores whether the run secret is in its environment, 'memory' allocates 256 MiB, 'limits' scores whether its
+    address space and CPU are bounded; anything else scores 1. With a ``log`` column, each group's first text is
+    appended to that file as it starts."""
+    if log:
+        with open(log[0], "a") as f:
+            f.write(completions[0] + "\n")
     out = []
     for text in completions:
+        if text == "slow":
+            time.sleep(0.5 / len(completions))
+            out.append(0.0)
+            continue
+        if text == "secret":
+            out.append(float("ECHO2_TOKEN" in os.environ))
+            continue
+        if text == "memory":
+            out.append(float(len(bytearray(256 << 20))))
+            continue
+        if text == "limits":
+            import resource
+
+            out.append(float(all(resource.getrlimit(r)[0] != resource.RLIM_INFINITY
+                                 for r in (resource.RLIMIT_AS, resource.RLIMIT_CPU))))
+            continue
         if text == "sleep":
             time.sleep(60)
         elif text == "spin":
@@ -44,9 +69,9 @@ class SlowTask(Task):
         return [slow]
 
 
-def group(text: str, gid: str) -> RolloutGroup:
+def group(text: str, gid: str, log: str | None = None) -> RolloutGroup:
     rollouts = [Rollout([1], Completion([5], [-1.0], "stop"), 0, text=text) for _ in range(G)]
-    return RolloutGroup(row={"prompt": "p"}, rollouts=rollouts, group_id=gid)
+    return RolloutGroup(row={"prompt": "p", **({"log": log} if log else {})}, rollouts=rollouts, group_id=gid)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +94,57 @@ def test_a_bad_reward_costs_its_group_only(pool, text, reason):
     assert [r.reward for r in groups[0].rollouts + groups[2].rollouts] == [1.0] * 2 * G
     assert pool.score_many([group("ok", "g3")]) == [None]  # the pool goes on
     assert pool.counts[reason] >= 1
+
+
+def test_honest_groups_do_not_wait_behind_one_principals_slow_pushes(tmp_path):
+    """Two pushes of 4 groups each that are slow to score (0.5 s each, then scored 0: math-verify on a crafted
+    answer), from one principal, on a pool of 2 processes; then an honest push of one group. A push used to keep its
+    process until all its groups were scored, so the honest group waited for all 8; now a process goes back after each
+    group and takes the fairest next one: the honest group is scored as soon as a process frees up. Judged by the
+    order the groups started in (the reward logs each), not by a clock."""
+    from echo2.coordinator.reward_pool import RewardPool
+
+    order = tmp_path / "order.log"
+    pool = RewardPool(SlowTask(), tokenizer=None, processes=2, timeout_s=30)
+    try:
+        assert pool.score_many([group("ok", "warm")]) == [None]  # both processes up before the race
+        slow_pushes = [threading.Thread(target=pool.score_many, args=(
+            [group("slow", f"x{k}{i}", str(order)) for i in range(4)],), kwargs={"principal": "x"}) for k in range(2)]
+        for t in slow_pushes:
+            t.start()
+        deadline = time.monotonic() + 60
+        while (not order.exists() or len(order.read_text().split()) < 2) and time.monotonic() < deadline:
+            time.sleep(0.01)  # both processes hold one of x's groups
+        assert pool.score_many([group("honest", "y0", str(order))], principal="y") == [None]
+        for t in slow_pushes:
+            t.join(timeout=60)
+        started = order.read_text().split()
+        assert len(started) == 9 and started.index("honest") <= 3, started  # not behind x's other 6
+        assert pool.fair.charge("x", time.monotonic()) > pool.fair.charge("y", time.monotonic())
+    finally:
+        pool.close()
+
+
+def test_reward_processes_hold_no_secret_and_bound_themselves(monkeypatch):
+    """The run secret (exported on the learner host to mint credentials) does not reach a process that parses
+    strangers' text; its address space is capped (an allocation past it fails: reward_error, the process lives on),
+    and a group that spins in C past its CPU limit ends the process at once (reward_crashed), not at the wall-clock
+    timeout."""
+    from echo2.coordinator.reward_pool import RewardPool
+
+    monkeypatch.setenv("ECHO2_TOKEN", "the-run-secret")
+    pool = RewardPool(SlowTask(), tokenizer=None, processes=1, timeout_s=60, memory_mb=64, cpu_s=1)
+    try:
+        groups = [group("secret", "g0"), group("limits", "g1"), group("memory", "g2")]
+        assert pool.score_many(groups) == [None, None, "reward_error"]
+        assert [r.reward for r in groups[0].rollouts] == [0.0] * G  # no ECHO2_TOKEN in its environment
+        assert [r.reward for r in groups[1].rollouts] == [1.0] * G  # RLIMIT_AS and RLIMIT_CPU set
+        t0 = time.monotonic()
+        assert pool.score_many([group("spin", "g3")]) == ["reward_crashed"]  # SIGXCPU after ~1 s of CPU
+        assert time.monotonic() - t0 < 30  # long before the 60 s timeout (generous: a loaded machine)
+        assert pool.score_many([group("ok", "g4")]) == [None]
+    finally:
+        pool.close()
 
 
 class CharTokenizer:

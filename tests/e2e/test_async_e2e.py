@@ -33,7 +33,7 @@ def test_activation_turns_off_a_worker_that_does_not_pay_and_costs_add_up(tmp_pa
     once it has measured both (2 workers cannot be faster than the learner's own step here), re-plans at least
     once, and the cost/ metrics accrue. activation.on_change (the cloud stop/start hook) is told which one."""
     hook = tmp_path / "hook.sh"  # one file per call: calls run in the background and may overlap
-    hook.write_text('printf "%s|%s|%s" "$ECHO2_ACTIVE" "$ECHO2_DEACTIVATED" "$ECHO2_WORKERS_JSON" '
+    hook.write_text('printf "%s|%s|%s" "$ECHO2_ACTIVE" "$ECHO2_DEACTIVATED" "$(cat "$ECHO2_WORKERS_FILE")" '
                     '> "$ECHO2_RUN_DIR/change.$ECHO2_REPLAN"\n')  # it runs from where train.py was started
     _, _, source, acc, records = train(tmp_path, [
         "pool.engine=hf", "run.steps=60", "pool.usd_per_hour=[0.05,5.0]", "activation.solver=exact",
@@ -48,8 +48,8 @@ def test_activation_turns_off_a_worker_that_does_not_pay_and_costs_add_up(tmp_pa
     def changes():  # re-plan number -> (active, deactivated, workers), for the calls that have finished writing
         out = {}
         for f in tmp_path.glob("change.*"):
-            active, off, workers = f.read_text().split("|", 2)
-            out[int(f.suffix[1:])] = (active, off, json.loads(workers))
+            active, off, told = f.read_text().split("|", 2)
+            out[int(f.suffix[1:])] = (active, off, json.loads(told)["workers"])
         return out
 
     # the call that switched the dear worker off (hooks run in the background)

@@ -1,7 +1,9 @@
 """benchmarks/soak.py --hostile, short: a real learner (TLS on, rollout checks every 5 steps) with one honest hf
-worker, then one client of each hostile kind at once (benchmarks/hostile.py). The run finishes, the learner keeps
-stepping, every kind gets the answer it should, nothing forged is trained on, the books balance, and no process is
-left behind. The 10-minute version with vLLM workers: `python benchmarks/soak.py --hostile` (its docstring)."""
+worker, then one client of each hostile kind at once (benchmarks/hostile.py and hostile_wire.py: two credentials in
+one request, bodies and trickles on GET /ca from other addresses, groups slow to score, register/leave churn among
+them). The run finishes, the learner keeps stepping, every kind gets the answer it should, nothing forged is trained
+on, the coordinator's memory stays within its goal of the calm phase's, the books balance, and no process is left
+behind. The 10-minute version with vLLM workers: `python benchmarks/soak.py --hostile` (its docstring)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ SHORT = ["--minutes", "0.8", "--calm-minutes", "0.25", "--window-s", "10", "--en
 def test_a_short_hostile_soak_keeps_the_run_going_and_trains_on_nothing_forged(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "benchmarks/soak.py", "--hostile", *SHORT, "--out", str(out), "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.stdout.strip(), proc.stderr[-4000:]
     r = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert r["finished"] and r["learner_rc"] == 0, (r["learner_rc"], proc.stderr[-2000:])
@@ -44,3 +46,4 @@ def test_a_short_hostile_soak_keeps_the_run_going_and_trains_on_nothing_forged(t
     windows = r["pace"]["windows"]
     assert windows and min(w["steps"] for w in windows) > 0, r["pace"]
     assert r["honest"]["honest0"]["snapshots"]["hostile"] > 0, r["honest"]  # the victim still took its snapshots
+    assert r["coordinator_memory"]["within_goal"], r["coordinator_memory"]

@@ -148,22 +148,23 @@ def test_a_body_that_stalls_midway_is_dropped(serve):
 
 
 def test_silent_tls_connections_count_against_the_cap_and_are_dropped(serve, tmp_path):
-    """TCP connections to a TLS port that never send a ClientHello hold a slot of the cap (counted from accept,
-    not from the end of a handshake), so a flood of them cannot hold file descriptors unseen; past the cap one is
-    cut at once; each is dropped after the header timeout, and the slots are free again."""
+    """TCP connections to a TLS port that never send a ClientHello hold a slot (counted from accept, not from the end
+    of a handshake), so a flood of them cannot hold file descriptors unseen. They are anonymous: at most half the cap
+    (Limits.anonymous_share), and when that is full a newcomer cuts the oldest of them rather than being refused. The
+    authenticated connection is never cut; each silent one is dropped after the header timeout."""
     ca = RunCA(str(tmp_path / "ca"))
     server = serve(limits=Limits(header_timeout_s=1.0, max_connections=4), tls=ca.trust().server)
     client = Client(server.url(), TOKEN, ca_file=ca.ca_file, server_name=LEARNER_NAME)
-    assert client.post("/echo", {"n": 1}) == {"n": 1}  # the pinned client's connection: slot 1
-    silent = [socket.create_connection(server.address) for _ in range(3)]
+    assert client.post("/echo", {"n": 1}) == {"n": 1}  # the pinned client's connection: authenticated
+    silent = [socket.create_connection(server.address) for _ in range(3)]  # the third cuts the first
     time.sleep(0.3)
-    over = socket.create_connection(server.address)
-    assert closed_by_server(over, 0.5)
-    assert server.rejected["TooManyConnections"] == 1
+    over = socket.create_connection(server.address)  # cuts the second
+    assert closed_by_server(silent[0], 0.5) and closed_by_server(silent[1], 0.5)
+    assert server.rejected["AnonymousCut"] == 2 and not server.rejected["TooManyConnections"]
     assert client.post("/echo", {"n": 2}) == {"n": 2}  # admitted: its kept-alive connection goes on
-    assert all(closed_by_server(s, 3) for s in silent)
+    assert closed_by_server(silent[2], 3) and closed_by_server(over, 3)
     # counted once the aborted handshake's error reaches the server's task, which may be just after the close
-    wait_until(lambda: server.rejected["HandshakeTimeout"] == 3, timeout_s=2, what="3 handshake timeouts counted")
+    wait_until(lambda: server.rejected["HandshakeTimeout"] == 2, timeout_s=2, what="2 handshake timeouts counted")
     fresh = Client(server.url(), TOKEN, ca_file=ca.ca_file, server_name=LEARNER_NAME)
     assert fresh.post("/echo", {"n": 3}) == {"n": 3}
     client.close()
@@ -171,13 +172,13 @@ def test_silent_tls_connections_count_against_the_cap_and_are_dropped(serve, tmp
 
 
 def test_connections_beyond_the_cap_are_refused_and_admitted_ones_go_on(serve):
+    """Only when every slot holds an authenticated connection is a newcomer refused (503), and the admitted ones
+    go on."""
     server = serve(limits=Limits(max_connections=8))
-    admitted = [http.client.HTTPConnection(*server.address, timeout=2) for _ in range(3)]
+    admitted = [http.client.HTTPConnection(*server.address, timeout=2) for _ in range(8)]
     for c in admitted:
         c.request("POST", "/echo", body=b'{"n": 1}', headers={"Authorization": f"Bearer {TOKEN}"})
         assert c.getresponse().read() == b'{"n": 1}'
-    holders = [socket.create_connection(server.address) for _ in range(5)]  # the cap's other 5, silent
-    time.sleep(0.3)
     extra = socket.create_connection(server.address)
     status, body = status_of(extra)
     assert status == 503 and "too many" in json.loads(body)["error"]
@@ -187,8 +188,8 @@ def test_connections_beyond_the_cap_are_refused_and_admitted_ones_go_on(serve):
         c.request("POST", "/echo", body=b'{"n": 2}', headers={"Authorization": f"Bearer {TOKEN}"})
         assert c.getresponse().read() == b'{"n": 2}' and c.sock is sock
     assert server.rejected["TooManyConnections"] >= 1
-    for s in holders + [extra]:
-        s.close()
+    for c in admitted:
+        c.close()
     time.sleep(0.3)
     honest(server)  # slots free again
 
@@ -289,3 +290,143 @@ def test_close_ends_kept_alive_connections_and_leaks_no_thread_or_socket(tmp_pat
         time.sleep(0.05)
     assert threading.active_count() == threads
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+# ---------------------------------------------------------------------- one credential, no body where none belongs
+
+
+def from_address(server: JsonServer, host: str, timeout_s: float = 5.0) -> socket.socket:
+    """A connection from another loopback address: a client on another host, as the server sees it."""
+    return socket.create_connection(server.address, timeout=timeout_s, source_address=(host, 0))
+
+
+def test_two_authorization_headers_are_refused_before_the_body(serve):
+    """A request carries one credential: one read here and another there (the admission check took the last, the
+    route the first) let a worker credential pass for the run secret. Two are refused (400) whichever is first,
+    before a byte of the body is read, and the route sees only the identity admission established."""
+    seen = []
+    server = serve(routes={**ROUTES, "POST /id": lambda _b, h: seen.append(h.identity) or {"ok": True}},
+                   authorize=lambda route, cred: {"t0k": "secret", "w": "worker"}.get(cred) or _refuse_cred())
+    for first, second in (("junk", TOKEN), (TOKEN, "junk"), (TOKEN, "w"), ("w", TOKEN)):
+        sock = socket.create_connection(server.address)
+        sock.sendall(b"POST /id HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nAuthorization: Bearer %s\r\n"
+                     b"Content-Length: 100000\r\n\r\n" % (first.encode(), second.encode()))
+        status, body = status_of(sock)
+        assert status == 400 and "Authorization" in json.loads(body)["error"], (first, second, body)
+        assert closed_by_server(sock, 2)
+    assert seen == [] and server.rejected["BadRequest"] == 4
+    r = requests.post(server.url() + "/id", json={}, headers={"Authorization": "Bearer w"}, timeout=5)
+    assert r.status_code == 200 and seen == ["worker"]
+
+
+def _refuse_cred():
+    from echo2.net.http import Unauthorized
+
+    raise Unauthorized("wrong token")
+
+
+@pytest.mark.parametrize("head", [b"GET /ca HTTP/1.1\r\nHost: x\r\nContent-Length: 16777216\r\n\r\n",
+                                  b"GET /ca HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+                                  b"POST /ca HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n",
+                                  b"GET /who HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 50000\r\n\r\n"])
+def test_a_public_route_or_a_get_takes_no_body(serve, head):
+    """GET /ca is open to anyone (a joining worker fetches the run's CA): a body there was read (up to 64 MiB) and
+    parsed before the route ran. A public route, and any GET, with a declared or chunked body is refused on its
+    headers: the answer comes without a byte of the body sent (a server that read it would still be waiting)."""
+    server = serve(routes={**ROUTES, "GET /ca": lambda _b, _h: {"ca": "pem"}, "POST /ca": lambda _b, _h: {}},
+                   public=frozenset({"GET /ca", "POST /ca"}))
+    sock = socket.create_connection(server.address)
+    sock.sendall(head)
+    status, body = status_of(sock)
+    assert status == 400 and "takes no body" in json.loads(body)["error"]
+    assert closed_by_server(sock, 2)
+    assert requests.get(server.url() + "/ca", timeout=5).json() == {"ca": "pem"}  # without a body: served
+
+
+def test_a_trickled_body_cannot_push_its_deadline_out(serve):
+    """A byte every 0.3 s never leaves the body silent for body_timeout_s (1 s), which used to keep the connection
+    (and its slot) for as long as the trickle went on. Each byte now buys only 1/min_body_rate s: the body falls
+    behind the minimum rate and is dropped about body_timeout_s after it began."""
+    server = serve(limits=Limits(body_timeout_s=1.0, min_body_rate_bytes_per_s=1000.0))
+    sock = socket.create_connection(server.address)
+    sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 1000\r\n\r\n{")
+    t0, dropped = time.monotonic(), False
+    while time.monotonic() - t0 < 6:
+        time.sleep(0.3)
+        try:
+            sock.sendall(b" ")
+        except OSError:
+            dropped = True
+            break
+        if closed_by_server(sock, 0.01):
+            dropped = True
+            break
+    assert dropped and time.monotonic() - t0 < 4, time.monotonic() - t0
+    assert server.rejected["BodyTimeout"] == 1
+    honest(server)
+
+
+def test_one_address_cannot_hold_the_slots_others_need(serve):
+    """An outsider at one address holds anonymous connections (half-sent headers, renewed as they are dropped): it
+    gets max_anonymous_per_address of them, and a client at another address is served all along. With a global cap
+    only, it took the whole cap and every honest request got 503."""
+    server = serve(limits=Limits(max_connections=8, max_anonymous_per_address=3, header_timeout_s=2.0))
+    held = []
+    for _ in range(10):
+        s = from_address(server, "127.0.0.2")
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nAuthoriz")
+        held.append(s)
+    time.sleep(0.3)
+    assert sum(closed_by_server(s, 0.2) for s in held) == 7  # 3 kept, 7 refused at once
+    assert server.rejected["TooManyFromAddress"] == 7
+    for _ in range(3):  # another host: served, over a fresh connection each time
+        c = http.client.HTTPConnection(*server.address, timeout=2, source_address=("127.0.0.3", 0))
+        c.request("POST", "/echo", body=b'{"n": 1}', headers={"Authorization": f"Bearer {TOKEN}"})
+        assert c.getresponse().status == 200
+        c.close()
+
+
+def test_an_anonymous_connection_is_not_kept_idle(serve):
+    """After an answer to a public route, a connection that never authenticated is closed after header_timeout_s,
+    not kept for keep_alive_s: an outsider holds no idle slot with GET /ca."""
+    server = serve(routes={**ROUTES, "GET /ca": lambda _b, _h: {"ca": "pem"}}, public=frozenset({"GET /ca"}),
+                   limits=Limits(header_timeout_s=0.5, keep_alive_s=30.0))
+    anonymous = http.client.HTTPConnection(*server.address, timeout=2)
+    anonymous.request("GET", "/ca")
+    assert anonymous.getresponse().read() == b'{"ca": "pem"}'
+    worker = http.client.HTTPConnection(*server.address, timeout=2)
+    worker.request("POST", "/echo", body=b'{"n": 1}', headers={"Authorization": f"Bearer {TOKEN}"})
+    worker.getresponse().read()
+    assert closed_by_server(anonymous.sock, 2)
+    assert not closed_by_server(worker.sock, 1.0)  # authenticated: kept alive
+
+
+def test_one_credential_holds_its_share_of_connections(serve):
+    """Authenticated connections are counted per credential (an identity's ``connection_key``): past
+    max_connections_per_principal the request is refused (503) and its connection closed; others are not affected."""
+    from types import SimpleNamespace
+
+    server = serve(limits=Limits(max_connections_per_principal=2),
+                   authorize=lambda _r, cred: SimpleNamespace(connection_key=cred or None))
+
+    def post(cred: str) -> int:
+        c = http.client.HTTPConnection(*server.address, timeout=2)
+        c.request("POST", "/echo", body=b'{"n": 1}', headers={"Authorization": f"Bearer {cred}"})
+        conns.append(c)
+        return c.getresponse().status
+
+    conns: list = []
+    assert [post("box17") for _ in range(3)] == [200, 200, 503]
+    assert post("other") == 200
+    assert server.rejected["Unavailable"] == 1
+    conns[0].close()
+    time.sleep(0.2)
+    assert post("box17") == 200
+
+
+def test_json_nested_past_the_recursion_limit_is_a_400(serve):
+    server = serve()
+    r = requests.post(server.url() + "/echo", data=b"[" * 100_000 + b"]" * 100_000,
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]
+    honest(server)

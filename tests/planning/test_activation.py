@@ -215,7 +215,7 @@ def test_a_tree_relay_with_fanout_3_is_planned_with_fanout_3(tiny_model_dir):
     assert shape == BroadcastShape(topology="tree", fanout=3, interval=1)
     task, tok = ArithTask(level="copy", train_size=20), AutoTokenizer.from_pretrained(tiny_model_dir)
     coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, CoordinatorSettings(
-        token="t", staleness=2, prompts_per_step=2, group_size=2, vocab_size=len(tok), sampling={},
+        token="t", staleness=2, prompts_per_step=2, group_size=2, vocab_size=len(tok), sampling={"max_tokens": 2},
         activation=OmegaConf.to_object(cfg.activation), broadcast_shape=shape))  # not started: only its planner is used
     planner = coord.activation
     system = planner.system(snapshot_bytes=8e9)

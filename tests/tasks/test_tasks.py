@@ -61,3 +61,18 @@ def test_gsm8k_fixture_loads_and_rewards_with_math_verify():
 def test_gsm8k_missing_fixture_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="train.jsonl"):
         Gsm8kTask(data_dir=str(tmp_path)).train_dataset()
+
+
+def test_a_crafted_gsm8k_answer_costs_a_reward_process_about_a_second():
+    """math-verify spends its whole limit on ``\\boxed{10^{10^{9}}}`` and then scores it 0: that limit is what one
+    stranger's completion costs a reward process (where it applies: a main thread, as in the reward pool). At
+    math-verify's default of 5 s a group of 8 such completions held a process for 40 s; it is 1 s per call now."""
+    import time
+
+    from echo2.tasks.gsm8k import VERIFY_TIMEOUT_S, verify_answer
+
+    assert VERIFY_TIMEOUT_S <= 1
+    t0 = time.monotonic()
+    assert verify_answer("The answer is \\boxed{10^{10^{9}}}", "72") is False
+    assert time.monotonic() - t0 < 2 * VERIFY_TIMEOUT_S + 2  # parse and compare, each cut at the limit
+    assert verify_answer("so it is \\boxed{72}", "72") is True

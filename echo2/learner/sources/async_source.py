@@ -91,7 +91,9 @@ class AsyncRolloutSource:
                  check_every_steps: int = 0, check_max_abs_log_ratio: float = CheckSettings.max_abs_log_ratio,
                  check_evidence_nats: float = CheckSettings.evidence_nats,
                  reward_processes: int = CoordinatorSettings.reward_processes,
-                 reward_timeout_s: float = CoordinatorSettings.reward_timeout_s):
+                 reward_timeout_s: float = CoordinatorSettings.reward_timeout_s,
+                 reward_memory_mb: int = CoordinatorSettings.reward_memory_mb,
+                 reward_cpu_s: float = CoordinatorSettings.reward_cpu_s):
         """``parts``: the run's parts (seams.RunParts): the ``task`` and ``tokenizer`` the coordinator scores with,
         the ``sampling`` workers use, the ``model_path`` and ``token`` they join with, the ``broadcaster``'s config
         (built in the coordinator's process), the worker ``pool``, the planner's ``activation`` settings and
@@ -131,6 +133,7 @@ class AsyncRolloutSource:
             liveness=detached(LivenessSettings, liveness),
             checks=CheckSettings(max_abs_log_ratio=check_max_abs_log_ratio, evidence_nats=check_evidence_nats),
             broadcaster=broadcaster, reward_processes=reward_processes, reward_timeout_s=reward_timeout_s,
+            reward_memory_mb=reward_memory_mb, reward_cpu_s=reward_cpu_s,
             max_steps=parts.max_steps,
             episode=task.episode_spec().as_dict() if task.episode_spec() is not None else None,
             # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
