@@ -89,7 +89,8 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
                                is_bounds=(cfg.rollout.is_min, cfg.rollout.is_max),
                                icepop_bounds=(cfg.rollout.icepop_min, cfg.rollout.icepop_max),
                                m2_threshold=cfg.rollout.m2_threshold,
-                               seq_bounds=(cfg.rollout.seq_min, cfg.rollout.seq_max))
+                               seq_bounds=(cfg.rollout.seq_min, cfg.rollout.seq_max),
+                               max_log_ratio=cfg.rollout.max_log_ratio)
     log.info("learner %s on %d process(es): %s, %s, weights %s%s", type(trainer).__name__, world_size,
              trainer.backend(), trainer.accelerator.device, next(trainer.model.parameters()).dtype,
              ", bf16 compute with fp32 master weights" if trainer.args.bf16 else "")

@@ -179,6 +179,7 @@ class RolloutConfig:
     m2_threshold: float = 0.04
     seq_min: float = 0.5
     seq_max: float = 2.0
+    max_log_ratio: float = 5.0
 
 
 @dataclass
@@ -406,6 +407,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     for lo, hi in (("is_min", "is_max"), ("icepop_min", "icepop_max"), ("seq_min", "seq_max")):
         if not 0 <= r[lo] <= 1 <= r[hi]:  # a ratio of 1 (on-policy) must always be kept
             errors.append(f"rollout.{lo}={r[lo]}, {hi}={r[hi]}: need 0 <= {lo} <= 1 <= {hi}")
+    if not r.max_log_ratio > 0:
+        errors.append(f"rollout.max_log_ratio={r.max_log_ratio}: must be > 0 (nats)")
     if r.m2_threshold <= 0:
         errors.append(f"rollout.m2_threshold={r.m2_threshold}: must be > 0 (nats², the batch's mean (log w)²)")
     if r.temperature <= 0:
