@@ -102,11 +102,10 @@ class SnapshotReceiver:
         except BadSnapshot as e:
             raise Unauthorized(str(e)) from None
 
-    def _take(self, route: str, body: dict, headers: dict) -> str | None:
+    def _take(self, route: str, body: dict, headers) -> str | None:
         """Take the order ``body`` (checked against its credential); returns its epoch. The newest order of all
         sets the relay key and the epoch; an older one (it crossed a newer on the way) must be of that epoch."""
-        auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
-        seq, digest = self._credential(auth.removeprefix("Bearer "))
+        seq, digest = self._credential(_one_credential(headers))
         if digest != order_digest(body):
             raise Unauthorized("the order's body is not the one its credential signs")
         key, epoch = body.get("key"), body.get("epoch")
@@ -194,6 +193,16 @@ class SnapshotReceiver:
         self.control.close()
         self.relay_server.close()
         self.fetcher.close()
+
+
+def _one_credential(headers) -> str:
+    """The credential of a request's one ``Authorization`` header. A request with two is refused: the server judged
+    one of them before the body was read, and the order must be checked against that one, not the other."""
+    values = headers.getlist("authorization") if hasattr(headers, "getlist") else [
+        v for k, v in headers.items() if k.lower() == "authorization"]
+    if len(values) != 1:
+        raise Unauthorized(f"{len(values)} Authorization headers: an order carries exactly one")
+    return values[0].removeprefix("Bearer ")
 
 
 def _addresses(sources) -> bool:
