@@ -63,6 +63,7 @@ from echo2.broadcast.manifest import (FULL, MAX_SOURCES, make_manifest, manifest
                                       order_credential, possession_proof, signing_key)
 from echo2.broadcast.relay import MAX_CONNS, SUSPECT_S, RelayServer
 from echo2.broadcast.store import Snapshot, Store
+from echo2.coordinator.order_seq import OrderSequence
 from echo2.metrics import (BROADCAST_BYTES, BROADCAST_DELTA_RATIO, BROADCAST_FAILURES, BROADCAST_LATE,
                            BROADCAST_ORIGIN_BYTES, BROADCAST_PREPARE_S, BROADCAST_REFUSED, BROADCAST_ROUNDS,
                            BROADCAST_STRIPES, BROADCAST_TIME_S)
@@ -127,7 +128,9 @@ class RelayBroadcaster:
     def __init__(self, secret: str, topology: str = "auto", fanout: int = topo.FANOUT, chunk_mb: float = 4.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, timeout_s: float = 600.0,
                  retry_s: float = 5.0, sparse_delta: bool = True, link: Any = None,
-                 deadline_floor_s: float = DEADLINE_FLOOR_S, deadline_slack: float = DEADLINE_SLACK):
+                 deadline_floor_s: float = DEADLINE_FLOOR_S, deadline_slack: float = DEADLINE_SLACK,
+                 state_dir: str | None = None):
+        """``state_dir``: where the order sequence's high-water mark is kept (the run directory; order_seq.py)."""
         if topology not in topo.KINDS:
             raise ValueError(f"broadcast.sender.topology={topology!r}: expected one of {topo.KINDS}")
         # the manifest- and order-signing key that only the learner holds (derived from the run secret, which never
@@ -152,7 +155,7 @@ class RelayBroadcaster:
         self.published_at: dict[int, float] = {}
         self.cond = threading.Condition()
         self.closed = False
-        self.seq = 0  # of the last order signed
+        self.seqs = OrderSequence(state_dir)  # the orders' numbers (order_seq.py)
         self.last_time_s = 0.0
         self.last_bytes = 0
         self.last_prepare_s = 0.0
@@ -251,11 +254,9 @@ class RelayBroadcaster:
     # ------------------------------------------------------------------ orders
 
     def _credential(self, url: str, body: dict, full_digest: str | None = None) -> str:
-        """The learner's signature on ``body`` for the peer at ``url``. Holds the lock. Sequence numbers are
-        microseconds of wall-clock time (at least one more than the last): a restarted coordinator's orders are
-        newer than its predecessor's."""
-        self.seq = max(time.time_ns() // 1000, self.seq + 1)
-        return order_credential(self.signer, url, self.seq, body, full_digest)
+        """The learner's signature on ``body`` for the peer at ``url``. Holds the lock. Sequence numbers increase
+        across restarts and clock steps (order_seq.py)."""
+        return order_credential(self.signer, url, self.seqs.next(), body, full_digest)
 
     def _send_key(self, peer_id: str) -> None:
         with self.cond:

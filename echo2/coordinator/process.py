@@ -36,7 +36,10 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
     task, tokenizer, settings = spec["task"], spec["tokenizer"], spec["settings"]
     # reward functions in processes of their own
     rewards = RewardPool(task, tokenizer, processes=settings.reward_processes, timeout_s=settings.reward_timeout_s)
-    broadcaster = instantiate(settings.broadcaster, secret=settings.token) if settings.broadcaster else None
+    # the run directory keeps the orders' sequence (broadcaster.py, order_seq.py), beside the journal
+    state_dir = os.path.dirname(settings.journal) if settings.journal else None
+    broadcaster = (instantiate(settings.broadcaster, secret=settings.token, state_dir=state_dir)
+                   if settings.broadcaster else None)
     coordinator = Coordinator(task.train_dataset(), rewards, tokenizer, settings, broadcaster).start()
     _exit_with_parent()
     conn.send(("ok", coordinator.url))
