@@ -109,7 +109,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     stop = callbacks.StopOnSignal(trainer)
     evaluation = callbacks.Evaluation(trainer, evaluator, cfg.run.eval_every_steps, sink.previous if sink else [])
     step_log = callbacks.StepLog(trainer, sink, evaluation, stop)
-    for callback in (callbacks.SourceVersions(trainer), stop, evaluation, step_log):
+    for callback in (callbacks.SourceVersions(trainer, cfg.run.keep_checkpoints), stop, evaluation, step_log):
         trainer.add_callback(callback)
     if cfg.run.progress:
         trainer.add_callback(callbacks.ProgressBar(step_log))
