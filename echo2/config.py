@@ -77,7 +77,8 @@ def _config_type(hint: Any) -> Any:
 AsyncSourceConfig = schema_of(AsyncRolloutSource)
 SyncSourceConfig = schema_of(SyncRolloutSource)
 LaggedSourceConfig = schema_of(LaggedRolloutSource)
-RelayBroadcasterConfig = schema_of(RelayBroadcaster, skip=("link",))  # link: the lab's in-process link emulation
+RelayBroadcasterConfig = schema_of(RelayBroadcaster, skip=("link", "state_dir"))  # link: the lab's link emulation;
+# state_dir: the run directory, wired by the coordinator process
 SOURCE_SCHEMAS = {"async_schema": AsyncSourceConfig, "sync_schema": SyncSourceConfig,
                   "lagged_schema": LaggedSourceConfig}
 SENDER_SCHEMAS = {"relay_schema": RelayBroadcasterConfig}
