@@ -56,6 +56,8 @@ ROLLOUT_DEADLINE_MISSES = "rollout/deadline_misses"  # misses for groups past th
 ROLLOUT_INVALID_STRIKES = "rollout/invalid_strikes"  # misses for invalid pushes
 ROLLOUT_REAPER_ERRORS = "rollout/reaper_errors"  # errors in the coordinator's reaper loop
 ROLLOUT_JOURNAL_ERRORS = "rollout/journal_errors"  # failed writes to the rollout journal
+# journal lines a recovery skipped (past its checkpoint's fsynced part, not whole: a machine crash), cumulative
+ROLLOUT_JOURNAL_DAMAGED_LINES = "rollout/journal_damaged_lines"
 ROLLOUT_REWARD_PROCESS_RESTARTS = "rollout/reward_process_restarts"  # reward processes replaced
 ROLLOUT_COORDINATOR_RESTARTS = "rollout/coordinator_restarts"  # coordinator processes restarted by the learner
 ROLLOUT_GENERATE_S = "rollout/generate_s"  # sync source: time the step spent generating, s

@@ -47,9 +47,10 @@ from echo2.activation.planner import OnlinePlanner
 from echo2.metrics import (BROADCAST_BYTES, BUFFER_DROPPED_STALE, BUFFER_GROUPS, BUFFER_IN_FLIGHT_GROUPS,
                            ROLLOUT_BENCHED_WORKERS, ROLLOUT_CHECK_ABS_LOG_RATIO_PREFIX, ROLLOUT_CHECK_LOG_RATIO_PREFIX,
                            ROLLOUT_DEADLINE_MISSES, ROLLOUT_DISPATCHED, ROLLOUT_DROPPED, ROLLOUT_DROPPED_UNTRUSTED,
-                           ROLLOUT_FLAGGED_WORKERS, ROLLOUT_INVALID_STRIKES, ROLLOUT_JOURNAL_ERRORS, ROLLOUT_LOST,
-                           ROLLOUT_LOST_DEADLINE, ROLLOUT_REAPER_ERRORS, ROLLOUT_RECEIVED, ROLLOUT_REFUSED_RESULTS,
-                           ROLLOUT_REJECTED_REQUESTS, ROLLOUT_THROUGHPUT_PREFIX, ROLLOUT_WORKERS)
+                           ROLLOUT_FLAGGED_WORKERS, ROLLOUT_INVALID_STRIKES, ROLLOUT_JOURNAL_DAMAGED_LINES,
+                           ROLLOUT_JOURNAL_ERRORS, ROLLOUT_LOST, ROLLOUT_LOST_DEADLINE, ROLLOUT_REAPER_ERRORS,
+                           ROLLOUT_RECEIVED, ROLLOUT_REFUSED_RESULTS, ROLLOUT_REJECTED_REQUESTS, ROLLOUT_THROUGHPUT_PREFIX,
+                           ROLLOUT_WORKERS)
 from echo2.models.identity import mismatch
 from echo2.settings import CoordinatorSettings
 from echo2.coordinator import intake, schemas
@@ -534,6 +535,7 @@ class Coordinator:
                    ROLLOUT_INVALID_STRIKES: float(self.reg.invalid_strikes),
                    ROLLOUT_REAPER_ERRORS: float(self.reaper_errors),
                    ROLLOUT_JOURNAL_ERRORS: float(led.journal_errors),
+                   ROLLOUT_JOURNAL_DAMAGED_LINES: float(led.damaged_lines),
                    ROLLOUT_BENCHED_WORKERS: float(sum(self.reg.benched(w) for w in self.workers.values()))}
             for w in self.workers.values():
                 out[f"{ROLLOUT_THROUGHPUT_PREFIX}{w.worker_id}"] = w.rollouts_per_s
