@@ -128,3 +128,29 @@ def test_bound_log_ratio_counts_real_tokens_only():
     out, n = bound_log_ratio(learner, behaviour, 5.0, mask)
     assert n.item() == 2  # the padding is bounded too (its ratio must be finite) but not counted
     assert torch.equal(out, torch.tensor([[-5.0, 0.0, -5.0], [-5.0, -5.0, 0.0]]))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_under_zero2_every_rank_skips_a_step_one_rank_made_non_finite(tmp_path):
+    """Two ZeRO-2 processes: a forged logprob on rank 0 leaves every weight finite, and a NaN gradient on rank 0
+    alone is skipped on both ranks (a non-finite gradient norm is global), counted by the learner on each."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(29000 + os.getpid() % 900), str(ROOT / "tests" / "scripts" / "zero2_finite_step.py"),
+                          str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        assert result["backend"] == "deepspeed-zero2"
+        assert result["step1_finite"] and result["step1_moved"], result
+        assert result["step2_unchanged"] and result["step2_finite"], result
+        assert [r[TRAIN_SKIPPED_STEPS] for r in result["records"]] == [0.0, 1.0], result
+        assert result["records"][0][ROLLOUT_BOUNDED_TOKENS] == 1.0, result
