@@ -93,7 +93,8 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
                                is_bounds=(cfg.rollout.is_min, cfg.rollout.is_max),
                                icepop_bounds=(cfg.rollout.icepop_min, cfg.rollout.icepop_max),
                                m2_threshold=cfg.rollout.m2_threshold,
-                               seq_bounds=(cfg.rollout.seq_min, cfg.rollout.seq_max))
+                               seq_bounds=(cfg.rollout.seq_min, cfg.rollout.seq_max),
+                               max_log_ratio=cfg.rollout.max_log_ratio)
     log.info("learner %s on %d process(es): %s, %s, weights %s%s%s", type(trainer).__name__, world_size,
              trainer.backend(), trainer.accelerator.device, next(trainer.model.parameters()).dtype,
              ", bf16 compute with fp32 master weights" if trainer.args.bf16 else "", trainer.describe_adapter())
@@ -112,7 +113,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     stop = callbacks.StopOnSignal(trainer)
     evaluation = callbacks.Evaluation(trainer, evaluator, cfg.run.eval_every_steps, sink.previous if sink else [])
     step_log = callbacks.StepLog(trainer, sink, evaluation, stop)
-    for callback in (callbacks.SourceVersions(trainer), stop, evaluation, step_log):
+    for callback in (callbacks.SourceVersions(trainer, cfg.run.keep_checkpoints), stop, evaluation, step_log):
         trainer.add_callback(callback)
     if cfg.run.progress:
         trainer.add_callback(callbacks.ProgressBar(step_log))

@@ -103,7 +103,8 @@ TASK_SCHEMAS = {"arith_schema": ArithTaskConfig, "kuhn_schema": KuhnTaskConfig, 
 AsyncSourceConfig = schema_of(AsyncRolloutSource)
 SyncSourceConfig = schema_of(SyncRolloutSource)
 LaggedSourceConfig = schema_of(LaggedRolloutSource)
-RelayBroadcasterConfig = schema_of(RelayBroadcaster, skip=("link",))  # link: the lab's in-process link emulation
+RelayBroadcasterConfig = schema_of(RelayBroadcaster, skip=("link", "state_dir"))  # link: the lab's link emulation;
+# state_dir: the run directory, wired by the coordinator process
 SOURCE_SCHEMAS = {"async_schema": AsyncSourceConfig, "sync_schema": SyncSourceConfig,
                   "lagged_schema": LaggedSourceConfig}
 SENDER_SCHEMAS = {"relay_schema": RelayBroadcasterConfig}
@@ -167,6 +168,7 @@ class RolloutConfig:
     m2_threshold: float = 0.04
     seq_min: float = 0.5
     seq_max: float = 2.0
+    max_log_ratio: float = 5.0
 
 
 @dataclass
@@ -461,6 +463,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     for lo, hi in (("is_min", "is_max"), ("icepop_min", "icepop_max"), ("seq_min", "seq_max")):
         if not 0 <= r[lo] <= 1 <= r[hi]:  # a ratio of 1 (on-policy) must always be kept
             errors.append(f"rollout.{lo}={r[lo]}, {hi}={r[hi]}: need 0 <= {lo} <= 1 <= {hi}")
+    if not r.max_log_ratio > 0:
+        errors.append(f"rollout.max_log_ratio={r.max_log_ratio}: must be > 0 (nats)")
     if r.m2_threshold <= 0:
         errors.append(f"rollout.m2_threshold={r.m2_threshold}: must be > 0 (nats², the batch's mean (log w)²)")
     if r.temperature <= 0:

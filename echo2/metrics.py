@@ -29,6 +29,7 @@ TRAIN_LEARNER_IDLE_S = "train/learner_idle_s"  # time the step spent obtaining i
 TRAIN_LEARNER_UTILIZATION = "train/learner_utilization"  # 1 - idle / wall since the first batch, 0 to 1
 TRAIN_PUBLISH_S = "train/publish_s"  # time the previous step spent publishing its snapshot (rank 0), s
 TRAIN_LR_STALENESS_FACTOR = "train/lr_staleness_factor"  # factor the step's rate was scaled by (0 to 1)
+TRAIN_SKIPPED_STEPS = "train/skipped_steps"  # steps whose loss or gradient was not finite: not applied, cumulative
 
 # --------------------------------------------------------------------------------------------------- reward/
 # Over every rollout of the step's batch (all processes).
@@ -59,6 +60,8 @@ ROLLOUT_INVALID_STRIKES = "rollout/invalid_strikes"  # misses for invalid pushes
 ROLLOUT_REAPER_ERRORS = "rollout/reaper_errors"  # errors in the coordinator's reaper loop
 ROLLOUT_JOURNAL_ERRORS = "rollout/journal_errors"  # failed writes to the rollout journal
 ROLLOUT_REVOCATIONS_UNWRITTEN = "rollout/revocations_unwritten"  # revocations in effect not written down (disk full)
+# journal lines a recovery skipped (past its checkpoint's fsynced part, not whole: a machine crash), cumulative
+ROLLOUT_JOURNAL_DAMAGED_LINES = "rollout/journal_damaged_lines"
 ROLLOUT_REWARD_PROCESS_RESTARTS = "rollout/reward_process_restarts"  # reward processes replaced
 ROLLOUT_COORDINATOR_RESTARTS = "rollout/coordinator_restarts"  # coordinator processes restarted by the learner
 ROLLOUT_GENERATE_S = "rollout/generate_s"  # sync source: time the step spent generating, s
@@ -83,6 +86,8 @@ ROLLOUT_IS_WEIGHT_MEAN = "rollout/is_weight_mean"  # mean weight after the corre
 ROLLOUT_IS_FRAC_MASKED = "rollout/is_frac_masked"  # share of tokens dropped (weight 0)
 ROLLOUT_IS_FRAC_TRUNCATED = "rollout/is_frac_truncated"  # share of tokens given a lower, non-zero weight
 ROLLOUT_IS_FRAC_CORRECTED = "rollout/is_frac_corrected"  # share of tokens dropped or truncated
+# Behaviour logprobs more than rollout.max_log_ratio nats from the learner's (or NaN): clamped, tokens, cumulative
+ROLLOUT_BOUNDED_TOKENS = "rollout/bounded_tokens"
 
 # --------------------------------------------------------------------------------------------------- buffer/
 BUFFER_GROUPS = "buffer/groups"  # groups scored and waiting for the learner, now

@@ -22,7 +22,9 @@ The relay key (``new_relay_key``) is random, made by the learner's broadcaster, 
 its orders and replaced when a worker credential is revoked: a request for bytes carries ``request_mac`` under
 it, and the answer ``serve_proof``, so a revoked worker can neither pull from a peer nor pass for a source. A
 worker answering an order proves it holds the snapshot (``possession_proof`` over a slice the learner picks at
-random), so it cannot claim one it never fetched to look fast.
+random), so it cannot claim one it never fetched to look fast. Each order also carries a ticket
+(``relay_ticket``): the learner's signature that this worker may fetch this version, which its sources check
+before they give it a connection slot that lasts (broadcast/relay_slots.py).
 """
 
 from __future__ import annotations
@@ -153,6 +155,33 @@ def possession_proof(challenge: str, blob: bytes | memoryview) -> str:
     mv = memoryview(blob)
     start = int(challenge, 16) % max(1, len(mv) - POSSESSION_SPAN_BYTES + 1)
     return hashlib.sha256(challenge.encode() + mv[start:start + POSSESSION_SPAN_BYTES]).hexdigest()
+
+
+# ---------------------------------------------------------------------- relay tickets
+
+
+def relay_ticket(signer: Ed25519PrivateKey, holder: str, version: int, base: int, lanes: int) -> str:
+    """The learner's word, in an order, that ``holder`` may fetch ``version`` (``base``) over ``lanes`` connections
+    per source: shown with each request for its bytes, it earns a lasting connection slot at the source
+    (broadcast/relay_slots.py). ``holder.version.base.lanes.signature``."""
+    body = {"ticket": holder, "version": version, "base": base, "lanes": lanes}
+    return f"{holder}.{version}.{base}.{lanes}.{signer.sign(_canonical(body)).hex()}"
+
+
+@functools.lru_cache(maxsize=4096)
+def check_ticket(key: str | None, ticket: str) -> tuple[str, int, int, int]:
+    """(holder, version, base, lanes) of a ticket the learner (public key ``key``) signed; else BadSnapshot.
+    Cached: a fetcher shows the same ticket with every request of its fetch."""
+    try:
+        holder, version, base, lanes, sig = ticket.rsplit(".", 4)
+        version, base, lanes = int(version), int(base), int(lanes)
+        body = {"ticket": holder, "version": version, "base": base, "lanes": lanes}
+        if not key:
+            raise ValueError("no key")
+        _public(key).verify(bytes.fromhex(sig), _canonical(body))
+    except (InvalidSignature, ValueError, TypeError):
+        raise BadSnapshot("not a ticket of this run's learner") from None
+    return holder, version, base, lanes
 
 
 # ---------------------------------------------------------------------- the learner's orders

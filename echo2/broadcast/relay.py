@@ -29,10 +29,12 @@ Keys. A request carries a MAC under the relay key (manifest.request_mac) and the
 neither pull nor pass for a source. The key is replaced while nodes run (``use_key``): a request under a key this
 node has yet to receive waits up to ``key_wait_s`` for it; one under a replaced key is refused at once.
 
-Hostile or broken connections. The server accepts at most ``max_conns`` connections; a connection must complete
-its TLS handshake and a valid request within ``request_timeout_s`` (each request frame too, once its first byte
-is in), after which it may idle ``idle_timeout_s`` until the next; a child that stops reading for
-``stall_timeout_s`` is dropped. The fetcher gives a source ``connect_timeout_s`` to accept and ``answer_timeout_s``
+Hostile or broken connections. The server holds at most ``max_conns`` connections, given out by broadcast/relay_slots.py:
+a connection must complete its TLS handshake and a valid request within ``request_timeout_s`` (each request frame
+too, once its first byte is in); only one whose request showed the learner's ticket for a version held here
+(``Fetcher.fetch(ticket=)``, from the order) may then idle ``idle_timeout_s`` until the next and is never evicted
+for a newcomer, others are evicted oldest first when the server is full; a connection answered with an error is
+dropped; a child that stops reading for ``stall_timeout_s`` is dropped. The fetcher gives a source ``connect_timeout_s`` to accept and ``answer_timeout_s``
 to answer (its manifest, or a frame saying it still waits for it).
 
 Transport. Off loopback both ends speak TLS (echo2/net/http.py): the server presents a certificate from the run's
@@ -54,9 +56,10 @@ import time
 from typing import Any
 
 from echo2.broadcast.framing import PIECE_BYTES, drain, recv_exact, recv_frame, send_frame, tcp_rtt_s
-from echo2.broadcast.manifest import (FULL, BadSnapshot, key_id, request_mac, serve_proof,
-                                      verify_manifest)
+from echo2.broadcast.manifest import FULL, BadSnapshot, key_id, request_mac, serve_proof, verify_manifest
+from echo2.broadcast.relay_slots import PER_ADDRESS, Slots, ticket_of
 from echo2.broadcast.store import Snapshot, Store
+from echo2.broadcast.suspects import SUSPECT_S, Suspects  # noqa: F401  (SUSPECT_S: the broadcaster's too)
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +73,9 @@ REQUEST_TIMEOUT_S = 10.0
 its first byte is in (a request is ~300 bytes): a silent or half-open connection holds a slot this long at most."""
 
 IDLE_TIMEOUT_S = 900.0
-"""A connection that made a valid request may idle this long before its next: a fetcher keeps its connection to
-each source from one snapshot to the next (κ learner steps apart), which spares a handshake and TCP's slow start."""
+"""A connection whose last request showed a ticket (relay_slots.py) may idle this long before its next: a fetcher keeps
+its connection to each source from one snapshot to the next (κ learner steps apart), which spares a handshake and
+TCP's slow start. Any other gets REQUEST_TIMEOUT_S."""
 
 KEY_WAIT_S = 2.0
 """How long a request under a relay key this node has not received yet waits for it: the learner hands a new key
@@ -93,11 +97,6 @@ often (a third of ANSWER_TIMEOUT_S)."""
 
 CONNECT_TIMEOUT_S = 3.0
 """TCP and TLS handshakes with a source: a host that does not accept within this is skipped (two SYN retries)."""
-
-SUSPECT_S = 120.0
-"""How long a source that failed a fetch (dead, silent, refusing, too slow, or serving bad bytes) is tried after the
-others, the origin included: a relay that accepts connections and never answers otherwise cost its successor the
-answer timeout on every version, and every round waited for that successor."""
 
 SLOW_GRACE_S = 2.0
 """Time a source gets after its first byte before its rate is judged against the fetch's deadline (TCP's slow
@@ -132,19 +131,24 @@ class RelayServer:
     def __init__(self, store: Store, token: str | None, host: str = "127.0.0.1", port: int = 0, link: Any = None,
                  manifest_wait_s: float = 30.0, stall_timeout_s: float = 30.0, tls: Any = None,
                  max_conns: int = MAX_CONNS, request_timeout_s: float = REQUEST_TIMEOUT_S,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, key_wait_s: float = KEY_WAIT_S):
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, key_wait_s: float = KEY_WAIT_S,
+                 ticket_key: str | None = None, per_address: int = PER_ADDRESS):
         """``token``: the relay key (None: none yet, every request waits for one). ``tls``: an ``ssl.SSLContext``
-        to serve with (None: plain TCP). ``link``: the lab's emulated link. The rest: the module's constants."""
+        to serve with (None: plain TCP). ``link``: the lab's emulated link. ``ticket_key``: the learner's public key,
+        which tickets are checked against (None: none is, and no connection earns a lasting slot). The rest: the
+        module's constants and relay_slots.py's."""
         self.store, self.link, self.tls = store, link, tls
         self.token, self.past_keys = token, set()  # ids of the keys this node held before ``token``
         self.key_cond = threading.Condition()
         self.manifest_wait_s, self.stall_timeout_s = manifest_wait_s, stall_timeout_s
-        self.max_conns, self.request_timeout_s, self.idle_timeout_s = max_conns, request_timeout_s, idle_timeout_s
-        self.key_wait_s = key_wait_s
+        self.request_timeout_s, self.idle_timeout_s = request_timeout_s, idle_timeout_s
+        self.key_wait_s, self.ticket_key = key_wait_s, ticket_key
+        self.slots = Slots(max_conns, per_address)
         self.sock = socket.create_server((host, port))
         self.addr = self.sock.getsockname()[:2]
         self.closed = False
         self.conns: set[socket.socket] = set()
+        self.sockets: dict[socket.socket, socket.socket] = {}  # accepted socket -> the one served (after TLS)
         self.conns_lock = threading.Lock()
         self.served_bytes = 0
         self.refused = 0  # requests refused (malformed frames, wrong key) and connections over the cap: a metric
@@ -168,47 +172,59 @@ class RelayServer:
     def _accept(self) -> None:
         while not self.closed:
             try:
-                conn, _ = self.sock.accept()
+                conn, peer = self.sock.accept()
             except OSError:
                 return
             with self.conns_lock:
-                full = len(self.conns) >= self.max_conns
-                if not full:
+                held = self.store.versions()
+                admitted, evicted = self.slots.admit(conn, peer[0], time.monotonic(), lambda v: v not in held)
+                if admitted:
                     self.conns.add(conn)
-            if full:
+                victims = [self.sockets.get(v, v) for v in evicted]
+            for victim in victims:  # its thread sees the connection end, and frees what it held
                 self.refused += 1
-                self._log_refusal(f"a connection: {self.max_conns} open, the cap")
+                _shut(victim)
+            if not admitted:
+                self.refused += 1
+                self._log_refusal(f"a connection from {peer[0]}: {self.slots.max_conns} open, none evictable, or its "
+                                  "address's share of unticketed ones taken")
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="relay-serve", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        plain, trusted = conn, False
+        plain = conn
         try:
             conn.settimeout(self.request_timeout_s)  # the TLS handshake, then the first request
             conn = self._open(conn)
             with self.conns_lock:
+                if plain not in self.slots.slots:  # evicted during its handshake
+                    return
                 self.conns.discard(plain)
                 self.conns.add(conn)
+                self.sockets[plain] = conn
             while not self.closed:
-                # a node that made a valid request may keep its connection for the next snapshot; any other has
-                # request_timeout_s to make one
-                conn.settimeout(self.idle_timeout_s if trusted else self.request_timeout_s)
+                # a node whose request showed its ticket may keep its connection for the next snapshot; any other
+                # has request_timeout_s to make one
+                with self.conns_lock:
+                    ticketed = self.slots.is_ticketed(plain)
+                conn.settimeout(self.idle_timeout_s if ticketed else self.request_timeout_s)
                 try:
                     req = recv_frame(conn, MAX_REQUEST_BYTES, within_s=self.request_timeout_s)
                 except ConnectionError as e:
                     if str(e) != "connection closed":  # garbage, not a peer hanging up: say so, count it
                         self._refuse(conn, str(e))
                     return
-                self._answer(conn, req)
-                trusted = True
+                self._answer(conn, req, plain)
         except (OSError, ConnectionError):
-            pass  # silent past its time, or the requester went away mid-answer; its fetch will move on
+            pass  # silent past its time, answered with an error, or the requester went away mid-answer
         finally:
             with self.conns_lock:
                 self.conns.discard(plain)
                 self.conns.discard(conn)
+                self.sockets.pop(plain, None)
+                self.slots.release(plain)
             conn.close()
 
     def _open(self, conn: socket.socket) -> socket.socket:
@@ -217,19 +233,22 @@ class RelayServer:
             conn = self.tls.wrap_socket(conn, server_side=True)
         return self.link.serve(conn) if self.link is not None else conn
 
-    def _answer(self, conn: socket.socket, req: dict) -> None:
+    def _answer(self, conn: socket.socket, req: dict, plain: socket.socket) -> None:
+        """Serve one request; raises (the connection is dropped) after refusing it or answering it with an
+        error."""
         v, base, start, end = req.get("version"), req.get("base"), req.get("start"), req.get("end")
         token = self._authentic(req) if all(type(x) is int for x in (v, base, start, end)) else None
         if token is None:
             self._refuse(conn, "unauthenticated or malformed request (no relay key, or a replaced one)")
             raise ConnectionError("refused a request")
+        self._ticket(conn, req, plain)
         conn.settimeout(self.stall_timeout_s)  # from here on it sends: a requester that stops reading is dropped
         snap = self._manifest_of(conn, v, base)
         if snap is not None and end == -1:  # "to the end": the requester may not know the size yet
             end = snap.size
         if snap is None or not 0 <= start <= end <= snap.size:
             send_frame(conn, {"error": f"v{v} [{start}, {end}) not held here"})
-            return
+            raise ConnectionError("answered with an error")
         send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(token, req["mac"])})
         pos, mv = start, memoryview(snap.buf)
         while pos < end:
@@ -240,6 +259,16 @@ class RelayServer:
             self.served_bytes += hi - pos  # counted as handed to the socket (before, so a reader never lags)
             conn.sendall(mv[pos:hi])
             pos = hi
+
+    def _ticket(self, conn: socket.socket, req: dict, plain: socket.socket) -> None:
+        """The request's ticket earns its connection a lasting slot; none leaves it evictable (relay_slots.py)."""
+        try:
+            ticket = ticket_of(self.ticket_key, req)
+        except ValueError as e:
+            self._refuse(conn, str(e))
+            raise ConnectionError("refused a request") from None
+        with self.conns_lock:
+            self.slots.ticketed(plain, *ticket) if ticket else self.slots.unticketed(plain)
 
     def _authentic(self, req: dict) -> str | None:
         """The relay key the request's MAC verifies under, waiting up to ``key_wait_s`` if it names a key this
@@ -290,18 +319,20 @@ class RelayServer:
 
     def close(self) -> None:
         self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _shut(self.sock)
         self.sock.close()
         with self.conns_lock:
             conns = list(self.conns)
         for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(c)
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a connection another thread may be blocked on (it then sees the end and cleans up)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 # ---------------------------------------------------------------------- fetching
@@ -323,28 +354,34 @@ class Fetcher:
         self.stall_timeout_s, self.connect_timeout_s = stall_timeout_s, connect_timeout_s
         self.answer_timeout_s, self.manifest_wait_s = answer_timeout_s, manifest_wait_s
         self.conns: dict[tuple[tuple[str, int], int], socket.socket] = {}  # (source, lane) -> connection
-        self.suspect: dict[tuple[str, int], float] = {}  # source -> until when it is tried after the others
-        self.failed_lock = threading.Lock()  # suspect and last_failed, which every lane of a fetch updates
+        self.suspects = Suspects()  # the sources tried last, and what the last fetch's failed sources did
         self.lock = threading.Lock()  # one fetch at a time per node
         self.made = threading.Lock()  # one lane makes a fetch's buffer; its siblings take that one
         self.gen_lock = threading.Lock()
         self.generation = 0  # bumped by each fetch: a running one that sees it change stops (Superseded)
         self.last_rtt_s: float | None = None  # TCP's smoothed RTT to the source of the last fetch (diagnostics)
-        self.last_failed: list[tuple[str, int]] = []  # the sources that failed the last fetch (told to the learner)
+        self.ticket: str | None = None  # the running fetch's (its order's), shown with each request
+
+    @property
+    def last_failed(self) -> list[tuple[str, int]]:
+        """The sources that failed the last fetch (told to the learner, with ``suspects.evidence``)."""
+        return self.suspects.last_failed
 
     def fetch(self, version: int, sources: list[tuple[str, int]], base: int = FULL, epoch: str | None = None,
-              deadline_s: float | None = None, stripes: list[Lane] | None = None) -> Snapshot:
+              deadline_s: float | None = None, stripes: list[Lane] | None = None,
+              ticket: str | None = None) -> Snapshot:
         """Fetch ``version`` (or its delta against ``base``) of learner epoch ``epoch`` completely and verified,
         trying ``sources`` in order; raises if none can serve it. With ``stripes`` ([(lo, hi, sources)], byte ranges
         tiling the snapshot: topology.plan_stripes), each range is pulled at once from its own sources, in a thread
         of its own, and ``sources`` serve only repairs. With ``deadline_s``, a source (but a list's last) whose rate
         would finish its range past that many seconds from now is left for the next. A fetch started meanwhile on
         this node supersedes this one (it raises Superseded, keeping what arrived, from which the newer one
-        resumes)."""
+        resumes). ``ticket``: the order's (manifest.relay_ticket), shown to every source."""
         with self.gen_lock:
             self.generation += 1
             gen = self.generation
         with self.lock:
+            self.ticket = ticket
             deadline = None if deadline_s is None else time.monotonic() + deadline_s
             snap = self._held(version, base, epoch, gen)
             if snap is not None and snap.complete:
@@ -356,7 +393,7 @@ class Fetcher:
                 # spans from the origin only, which holds all of it (this order's parents were planned for other
                 # byte ranges, and one of them may be waiting for this node's own bytes)
                 lanes = [(lo, hi, list(sources[-1:])) for lo, hi, _ in snap.spans]
-            self.last_failed = []
+            self.suspects.new_fetch()
             errors = self._lanes(lanes, version, base, epoch, gen, deadline)
             snap = self.store.get(version, base=base)
             unexpected = [e for e in errors if not isinstance(e, (OSError, BadSnapshot))]
@@ -368,7 +405,7 @@ class Fetcher:
                     self._fail(snap)
                 tried = len({src for _, _, srcs in lanes for src in srcs})
                 raise ConnectionError(f"v{version}: no source could serve it ({tried} tried)")
-            self._repair(snap, self._ranked(sources[::-1]))  # origin first, those that failed last
+            self._repair(snap, self.suspects.ranked(sources[::-1]))  # origin first, those that failed last
             with snap.cond:
                 snap.complete = True
                 snap.cond.notify_all()
@@ -414,7 +451,7 @@ class Fetcher:
               deadline: float | None, bounds: list[tuple[int, int]] | None, stop: threading.Event) -> None:
         """Fill span ``j`` from ``sources`` in order (those that failed lately last), moving on (and resuming at the
         byte held) when one fails."""
-        for src in self._ranked(sources):
+        for src in self.suspects.ranked(sources):
             snap = self.store.get(version, base=base)
             if snap is not None and snap.spans[j][2] >= snap.spans[j][1]:
                 return
@@ -432,25 +469,15 @@ class Fetcher:
                 self._drop((src, j))
                 if stop.is_set():  # a sibling lane failed and shut this one's connection: not this source's fault
                     raise Stopped(f"v{version}: another stripe failed") from None
-                with self.failed_lock:
-                    self.suspect[src] = time.monotonic() + SUSPECT_S
-                    if src not in self.last_failed:
-                        self.last_failed.append(src)
                 snap = self.store.get(version, base=base)  # what arrived is kept: resume from there
+                why = ("slow" if isinstance(e, SlowSource) else "silent" if isinstance(e, socket.timeout)
+                       else "bad_answer" if isinstance(e, BadSnapshot) else "failed")
+                self.suspects.failed(src, {"why": why, "at": snap.spans[j][2] if snap else 0})
                 log.warning("v%d%s from %s:%d failed at byte %s: %s; next source", version,
                             f" stripe {j}" if bounds else "", *src, snap.spans[j][2] if snap else 0, e)
         snap = self.store.get(version, base=base)
         if snap is None or snap.spans[j][2] < snap.spans[j][1]:
             raise ConnectionError(f"v{version}: no source could serve {f'stripe {j}' if bounds else 'it'}")
-
-    def _ranked(self, sources: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        """``sources`` with those that failed a fetch within SUSPECT_S moved after the others, otherwise in the order
-        given (the last one given, the origin, still gets no deadline wherever it lands)."""
-        now = time.monotonic()
-        with self.failed_lock:
-            self.suspect = {src: until for src, until in self.suspect.items() if until > now}
-            suspect = set(self.suspect)
-        return [s for s in sources if s not in suspect] + [s for s in sources if s in suspect]
 
     def _held(self, version: int, base: int, epoch: str | None, gen: int) -> Snapshot | None:
         """What this node holds of (version, base) already, if it is of ``epoch`` (else it is dropped)."""
@@ -491,8 +518,8 @@ class Fetcher:
                 raise ConnectionError("no relay key yet (the learner's first order brings it)")
             mac = request_mac(token, version, base, start, end)
             try:
-                send_frame(conn, {"version": version, "base": base, "start": start, "end": end, "key": key_id(token),
-                                  "mac": mac})
+                frame = {"version": version, "base": base, "start": start, "end": end, "key": key_id(token), "mac": mac}
+                send_frame(conn, {**frame, "ticket": self.ticket} if self.ticket else frame)
                 reply = self._reply(conn, deadline)
                 break
             except socket.timeout:
@@ -524,6 +551,18 @@ class Fetcher:
                 raise SlowSource("still waiting for its own manifest, past this fetch's deadline")
         return reply
 
+    def read(self, src: tuple[str, int], version: int, base: int, start: int, end: int, epoch: str | None,
+             ticket: str | None = None) -> bytes:
+        """Bytes [start, end) of (version, base) from ``src`` alone, on a connection of their own, dropped after
+        (the learner's check of a relay a peer blames: blame.py)."""
+        key = (src, -1)
+        self.ticket = ticket
+        try:
+            conn, _ = self._request(key, version, base, start, end, epoch)
+            return recv_exact(conn, end - start)
+        finally:
+            self._drop(key)
+
     def _snapshot(self, manifest: dict, bounds: list[tuple[int, int]] | None) -> Snapshot:
         """The buffer for ``manifest``'s snapshot: the one a sibling lane made already, or a new one laid out in
         ``bounds`` (the order's stripes, which must tile it)."""
@@ -550,7 +589,7 @@ class Fetcher:
         if manifest["root"] != snap.manifest["root"]:
             raise BadSnapshot(f"v{version} from {src}: a different snapshot than the one being received")
         mv, span, cb = memoryview(snap.buf), snap.spans[j], snap.chunk_bytes
-        first_at, got = None, 0  # from this source: its rate, judged against the deadline
+        first_at, got, began = None, 0, span[2]  # from this source: its rate, judged against the deadline
         while span[2] < span[1]:
             if gen != self.generation:
                 raise Superseded(f"v{version}: a newer fetch took over at byte {span[2]}")
@@ -567,6 +606,8 @@ class Fetcher:
             if (pos + n) // cb > pos // cb or pos + n == span[1]:  # crossed a chunk boundary, or the span's end
                 for bad in snap.check_chunks():
                     log.warning("v%d chunk %d from %s:%d failed its digest; will re-fetch", version, bad, *src)
+                    if began <= bad * cb and min((bad + 1) * cb, snap.size) <= pos + n:  # all of it from src
+                        self.suspects.bad_chunk(src, bad, gen)
             now, got = time.monotonic(), got + n
             first_at = first_at or now
             if (deadline is not None and now - first_at >= SLOW_GRACE_S

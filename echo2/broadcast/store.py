@@ -198,6 +198,11 @@ class Store:
     def _may_arrive(self, version: int, base: int = FULL) -> bool:
         return (version, base) not in self.abandoned and (not self.snaps or version >= max(self.snaps)[0])
 
+    def versions(self) -> set[int]:
+        """The versions held here or being fetched."""
+        with self.cond:
+            return {v for v, _ in self.snaps} | {v for v, _ in self.expected}
+
     def newest_complete(self) -> Snapshot | None:
         with self.cond:
             done = [s for s in self.snaps.values() if s.complete and s.key[1] == FULL]

@@ -4,8 +4,8 @@
     publish(v, bytes) ─► (its thread) signed manifest; sparse delta against v' if smaller (broadcast/delta.py)
                       ─► round: plan (broadcast/topology.py) over the idle peers lacking v: those holding v' get the
                          delta, the rest the full snapshot, each group along its own layout (chain, tree, stripes)
-                      ─► POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge} to each, in
-                         parallel, each signed for that peer alone (manifest.order_credential)
+                      ─► POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge, ticket} to
+                         each, in parallel, each signed for that peer alone (manifest.order_credential)
                       ◄─ each answers once it holds v, verified (a delta is applied, then checked against the full
                          snapshot's signed chunk digests), with a proof that it does (manifest.possession_proof)
                       └─ on_delivered(peer, v)  (the coordinator wakes it)
@@ -34,8 +34,11 @@ peer does not hold up its successors.
 Who goes where. Peers are ordered by the rates measured here and the RTT of their quickest answer to a key order
 (broadcast/topology.py), never by what a peer reports of itself; a new or failed peer has no rate and goes last, where it
 has no successor in a chain and none but leaves below it in a tree. So does, for a while (relay.SUSPECT_S), a peer
-whose relay a successor says failed it (a peer may only blame the sources its order named): one that fetches well
-but never serves would otherwise keep its place, and cost each new successor a timeout. In stripes (``auto`` at
+whose relay a successor says failed it, once the learner has checked the claim by asking that relay itself
+(coordinator/blame.py: only sources the order named, a chunk that really is bad there, a relay that really does
+not answer): one that fetches well but never serves, or serves bad chunks, would otherwise keep its place (its
+children then fetch everything from the origin, one-to-many in disguise), and one that lies about its sources
+would push honest peers back. In stripes (``auto`` at
 large N or RTT), every stripe has its own tree and each peer is an inner node of one of them: an order names per
 stripe its byte range and its ancestors in that stripe's tree, then the holders and the origin, and the peer pulls
 all stripes at once.
@@ -60,9 +63,11 @@ from typing import Any
 from echo2.broadcast import delta
 from echo2.broadcast import topology as topo
 from echo2.broadcast.manifest import (FULL, MAX_SOURCES, make_manifest, manifest_digest, new_relay_key,
-                                      order_credential, possession_proof, signing_key)
-from echo2.broadcast.relay import MAX_CONNS, SUSPECT_S, RelayServer
+                                      order_credential, possession_proof, relay_ticket, signing_key, verify_key)
+from echo2.broadcast.relay import MAX_CONNS, SUSPECT_S, Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
+from echo2.coordinator import blame
+from echo2.coordinator.order_seq import OrderSequence
 from echo2.metrics import (BROADCAST_BYTES, BROADCAST_DELTA_RATIO, BROADCAST_FAILURES, BROADCAST_LATE,
                            BROADCAST_ORIGIN_BYTES, BROADCAST_PREPARE_S, BROADCAST_REFUSED, BROADCAST_ROUNDS,
                            BROADCAST_STRIPES, BROADCAST_TIME_S)
@@ -127,7 +132,9 @@ class RelayBroadcaster:
     def __init__(self, secret: str, topology: str = "auto", fanout: int = topo.FANOUT, chunk_mb: float = 4.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, timeout_s: float = 600.0,
                  retry_s: float = 5.0, sparse_delta: bool = True, link: Any = None,
-                 deadline_floor_s: float = DEADLINE_FLOOR_S, deadline_slack: float = DEADLINE_SLACK):
+                 deadline_floor_s: float = DEADLINE_FLOOR_S, deadline_slack: float = DEADLINE_SLACK,
+                 state_dir: str | None = None):
+        """``state_dir``: where the order sequence's high-water mark is kept (the run directory; order_seq.py)."""
         if topology not in topo.KINDS:
             raise ValueError(f"broadcast.sender.topology={topology!r}: expected one of {topo.KINDS}")
         # the manifest- and order-signing key that only the learner holds (derived from the run secret, which never
@@ -141,7 +148,9 @@ class RelayBroadcaster:
         self.on_delivered = None  # set by the coordinator: called (peer, version) after each delivery
         self.on_ordered = None  # set by the coordinator: called (peer, version) before each order is sent
         self.store = Store(keep=2)
-        self.server = RelayServer(self.store, self.token, host, port, link=link).start()  # link: the lab's, for tests
+        self.public_key = verify_key(secret)  # what peers check manifests, orders and tickets against
+        self.server = RelayServer(self.store, self.token, host, port, link=link,  # link: the lab's, for tests
+                                  ticket_key=self.public_key).start()
         # Bound to every interface (0.0.0.0), it is reached at this machine's name unless told otherwise.
         self.origin = (advertise_host or reachable_host(self.server.addr[0]), self.server.addr[1])
         self.peers: dict[str, Peer] = {}
@@ -152,7 +161,7 @@ class RelayBroadcaster:
         self.published_at: dict[int, float] = {}
         self.cond = threading.Condition()
         self.closed = False
-        self.seq = 0  # of the last order signed
+        self.seqs = OrderSequence(state_dir)  # the orders' numbers (order_seq.py)
         self.last_time_s = 0.0
         self.last_bytes = 0
         self.last_prepare_s = 0.0
@@ -163,7 +172,9 @@ class RelayBroadcaster:
         self.rounds = 0
         self.last_results: dict[str, dict] = {}  # peer -> its answer in the last round (diagnostics, benchmarks)
         self.trust = None  # set by use_tls
+        self.probed: set[tuple] = set()  # (relay, version, base) whose blame was checked (once a version)
         self.keys = ThreadPoolExecutor(max_workers=16, thread_name_prefix="broadcast-key")  # key orders
+        self.checks = ThreadPoolExecutor(max_workers=4, thread_name_prefix="broadcast-blame")  # blame.py's probes
         self.thread = threading.Thread(target=self._loop, name="broadcast", daemon=True)
         self.thread.start()
 
@@ -207,7 +218,7 @@ class RelayBroadcaster:
         with self.cond:
             client = Client(url, "", self.timeout_s, ca_file=self.trust and self.trust.ca_file, server_name=PEER_NAME)
             self.peers[peer_id] = Peer(client, url.rstrip("/"), (host, int(port)))  # its orders name it so
-            self.server.max_conns = max(MAX_CONNS, 2 * len(self.peers))  # one_to_many: every peer pulls from here
+            self.server.slots.max_conns = max(MAX_CONNS, 2 * len(self.peers))  # one_to_many: all pull from here
             self.cond.notify_all()
         self._send_key(peer_id)  # the relay key now, before its first order (and a first RTT measurement)
 
@@ -244,6 +255,7 @@ class RelayBroadcaster:
             self.cond.notify_all()
         self.thread.join(timeout=5)
         self.keys.shutdown(wait=False, cancel_futures=True)
+        self.checks.shutdown(wait=False, cancel_futures=True)
         self.server.close()
         for p in list(self.peers.values()):
             p.client.close()
@@ -251,11 +263,9 @@ class RelayBroadcaster:
     # ------------------------------------------------------------------ orders
 
     def _credential(self, url: str, body: dict, full_digest: str | None = None) -> str:
-        """The learner's signature on ``body`` for the peer at ``url``. Holds the lock. Sequence numbers are
-        microseconds of wall-clock time (at least one more than the last): a restarted coordinator's orders are
-        newer than its predecessor's."""
-        self.seq = max(time.time_ns() // 1000, self.seq + 1)
-        return order_credential(self.signer, url, self.seq, body, full_digest)
+        """The learner's signature on ``body`` for the peer at ``url``. Holds the lock. Sequence numbers increase
+        across restarts and clock steps (order_seq.py)."""
+        return order_credential(self.signer, url, self.seqs.next(), body, full_digest)
 
     def _send_key(self, peer_id: str) -> None:
         with self.cond:
@@ -306,7 +316,9 @@ class RelayBroadcaster:
                 bounds = topo.stripe_bounds(wire_bytes, len(lanes), _align(wire_bytes, self.chunk_bytes, len(lanes)))
                 stripes = [[lo, hi, [list(a) for a in lane]] for (lo, hi), lane in zip(bounds, per_lane)]
             body = {"epoch": self.epoch, "key": self.token, "version": version, "base": base,
-                    "sources": [list(a) for a in sources], "deadline_s": deadline_s, "challenge": challenge}
+                    "sources": [list(a) for a in sources], "deadline_s": deadline_s, "challenge": challenge,
+                    # its sources give it a lasting connection slot for this version (broadcast/relay_slots.py)
+                    "ticket": relay_ticket(self.signer, pid, version, base, len(lanes))}
             if stripes is not None:
                 body["stripes"] = stripes
             if base != FULL:
@@ -355,20 +367,41 @@ class RelayBroadcaster:
             self.on_delivered(pid, order.version)
 
     def _blame(self, pid: str, order: Order, failed: Any, now: float) -> None:
-        """Peers whose relay failed ``pid`` (as it says; believed only of sources its order named) go last in the
-        plans for SUSPECT_S: a peer that fetches its own snapshots well but never serves them (its relay silent)
-        otherwise kept its place, and each new successor lost a timeout on it. Holds the lock."""
-        if not isinstance(failed, list):
+        """Check, in the background, what ``pid`` says its sources did (blame.py); a peer whose relay bears the claim
+        out goes last in the plans for SUSPECT_S. Holds the lock."""
+        for claim in blame.claims(failed, set(order.sources)):
+            other_id = next((o for o, p in self.peers.items() if p.relay == claim.source and o != pid), None)
+            key = (claim.source, order.version, order.base)
+            if other_id is None or self.peers[other_id].relay_failed_until > now or key in self.probed:
+                continue
+            self.probed = {k for k in self.probed if k[1] >= order.version - 1} | {key}
+            try:
+                self.checks.submit(self._check_claim, pid, other_id, claim, order.version, order.base)
+            except RuntimeError:  # closed meanwhile
+                return
+
+    def _check_claim(self, pid: str, other_id: str, claim: blame.Claim, version: int, base: int) -> None:
+        """Ask ``other_id``'s relay for what ``pid`` says it served badly or not at all, and blame it if so."""
+        own = self.store.get(version, base=base)
+        if own is None:  # collected since: nothing to compare with
             return
-        named = set(order.sources)
-        blamed = {(s[0], s[1]) for s in failed[:64] if isinstance(s, list) and len(s) == 2
-                  and isinstance(s[0], str) and type(s[1]) is int} & named
-        for other_id, other in self.peers.items():
-            if other_id != pid and other.relay in blamed:
-                if other.relay_failed_until <= now:
-                    log.warning("peer %s says %s's relay failed it: %s goes last for %.0f s", pid, other_id,
-                                other_id, SUSPECT_S)
-                other.relay_failed_until = now + SUSPECT_S
+        fetcher = Fetcher(Store(), self.token, trust=self.trust, manifest_key=self.public_key)
+        ticket = relay_ticket(self.signer, "origin", version, base, 1)
+        read = lambda lo, hi: fetcher.read(claim.source, version, base, lo, hi, self.epoch, ticket)  # noqa: E731
+        try:
+            borne_out = blame.borne_out(claim, read, own.buf, own.chunk_bytes)
+        finally:
+            fetcher.close()
+        if not borne_out:
+            log.warning("peer %s says %s's relay %s; it serves the learner correctly: not blamed", pid, other_id,
+                        claim.why)
+            return
+        with self.cond:
+            other = self.peers.get(other_id)
+            if other is not None:
+                other.relay_failed_until = time.monotonic() + SUSPECT_S
+        log.warning("peer %s says %s's relay %s, and it does: %s goes last for %.0f s", pid, other_id, claim.why,
+                    other_id, SUSPECT_S)
 
     # ------------------------------------------------------------------ rounds
 

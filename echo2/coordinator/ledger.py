@@ -18,7 +18,9 @@ write that fails (ENOSPC, EIO) is cut back to the last whole line and its line k
 one, in order, until the file takes them: the books in memory stay exact and always add up, the file stays a
 prefix of them, and a checkpoint (``sync``) that cannot write them all fails loudly instead of recording an
 offset the journal does not reach. Replaying it rebuilds the exact books, the data position and the open
-groups. Two uses:
+groups. Each checkpoint ends with a ``state`` line (the whole books), fsynced, and recovery replays from the state
+line that applies, never from byte 0: what follows the last fsynced state line is checked line by line, and a
+damaged line there (a zero page after a machine crash) is skipped and counted (journal.py). Two uses:
 
 * **coordinator restart** (its process died): replay; the groups still open were in the dead process's memory,
   so in-flight ones are lost and buffered ones dropped, with reason ``coordinator_restart``; their prompts
@@ -44,6 +46,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+from echo2.coordinator import journal as jr
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,8 @@ class Ledger:
     written_bytes: int = 0  # the journal's length: whole lines only
     pending: list = field(default_factory=list)  # lines applied but not yet written (the disk refused them)
     journal_errors: int = 0  # failed writes
+    damaged_lines: int = 0  # lines skipped by a recovery: past the last fsynced state line, and not whole
+    state_last: bool = False  # the last line written (or pending) is a state line: a checkpoint adds none
 
     def __post_init__(self):
         self._stream = index_stream(self.n_rows, self.seed, self.drawn)
@@ -200,9 +206,12 @@ class Ledger:
         return self.written_bytes if self.journal is not None else 0
 
     def sync(self) -> int:
-        """Write what is pending and fsync: a checkpoint's point. Raises JournalError if the disk refuses."""
+        """A checkpoint's point: a state line (the one a resume from here starts from, and a restart too while it is
+        the last), everything pending written, fsynced. Raises JournalError if the disk refuses."""
         if self.journal is None:
             return 0
+        if not self.state_last:
+            self.checkpoint()
         self._flush()
         if self.pending:
             raise JournalError(f"the rollout journal {self.journal.name!r} cannot be written ({len(self.pending)} "
@@ -221,6 +230,7 @@ class Ledger:
 
     def _write(self, event: Event, *args: Any) -> None:
         if self.journal is not None:
+            self.state_last = event is Event.STATE
             self.pending.append(json.dumps([event.value, *args], separators=(",", ":")).encode() + b"\n")
             self._flush()
 
@@ -265,7 +275,8 @@ class Ledger:
         return led._restream()
 
     def _replay(self, data: bytes, path: str, warn_torn: bool = True, first_line: int = 1) -> None:
-        """Apply the whole lines of ``data`` (a piece of the journal at ``path``, from line ``first_line``)."""
+        """Apply the whole lines of ``data`` (a piece of the journal at ``path``, from line ``first_line``), every
+        one of them: a line that does not apply is an error."""
         lines = data.split(b"\n")
         self.valid_bytes = len(data) - len(lines[-1])
         if lines[-1] and warn_torn:  # no newline at the end: the process died mid-write; that line never happened
@@ -346,34 +357,56 @@ class Ledger:
 
     @classmethod
     def after_coordinator_restart(cls, path: str, group_size: int, n_rows: int, seed: int) -> "Ledger":
-        """The books a new coordinator starts from after its predecessor died: open groups are gone."""
-        led = cls.replay(path, group_size, n_rows, seed)
-        led.open_journal(path)
+        """The books a new coordinator starts from after its predecessor died: open groups are gone. Replayed from
+        the journal's last intact state line on (a checkpoint's or a recovery's), best effort past it."""
+        led = cls(group_size, n_rows, seed)
+        found = jr.last_state(path, group_size)
+        start = 0
+        if found is not None:
+            start, state = found
+            led._apply(Event.STATE, [state])
+        jr.replay_tail(led, path, start)
+        led._restream().open_journal(path)
         for gid, (_row, state) in sorted(led.open.items(), key=lambda kv: int(kv[0][1:])):
             if state == IN_FLIGHT:
                 led.lose(gid, "coordinator_restart")
             else:
                 led.drop(gid, "coordinator_restart", requeue=True)
-        led.checkpoint()
+        led.mark_recovered()
         return led
+
+    def mark_recovered(self) -> None:
+        """End a recovery with a state line, fsynced, from which the next recovery starts; a disk that refuses it
+        is said (the lines wait in memory, as any others) rather than stopping the coordinator from starting."""
+        try:
+            self.sync()
+        except JournalError as e:
+            log.error("%s", e)
 
     @classmethod
     def after_learner_resume(cls, path: str, offset: int, group_size: int, n_rows: int, seed: int) -> "Ledger":
         """The books and data position for a learner resuming from the checkpoint taken at journal length
         ``offset`` (see the module doc)."""
-        with open(path, "rb") as f:  # one read, one parse: the checkpoint's state, then the rest on top of a copy
-            data = f.read()
-        if offset > len(data) or (offset and data[offset - 1:offset] != b"\n"):
-            where = "past its end" if offset > len(data) else "inside a line"
-            raise ValueError(f"journal {path} is {len(data)} bytes and the checkpoint's position, byte {offset}, is "
+        size = os.path.getsize(path)
+        if offset > size or (offset and jr.read(path, offset - 1, offset) != b"\n"):
+            where = "past its end" if offset > size else "inside a line"
+            raise ValueError(f"journal {path} is {size} bytes and the checkpoint's position, byte {offset}, is "
                              f"{where}: it is another run's journal, or was cut or rewritten; resume from the "
                              "checkpoint this journal belongs to, or start afresh in a new run directory")
         at = cls(group_size, n_rows, seed)
-        at._replay(data[:offset], path, warn_torn=False)
+        if offset:  # the checkpoint's state line ends at its offset (a journal written before those: replayed)
+            try:
+                state = jr.state_of(jr.line_ending_at(path, offset), group_size)
+            except ValueError as e:  # inside the fsynced part: never skipped
+                raise ValueError(f"journal {path}: the checkpoint's state, the line ending at byte {offset}, is "
+                                 f"damaged: {e}") from None
+            if state is not None:
+                at._apply(Event.STATE, [state])
+            else:
+                at._replay(jr.read(path, 0, offset), path, warn_torn=False)
         led = cls(group_size, n_rows, seed)
         led._apply(Event.STATE, [at.state()])  # copies every container
-        led._replay(data[offset:], path, first_line=data.count(b"\n", 0, offset) + 1)
-        led.valid_bytes = offset + led.valid_bytes
+        jr.replay_tail(led, path, offset)
         after = led.rollouts["consumed"] - at.rollouts["consumed"]
         if after:
             led.dropped["discarded_by_resume"] += after
@@ -386,7 +419,7 @@ class Ledger:
         open_at = sorted(at.open.items(), key=lambda kv: int(kv[0][1:]))
         led.requeue = deque([*at.requeue, *(row for _, (row, _) in open_at)])
         led._restream().open_journal(path)
-        led.checkpoint()
+        led.mark_recovered()
         return led
 
 

@@ -40,7 +40,10 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
     rewards = RewardPool(task, tokenizer, processes=settings.reward_processes, timeout_s=settings.reward_timeout_s,
                          memory_mb=settings.reward_memory_mb, cpu_s=settings.reward_cpu_s, max_steps=settings.max_steps,
                          steps_per_epoch=len(dataset) / settings.prompts_per_step)
-    broadcaster = instantiate(settings.broadcaster, secret=settings.token) if settings.broadcaster else None
+    # the run directory keeps the orders' sequence (broadcaster.py, order_seq.py), beside the journal
+    state_dir = os.path.dirname(settings.journal) if settings.journal else None
+    broadcaster = (instantiate(settings.broadcaster, secret=settings.token, state_dir=state_dir)
+                   if settings.broadcaster else None)
     coordinator = Coordinator(dataset, rewards, tokenizer, settings, broadcaster,
                               encode=functools.partial(task.prompt_ids, tokenizer)).start()
     _exit_with_parent()

@@ -8,8 +8,8 @@ from typing import Any
 from echo2.metrics import (BUFFER_DROPPED_STALE, BUFFER_GROUPS, BUFFER_IN_FLIGHT_GROUPS, ROLLOUT_BENCHED_WORKERS,
                            ROLLOUT_CHECK_ABS_LOG_RATIO_PREFIX, ROLLOUT_CHECK_LOG_RATIO_PREFIX, ROLLOUT_DEADLINE_MISSES,
                            ROLLOUT_DISPATCHED, ROLLOUT_DROPPED, ROLLOUT_DROPPED_UNTRUSTED, ROLLOUT_FLAGGED_WORKERS,
-                           ROLLOUT_INVALID_STRIKES, ROLLOUT_JOURNAL_ERRORS, ROLLOUT_LOST, ROLLOUT_LOST_DEADLINE,
-                           ROLLOUT_REAPER_ERRORS, ROLLOUT_RECEIVED, ROLLOUT_REFUSED_RESULTS, ROLLOUT_REJECTED_REQUESTS,
+                           ROLLOUT_INVALID_STRIKES, ROLLOUT_JOURNAL_DAMAGED_LINES, ROLLOUT_JOURNAL_ERRORS,
+                           ROLLOUT_LOST, ROLLOUT_LOST_DEADLINE, ROLLOUT_REAPER_ERRORS, ROLLOUT_RECEIVED, ROLLOUT_REFUSED_RESULTS, ROLLOUT_REJECTED_REQUESTS,
                            ROLLOUT_REVOCATIONS_UNWRITTEN, ROLLOUT_THROUGHPUT_PREFIX, ROLLOUT_WORKERS)
 
 
@@ -43,6 +43,7 @@ def metrics(coord: Any) -> dict[str, float]:
            ROLLOUT_FLAGGED_WORKERS: float(len(checks.flagged)), ROLLOUT_DROPPED_UNTRUSTED: float(led.dropped["untrusted"]),
            ROLLOUT_DEADLINE_MISSES: float(coord.deadline_misses), ROLLOUT_INVALID_STRIKES: float(reg.invalid_strikes),
            ROLLOUT_REAPER_ERRORS: float(coord.reaper_errors), ROLLOUT_JOURNAL_ERRORS: float(led.journal_errors),
+           ROLLOUT_JOURNAL_DAMAGED_LINES: float(led.damaged_lines),
            ROLLOUT_REVOCATIONS_UNWRITTEN: float(len(coord.gate.unwritten)),
            ROLLOUT_BENCHED_WORKERS: float(sum(reg.benched(w) for w in reg.workers.values()))}
     for w in reg.workers.values():

@@ -163,7 +163,9 @@ def grpo_config(cfg: Any, run_dir: str | Path, world_size: int) -> GRPOConfig:
         report_to="none",  # echo2's MetricsSink owns wandb, with namespaced keys
         save_strategy="steps" if cfg.run.save_every_steps else "no",
         save_steps=cfg.run.save_every_steps or 500,
-        save_total_limit=cfg.run.keep_checkpoints,
+        # HF's rotation runs before echo2's state completes a new checkpoint: with one kept, a kill then left none
+        # complete. echo2 rotates instead, after (callbacks.SourceVersions, run.keep_checkpoints).
+        save_total_limit=None,
         disable_tqdm=True,  # echo2's own progress bar
         log_completions=False,
         **extra,

@@ -1,7 +1,8 @@
 """Trainer callbacks, one job each; train.py adds them in this order, which is the order they run in:
 
     SourceVersions  the rollout source's side of the learner: resume, a new version after every optimizer step
-                    (where snapshots are published), its checkpoint state next to TRL's
+                    (where snapshots are published), its checkpoint state next to TRL's, and the rotation of
+                    checkpoints once the new one is complete
     StopOnSignal    the first SIGTERM / Ctrl-C (train.py's handler) ends the run after the current step, on every rank
     Evaluation      eval accuracy at step 0 and every run.eval_every_steps, carried into the next step's record
     StepLog         one record per step (metrics.jsonl, wandb), the consumed groups (consumed.jsonl), the summary
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -33,11 +35,22 @@ log = logging.getLogger(__name__)
 CHECKPOINT_STATE = "echo2_state.json"  # what SourceVersions adds to TRL's checkpoint; train.py resumes only where it is
 
 
+def checkpoints_to_remove(found: dict[int, bool], keep: int) -> list[int]:
+    """Steps of the checkpoints to delete, given every checkpoint's step and whether it is complete (holds
+    CHECKPOINT_STATE): all but the ``keep`` newest complete ones. Called once a new checkpoint is complete, so
+    the newest complete one is never removed and there is always one to resume from; an incomplete one (a run
+    killed while saving it) is never resumed from (train.find_checkpoint) and goes too."""
+    complete = sorted((step for step, done in found.items() if done), reverse=True)
+    kept = set(complete[:max(keep, 1)])
+    return sorted(step for step in found if step not in kept)
+
+
 class SourceVersions(TrainerCallback):
     """Keeps the rollout source in step with the learner's versions."""
 
-    def __init__(self, trainer: Any):
-        self.trainer = trainer
+    def __init__(self, trainer: Any, keep_checkpoints: int | None = None):
+        """``keep_checkpoints``: how many complete checkpoints to keep (run.keep_checkpoints; None: all)."""
+        self.trainer, self.keep_checkpoints = trainer, keep_checkpoints
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.past_policies.record(state.global_step, self.trainer.model)
@@ -68,6 +81,17 @@ class SourceVersions(TrainerCallback):
             finally:
                 os.close(directory)
             log.info("checkpoint %s", path.parent)
+            if self.keep_checkpoints:
+                self._rotate(Path(args.output_dir))
+
+    def _rotate(self, output_dir: Path) -> None:
+        """Delete the checkpoints beyond the newest ``keep_checkpoints`` complete ones (HF's own rotation is off:
+        it ran before this checkpoint was complete, and with one kept left none complete in between)."""
+        found = {int(p.name.rpartition("-")[2]): p for p in output_dir.glob("checkpoint-*")
+                 if p.name.rpartition("-")[2].isdigit()}
+        for step in checkpoints_to_remove({s: (p / CHECKPOINT_STATE).is_file() for s, p in found.items()},
+                                          self.keep_checkpoints):
+            shutil.rmtree(found[step], ignore_errors=True)
 
 
 class StopOnSignal(TrainerCallback):

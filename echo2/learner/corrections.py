@@ -34,6 +34,13 @@ Each step logs what the correction saw and did (trainer ``_log_correction``): ``
 ``is_ratio_max`` (raw w), ``is_log_ratio_m2`` (the batch's mean (log w)², M2PO's M2), ``is_log_ratio_m2_kept``,
 ``is_weight_mean``, ``is_frac_masked`` (tokens at weight 0), ``is_frac_truncated``, ``is_frac_corrected`` (either).
 To compare them at the lags that matter: ``python train.py -m experiment=corrections_sweep``.
+
+Bounded first, whatever the correction (``bound_log_ratio``): a behaviour logprob is a worker's claim, and the
+learner takes exp of its difference to its own. A claim more than ``rollout.max_log_ratio`` nats from the learner's
+logprob (or not a number) is clamped to that distance before any ratio is formed, and counted
+(``rollout/bounded_tokens``): one claimed logprob of -1000 would otherwise give exp(+1000) = inf, and inf x an
+advantage of 0 = NaN in every weight. Honest on-policy logprobs are within a rounding error of the learner's, so
+nothing is bounded at S = 0 and the loss there is exactly TRL's.
 """
 
 from __future__ import annotations
@@ -64,6 +71,19 @@ class Correction:
     def __post_init__(self):
         if self.mode not in CORRECTIONS:
             raise ValueError(f"rollout.correction={self.mode!r}: expected one of {', '.join(CORRECTIONS)}")
+
+
+def bound_log_ratio(learner: torch.Tensor, behaviour: torch.Tensor, max_nats: float,
+                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``behaviour`` logprobs clamped to within ``max_nats`` of the ``learner``'s (``[sequences, tokens]``), so that
+    every ratio exp(learner − behaviour) lies in [e^−max_nats, e^max_nats]; NaN becomes the learner's own (ratio 1).
+    Returns (bounded logprobs, how many real tokens (``mask``) were changed, a 0-dim tensor). Every position is
+    bounded, padding too: the loss multiplies padding by a mask of 0, and inf × 0 is NaN."""
+    learner = learner.detach().to(behaviour.dtype)
+    claimed = torch.where(torch.isnan(behaviour), learner, behaviour)
+    bounded = torch.minimum(torch.maximum(claimed, learner - max_nats), learner + max_nats)
+    changed = (bounded != behaviour) & mask.bool()
+    return bounded, changed.sum()
 
 
 def importance_weights(log_ratio: torch.Tensor, correction: Correction, mask: torch.Tensor | None = None,

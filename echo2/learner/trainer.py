@@ -21,6 +21,15 @@ How it differs from TRL's trainer (trl==1.16.0), and nothing else:
   are computed here, once per slice, for TRL's KL term. With a LoRA adapter (``learner.lora``, TRL's
   ``peft_config``) the reference is the base model with the adapter disabled, as TRL does: no second copy.
 * A LoRA policy publishes only its adapter (``weights``; echo2/broadcast/adapter.py).
+* What a worker claims is bounded before it is used: a behaviour logprob more than ``rollout.max_log_ratio`` nats
+  from the learner's is clamped to that distance (corrections.bound_log_ratio), where the learner's logprob is
+  first computed: in ``_decoupled`` with a correction, else inside TRL's loss, between its forward pass and its
+  ratio (``_get_per_token_logps_and_entropies``; no extra forward pass). Counted: ``rollout/bounded_tokens``.
+* A step whose loss (any process's) or gradient norm is not finite is skipped: no optimizer update, no weight or
+  optimizer state changed, a warning, ``train/skipped_steps``. The version still advances (global_step), with the
+  previous version's weights. Under DeepSpeed the engine steps inside backward and skips a step with a
+  non-finite global gradient norm itself (its overflow check, all-reduced over the data-parallel group, so every
+  rank decides alike); the learner counts and says it.
 
 The loss itself (``_compute_loss``: every TRL ``loss_type``, clipping, KL, entropy terms) is TRL's.
 ``tests/learner/test_trl_contract.py`` fails if a TRL method overridden or called here changes signature.
@@ -29,6 +38,7 @@ The loss itself (``_compute_loss``: every TRL ``loss_type``, clipping, KL, entro
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -40,7 +50,7 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import nanstd, pad, use_adapter
 
 from echo2.broadcast.adapter import AdapterSpec
-from echo2.learner.corrections import SCALE_REWARDS, Correction, importance_weights, m2po_keep
+from echo2.learner.corrections import SCALE_REWARDS, Correction, bound_log_ratio, importance_weights, m2po_keep
 from echo2.learner.past_policies import PastPolicies
 from echo2.learner.reward_logs import log_episodes, log_reward_logs
 from echo2.learner.weights import PolicyWeights
@@ -48,8 +58,9 @@ from echo2.metrics import (BUFFER_STALENESS_MAX, BUFFER_STALENESS_MEAN, REWARD_F
                            REWARD_FUNCTION_PREFIX, REWARD_MEAN, REWARD_STD, ROLLOUT_COMPLETION_LEN_MEAN,
                            ROLLOUT_CONSUMED, ROLLOUT_IS_FRAC_CORRECTED, ROLLOUT_IS_FRAC_MASKED,
                            ROLLOUT_IS_FRAC_TRUNCATED, ROLLOUT_IS_LOG_RATIO_M2, ROLLOUT_IS_LOG_RATIO_M2_KEPT,
-                           ROLLOUT_IS_RATIO_MAX, ROLLOUT_IS_RATIO_MEAN, ROLLOUT_IS_WEIGHT_MEAN, TRAIN_LEARNER_IDLE_S,
-                           TRAIN_LEARNER_UTILIZATION)
+                           ROLLOUT_BOUNDED_TOKENS, ROLLOUT_IS_RATIO_MAX, ROLLOUT_IS_RATIO_MEAN,
+                           ROLLOUT_IS_WEIGHT_MEAN, TRAIN_LEARNER_IDLE_S, TRAIN_LEARNER_UTILIZATION,
+                           TRAIN_SKIPPED_STEPS)
 from echo2.seams import RolloutSource
 from echo2.records import RolloutGroup
 
@@ -79,8 +90,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
 class Echo2GRPOTrainer(GRPOTrainer):
     def __init__(self, *args, rollout_source: RolloutSource, staleness: int = 0, correction: str = "none",
                  is_bounds: tuple[float, float] = (0.5, 2.0), icepop_bounds: tuple[float, float] = (0.5, 5.0),
-                 m2_threshold: float = 0.04, seq_bounds: tuple[float, float] = (0.5, 2.0), **kwargs):
+                 m2_threshold: float = 0.04, seq_bounds: tuple[float, float] = (0.5, 2.0),
+                 max_log_ratio: float = 5.0, **kwargs):
         super().__init__(*args, **kwargs)
+        self.max_log_ratio = max_log_ratio  # nats: rollout.max_log_ratio (corrections.bound_log_ratio)
+        self.bounded_tokens = self.skipped_steps = 0  # cumulative, every process's
+        self._step_bounded = 0  # this process's bounded tokens in the step in progress
+        self._step_loss_finite = True  # whether every micro-batch of the step in progress gave a finite loss here
+        self._bound_in: dict | None = None  # the micro-batch whose old logprobs the next forward pass bounds
         self.correction, self.is_bounds = correction, is_bounds
         # rollout.correction with its thresholds (echo2/learner/corrections.py); self.correction stays its name.
         self.correction_spec = Correction(correction, is_bounds=tuple(is_bounds), icepop_bounds=tuple(icepop_bounds),
@@ -277,7 +294,12 @@ class Echo2GRPOTrainer(GRPOTrainer):
         return ref
 
     def _compute_loss(self, model, inputs):
-        loss = super()._compute_loss(model, inputs)
+        self._bound_in = inputs if self.model.training else None
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._bound_in = None
+        self._step_loss_finite &= bool(torch.isfinite(loss.detach()).all())
         k = self.current_gradient_accumulation_steps
         if self.loss_type == "bnpo" and k > 1 and self.model.training:
             # TRL: (sum over the micro-batch's tokens) / (its token count) / k. The whole slice at once would be
@@ -285,6 +307,49 @@ class Echo2GRPOTrainer(GRPOTrainer):
             tokens = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).sum().clamp(min=1.0)
             loss = loss * (tokens * k / inputs["slice_tokens"].clamp(min=1.0))
         return loss
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        """TRL's, and in the loss (``_compute_loss`` set ``_bound_in``), the micro-batch's old logprobs bounded
+        against the logprobs just computed: TRL's _compute_loss takes its ratio exp(logp − old) right after this
+        forward pass (tests/learner/test_trl_contract.py fails if that order changes)."""
+        out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        inputs, self._bound_in = self._bound_in, None
+        if inputs is not None and inputs.get("old_per_token_logps") is not None:
+            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)  # the model's tokens
+            inputs["old_per_token_logps"], n = bound_log_ratio(out[0], inputs["old_per_token_logps"],
+                                                               self.max_log_ratio, mask)
+            self._step_bounded += int(n)
+        return out
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """HF's gradient norm of the step, called on every process before ``optimizer.step()``; here also the
+        decision to skip the step (see the module doc): the same on every process, from the norm of the reduced
+        gradient and every process's loss."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        flags = torch.tensor([float(self._step_bounded), 0.0 if self._step_loss_finite else 1.0],
+                             device=self.accelerator.device)
+        bounded, bad_losses = self.accelerator.reduce(flags, reduction="sum").tolist()
+        self._step_bounded, self._step_loss_finite = 0, True
+        norm = float(grad_norm) if grad_norm is not None else 0.0
+        if self.is_deepspeed_enabled:  # the engine stepped inside backward, or skipped on a non-finite norm
+            skipped = self.accelerator.optimizer_step_was_skipped
+            if bad_losses and not skipped:
+                log.error("step %d: a loss was not finite on %d process(es) but the gradient was, and DeepSpeed "
+                          "applied the step", self.state.global_step + 1, int(bad_losses))
+        else:
+            skipped = bool(bad_losses) or not math.isfinite(norm)
+            if skipped:  # torch optimizers step no parameter without a gradient: nothing moves, no moment changes
+                for p in model.parameters():
+                    p.grad = None
+        if skipped:
+            self.skipped_steps += 1
+            log.warning("step %d skipped: gradient norm %s, %d process(es) with a non-finite loss; weights and "
+                        "optimizer unchanged (%d skipped so far)", self.state.global_step + 1, norm,
+                        int(bad_losses), self.skipped_steps)
+        self.bounded_tokens += int(bounded)
+        self._metrics["train"][ROLLOUT_BOUNDED_TOKENS].append(float(self.bounded_tokens))
+        self._metrics["train"][TRAIN_SKIPPED_STEPS].append(float(self.skipped_steps))
+        return grad_norm
 
     def _decoupled(self, prompt_ids, prompt_mask, completion_ids, completion_mask, behaviour_logps, advantages,
                    loss_mask=None):
@@ -298,6 +363,8 @@ class Echo2GRPOTrainer(GRPOTrainer):
                 completion_ids.size(1), batch_size=self.args.per_device_train_batch_size)
         loss_mask = completion_mask if loss_mask is None else loss_mask  # the model's tokens (not the environment's)
         mask = loss_mask.bool()
+        behaviour_logps, n = bound_log_ratio(prox_logps, behaviour_logps, self.max_log_ratio, loss_mask)
+        self._step_bounded += int(n)
         log_ratio = (prox_logps - behaviour_logps) * loss_mask
         keep = self._m2po_keep(log_ratio, mask) if self.correction == "m2po" else None
         weights = importance_weights(log_ratio, self.correction_spec, mask, keep)

@@ -4,7 +4,8 @@ On a cluster the learner's node is known only once its job runs. The learner wri
 coordinator is up; a worker given the file's path instead of a URL (``python -m echo2.worker --coordinator
 runs/x/coordinator.json``, launchers/workers.sbatch) waits for it on the shared filesystem and reads the URL and
 the context length the run needs, and the run CA's fingerprint to pin when the learner speaks TLS. The token is
-never written here: workers take it from $ECHO2_TOKEN.
+never written here: workers take it from $ECHO2_TOKEN. A worker re-reads it while the learner is unreachable and
+follows a new address only under the scheme and CA it joined with (``moved_to``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,24 @@ def read(path: str, timeout_s: float, poll_s: float = 2.0) -> dict[str, Any]:
             said = time.monotonic()
         time.sleep(poll_s)
     return json.loads(target.read_text())
+
+
+def moved_to(current_url: str, info: dict[str, Any], pinned_ca_hash: str | None) -> str | None:
+    """The address a worker talking to ``current_url`` may follow now that coordinator.json reads ``info``: its
+    URL if it names another one, None if the same. Raises ValueError if following it would lower the worker's
+    guard: another scheme (https to http would send the worker's credential in the clear) or, over https, another
+    CA than the one the worker pinned when it joined (another run, or a file someone else wrote)."""
+    url = str(info.get("url", "")).rstrip("/")
+    if url == current_url.rstrip("/"):
+        return None
+    was, now = urlsplit(current_url).scheme, urlsplit(url).scheme
+    if now != was:
+        raise ValueError(f"{FILE} names {url}: {now or 'no scheme'}, not {was} as joined; not followed (restart the "
+                         "worker with the learner's join command if the run really changed)")
+    if was == "https" and info.get("ca_hash") != pinned_ca_hash:
+        raise ValueError(f"{FILE} names {url} under CA {info.get('ca_hash')}, not the pinned {pinned_ca_hash}; "
+                         "not followed")
+    return url
 
 
 def journal_path(run_dir: str) -> str:

@@ -59,7 +59,8 @@ from typing import Any
 from echo2.worker.peer import SnapshotReceiver
 from echo2.records import SamplingParams
 from echo2.net.http import Client, RemoteError
-from echo2.net.tls import LEARNER_NAME, PEER_CERT_LIFETIME_S, Trust, is_loopback, join, load_certificate
+from echo2.net.tls import (LEARNER_NAME, PEER_CERT_LIFETIME_S, Trust, fingerprint, is_loopback, join,
+                           load_certificate)
 
 log = logging.getLogger("echo2.worker")
 
@@ -226,11 +227,17 @@ class Agent:
         from echo2.net import rendezvous
 
         try:
-            url = rendezvous.read(self.rendezvous, timeout_s=0)["url"].rstrip("/")
+            info = rendezvous.read(self.rendezvous, timeout_s=0)
         except (OSError, ValueError) as e:  # not there (yet), or unreadable: keep retrying the known address
             log.debug("cannot re-read %s: %s", self.rendezvous, e)
             return False
-        if url == self.client.base_url:
+        pinned = fingerprint(self.trust.ca_pem) if self.trust is not None else None
+        try:
+            url = rendezvous.moved_to(self.client.base_url, info, pinned)
+        except ValueError as e:  # never to http, nor to another CA: keep retrying the known address
+            log.error("%s", e)
+            return False
+        if url is None:
             return False
         log.warning("the learner moved (its job was requeued?): %s -> %s, as %s says", self.client.base_url, url,
                     self.rendezvous)

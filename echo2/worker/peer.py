@@ -1,6 +1,6 @@
 """A worker's end of the broadcast: a relay node (store, server, fetcher) and the routes the broadcaster calls.
 
-    broadcaster ──POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge}──► SnapshotReceiver
+    broadcaster ──POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge, ticket}──► receiver
                   (signed by the learner, for this node)      │  pull v (or its delta vs base) from sources[0],
                                                               │  else the next ──► ... (with stripes: each byte
                                                               │  range from its own sources, all at once)
@@ -56,7 +56,8 @@ class SnapshotReceiver:
         self.store = Store(keep=2)
         server_tls = trust.server if trust is not None else None
         self.relay_server = RelayServer(self.store, token, host, relay_port, link=link,
-                                        stall_timeout_s=max(30.0, stall_timeout_s), tls=server_tls)
+                                        stall_timeout_s=max(30.0, stall_timeout_s), tls=server_tls,
+                                        ticket_key=manifest_key)
         self.fetcher = Fetcher(self.store, token, link=link, stall_timeout_s=stall_timeout_s, trust=trust,
                                manifest_key=manifest_key)
         self.control = JsonServer(host, control_port, "", routes={"POST /fetch": self._fetch, "POST /key": self._key},
@@ -75,7 +76,7 @@ class SnapshotReceiver:
 
     def trust_learner(self, manifest_key: str) -> None:
         """Take the learner's public key (given by the coordinator when the worker joins) before serving."""
-        self.fetcher.manifest_key = manifest_key
+        self.fetcher.manifest_key = self.relay_server.ticket_key = manifest_key
 
     @property
     def token(self) -> str | None:
@@ -102,11 +103,10 @@ class SnapshotReceiver:
         except BadSnapshot as e:
             raise Unauthorized(str(e)) from None
 
-    def _take(self, route: str, body: dict, headers: dict) -> str | None:
+    def _take(self, route: str, body: dict, headers) -> str | None:
         """Take the order ``body`` (checked against its credential); returns its epoch. The newest order of all
         sets the relay key and the epoch; an older one (it crossed a newer on the way) must be of that epoch."""
-        auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
-        seq, digest = self._credential(auth.removeprefix("Bearer "))
+        seq, digest = self._credential(_one_credential(headers))
         if digest != order_digest(body):
             raise Unauthorized("the order's body is not the one its credential signs")
         key, epoch = body.get("key"), body.get("epoch")
@@ -136,7 +136,7 @@ class SnapshotReceiver:
     def _fetch(self, body: dict, headers) -> dict:
         epoch = self._take("POST /fetch", body, headers)
         version, base, sources = body.get("version"), body.get("base", FULL), body.get("sources")
-        deadline_s, challenge = body.get("deadline_s"), body.get("challenge")
+        deadline_s, challenge, ticket = body.get("deadline_s"), body.get("challenge"), body.get("ticket")
         if type(version) is not int or version < 0 or type(base) is not int or base >= version:
             raise BadRequest("'version' must be a non-negative integer and 'base' an older one (or -1)")
         if not _addresses(sources):
@@ -146,15 +146,18 @@ class SnapshotReceiver:
             raise BadRequest("'deadline_s' must be a positive number")
         if not (isinstance(challenge, str) and len(challenge) == 32):
             raise BadRequest("'challenge' must be 32 hex digits")
+        if not (ticket is None or isinstance(ticket, str) and len(ticket) <= 512):
+            raise BadRequest("'ticket' must be a string of at most 512 characters")
         sources = [tuple(s) for s in sources]
         t0 = time.perf_counter()
         try:
             if base == FULL:
-                snap = self.fetcher.fetch(version, sources, epoch=epoch, deadline_s=deadline_s, stripes=stripes)
+                snap = self.fetcher.fetch(version, sources, epoch=epoch, deadline_s=deadline_s, stripes=stripes,
+                                          ticket=ticket)
                 wire_bytes = snap.size
             else:
                 snap, wire_bytes = self._fetch_delta(version, base, sources, body.get("full_manifest"), epoch,
-                                                     deadline_s, stripes)
+                                                     deadline_s, stripes, ticket)
         except (ConnectionError, OSError, BadSnapshot, ValueError) as e:
             if not isinstance(e, Superseded):  # a newer order goes on with it: children may still wait for it
                 self.store.abandon(version, base)
@@ -168,10 +171,12 @@ class SnapshotReceiver:
                 "bytes_per_s": wire_bytes / max(seconds, 1e-9), "first_byte_at": snap.first_byte_at,
                 "done_at": time.monotonic(),  # monotonic: same host only
                 "rtt_s": self.fetcher.last_rtt_s,
-                "failed_sources": [list(src) for src in self.fetcher.last_failed]}  # the learner plans around them
+                # the learner checks these claims and plans around the sources they bear out (coordinator/blame.py)
+                "failed_sources": [[*src, self.fetcher.suspects.evidence.get(src, {})]
+                                   for src in self.fetcher.last_failed]}
 
     def _fetch_delta(self, version: int, base: int, sources, full_manifest, epoch: str | None,
-                     deadline_s: float | None, stripes=None) -> tuple[Snapshot, int]:
+                     deadline_s: float | None, stripes=None, ticket: str | None = None) -> tuple[Snapshot, int]:
         """Pull the delta of ``version`` against ``base`` (held here), apply it, and check the result against the
         full snapshot's signed chunk digests before anyone may use or relay it as ``version``."""
         held = self.store.get(base)
@@ -180,7 +185,8 @@ class SnapshotReceiver:
         manifest = verify_manifest(self.fetcher.manifest_key, full_manifest)
         if (manifest["version"], manifest["base"], manifest.get("epoch")) != (version, FULL, epoch):
             raise BadSnapshot("full_manifest is not the full snapshot of this version and epoch")
-        d = self.fetcher.fetch(version, sources, base=base, epoch=epoch, deadline_s=deadline_s, stripes=stripes)
+        d = self.fetcher.fetch(version, sources, base=base, epoch=epoch, deadline_s=deadline_s, stripes=stripes,
+                               ticket=ticket)
         full = Snapshot(manifest)
         full.buf[:] = delta.apply(held.buf, d.buf)
         full.fill()
@@ -194,6 +200,16 @@ class SnapshotReceiver:
         self.control.close()
         self.relay_server.close()
         self.fetcher.close()
+
+
+def _one_credential(headers) -> str:
+    """The credential of a request's one ``Authorization`` header. A request with two is refused: the server judged
+    one of them before the body was read, and the order must be checked against that one, not the other."""
+    values = headers.getlist("authorization") if hasattr(headers, "getlist") else [
+        v for k, v in headers.items() if k.lower() == "authorization"]
+    if len(values) != 1:
+        raise Unauthorized(f"{len(values)} Authorization headers: an order carries exactly one")
+    return values[0].removeprefix("Bearer ")
 
 
 def _addresses(sources) -> bool:

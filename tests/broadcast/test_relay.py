@@ -264,7 +264,7 @@ def test_a_stalled_relay_peer_is_routed_around():
     _, origin = origin_with(blob)
 
     class Staller(RelayServer):
-        def _answer(self, conn, req):
+        def _answer(self, conn, req, *_):
             snap = self.store.get(req["version"])
             send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(TOKEN, req["mac"])})
             conn.sendall(memoryview(snap.buf)[req["start"]:req["start"] + CHUNK + 100])

@@ -163,7 +163,7 @@ def test_a_stripe_parent_dying_mid_stream_is_routed_around_up_its_own_tree():
 class Trickler(RelayServer):
     """A parent that sends the range asked of it at 20 KB/s: never silent long enough for a stall timeout."""
 
-    def _answer(self, conn, req):
+    def _answer(self, conn, req, *_):
         snap = self.store.get(req["version"])
         end = snap.size if req["end"] == -1 else req["end"]
         send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(self.token, req["mac"])})
@@ -231,7 +231,7 @@ class Mute(RelayServer):
     release = threading.Event()
     asked = 0
 
-    def _answer(self, conn, req):
+    def _answer(self, conn, req, *_):
         type(self).asked += 1
         snap = self.store.get(req["version"])
         send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(self.token, req["mac"])})
@@ -242,7 +242,7 @@ class Mute(RelayServer):
 class Dier(RelayServer):
     """A parent that sends one piece of the range asked of it, then hangs up."""
 
-    def _answer(self, conn, req):
+    def _answer(self, conn, req, *_):
         snap = self.store.get(req["version"])
         send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(self.token, req["mac"])})
         conn.sendall(memoryview(snap.buf)[req["start"]:req["start"] + 4096])
@@ -265,7 +265,7 @@ def test_a_failed_stripe_stops_its_siblings_at_once_and_blames_only_its_own_sour
             node.fetcher.fetch(1, [mute.addr], stripes=[(0, half, [dier.addr]), (half, len(blob), [mute.addr])])
         assert time.monotonic() - t0 < 4, "the sibling stripe waited out its stall timeout"
         assert node.fetcher.last_failed == [dier.addr]
-        assert node.fetcher._ranked([mute.addr, dier.addr]) == [mute.addr, dier.addr]  # the mute one not suspect
+        assert node.fetcher.suspects.ranked([mute.addr, dier.addr]) == [mute.addr, dier.addr]  # the mute one not suspect
     finally:
         Mute.release.set()
         node.close()

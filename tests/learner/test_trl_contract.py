@@ -31,6 +31,24 @@ EXPECTED = {
 }
 
 
+def test_the_loss_takes_its_ratio_after_its_forward_pass():
+    """Echo2GRPOTrainer bounds the old logprobs of a micro-batch against the logprobs TRL's _compute_loss computes
+    (its override of _get_per_token_logps_and_entropies, on the loss's first call), which works only while that
+    call comes before the old logprobs are read; and it decides to skip a step in HF's _get_grad_norm, which must
+    still come before optimizer.step()."""
+    from transformers import Trainer
+
+    loss = inspect.getsource(GRPOTrainer._compute_loss)
+    first_call = loss.index("self._get_per_token_logps_and_entropies(")
+    assert first_call < loss.index('inputs.get("old_per_token_logps")') < loss.index("log_ratio = per_token_logps -")
+    assert loss[:first_call].rstrip().endswith("per_token_logps, entropies, aux_loss =")
+    assert str(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies)).startswith(
+        "(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,")
+    assert str(inspect.signature(Trainer._get_grad_norm)) == "(self, model, grad_norm=None)"
+    loop = inspect.getsource(Trainer._run_epoch)
+    assert loop.index("self._get_grad_norm(") < loop.index("self.optimizer.step()")
+
+
 def test_trl_is_the_pinned_version():
     assert trl.__version__ == PINNED_TRL
 

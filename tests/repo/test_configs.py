@@ -84,7 +84,7 @@ def test_the_components_schemas_are_read_from_their_constructors():
     for cls, schema in ((AsyncRolloutSource, AsyncSourceConfig), (RelayBroadcaster, RelayBroadcasterConfig)):
         params = {n: p.default for n, p in inspect.signature(cls).parameters.items() if p.default is not p.empty}
         fields = {f.name: f for f in dataclasses.fields(schema) if f.name != "_target_"}
-        assert set(fields) == set(params) - {"link", "liveness"} | ({"liveness"} if "liveness" in params else set())
+        assert set(fields) == set(params) - {"link", "liveness", "state_dir"} | ({"liveness"} if "liveness" in params else set())
         for name, f in fields.items():
             if name != "liveness":
                 assert f.default == params[name], name

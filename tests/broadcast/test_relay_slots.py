@@ -1,0 +1,200 @@
+"""A relay server's connection slots (echo2/broadcast/relay_slots.py, relay.py): honest fetches get through while an
+outsider reconnects as each deadline passes and an insider parks connections with one request each. The cap is
+lowered in the tests (max_conns=4), never the code path."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from conftest import closed_by_server, holds_within
+from echo2.broadcast.framing import recv_frame, send_frame
+from echo2.broadcast.manifest import (FULL, BadSnapshot, check_ticket, key_id, make_manifest, relay_ticket,
+                                      request_mac, signing_key, verify_key)
+from echo2.broadcast.relay import Fetcher, RelayServer
+from echo2.broadcast.relay_slots import Slots, address_key
+from echo2.broadcast.store import Snapshot, Store
+
+SECRET = "secret"
+SIGNER, KEY = signing_key(SECRET), verify_key(SECRET)
+TOKEN = "7e" * 32
+CHUNK = 64 << 10
+
+
+# ---------------------------------------------------------------------- the policy
+
+
+@pytest.mark.parametrize("host, key", [
+    ("10.1.2.3", "10.1.2.3"), ("2001:db8::1", "2001:db8::/64"), ("2001:db8::ffff:1", "2001:db8::/64"),
+    ("::ffff:10.1.2.3", "10.1.2.3"), ("fe80::1%eth0", "fe80::/64"), ("peer.example", "peer.example"),
+])
+def test_address_key(host, key):
+    assert address_key(host) == key
+
+
+def test_a_full_server_evicts_the_oldest_unticketed_and_never_a_current_ticket():
+    slots = Slots(max_conns=3, per_address=8)
+    assert slots.admit("a", "10.0.0.1", 0.0) == (True, [])
+    assert slots.admit("b", "10.0.0.2", 0.0) == (True, [])
+    assert slots.ticketed("a", "w1", version=5, lanes=1)
+    assert slots.admit("c", "10.0.0.3", 0.0) == (True, [])
+    assert slots.admit("d", "10.0.0.4", 0.0) == (True, ["b"])  # the oldest unticketed; "a" holds a ticket
+    assert slots.admit("e", "10.0.0.5", 0.0) == (True, ["c"])
+    assert slots.ticketed("e", "w2", 5, 1) and slots.ticketed("d", "w3", 5, 1)
+    assert slots.admit("f", "10.0.0.6", 0.0) == (False, [])  # every slot is a current ticket's
+    assert slots.admit("f", "10.0.0.6", 0.0, stale=lambda v: v < 6) == (True, ["a"])  # version 5 is over
+    slots.unticketed("e")  # its next request showed no ticket
+    assert slots.admit("g", "10.0.0.7", 0.0, stale=lambda v: False) == (True, ["e"])
+
+
+def test_one_address_gets_a_share_of_unticketed_slots_and_a_rate():
+    slots = Slots(max_conns=100, per_address=2, rate_per_address=1.0)
+    assert [slots.admit(i, "10.0.0.1", 0.0)[0] for i in range(3)] == [True, True, False]  # its share
+    assert slots.ticketed(0, "w1", 1, 1)  # a ticketed connection leaves the share
+    assert not slots.admit(3, "10.0.0.1", 0.0)[0]  # but its burst of 2 is spent
+    assert slots.admit(3, "10.0.0.1", 1.0)[0]  # a second later: one more
+    assert slots.admit(4, "10.0.0.2", 0.0)[0]  # another address has its own
+
+
+def test_a_holder_gets_its_lanes_and_two_more():
+    slots = Slots(max_conns=100, per_address=100)
+    for i in range(5):
+        slots.admit(i, "10.0.0.1", float(i))
+    assert [slots.ticketed(i, "w1", 1, lanes=2) for i in range(5)] == [True, True, True, True, False]
+    assert not slots.is_ticketed(4)
+
+
+def test_tickets_are_the_learners_and_name_what_they_allow():
+    ticket = relay_ticket(SIGNER, "w7", 3, FULL, 2)
+    assert check_ticket(KEY, ticket) == ("w7", 3, FULL, 2)
+    holder, rest = ticket.split(".", 1)
+    for forged in [f"w8.{rest}", ticket.replace(".3.", ".4.", 1), relay_ticket(signing_key("other"), "w7", 3, FULL, 2),
+                   "junk", ""]:
+        with pytest.raises(BadSnapshot):
+            check_ticket(KEY, forged)
+
+
+# ---------------------------------------------------------------------- a server under attack
+
+
+def server_with(blob: bytes, **kwargs) -> RelayServer:
+    store = Store()
+    store.put(Snapshot(make_manifest(SIGNER, 1, blob, CHUNK), blob))
+    return RelayServer(store, TOKEN, ticket_key=KEY, **kwargs).start()
+
+
+def request(version: int, start: int = 0, end: int = 1, ticket: str | None = None) -> dict:
+    frame = {"version": version, "base": FULL, "start": start, "end": end, "key": key_id(TOKEN),
+             "mac": request_mac(TOKEN, version, FULL, start, end)}
+    return {**frame, "ticket": ticket} if ticket else frame
+
+
+class Hammer:
+    """Threads that each keep one connection open to ``addr`` from ``source`` and open another as soon as the
+    server closes it: ``insider`` ones make one valid request without a ticket first (the relay key is every
+    worker's), outsiders say nothing."""
+
+    def __init__(self, addr, sources: list[str], per_source: int, insider: bool = False):
+        self.addr, self.insider, self.stop = addr, insider, threading.Event()
+        self.opened = 0
+        self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True)
+                        for s in sources for _ in range(per_source)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, source: str) -> None:
+        while not self.stop.is_set():
+            try:
+                s = socket.create_connection(self.addr, timeout=2, source_address=(source, 0))
+            except OSError:
+                time.sleep(0.01)
+                continue
+            self.opened += 1
+            try:
+                if self.insider:
+                    send_frame(s, request(1))
+                s.settimeout(0.2)
+                while not self.stop.is_set():
+                    try:
+                        if not s.recv(65536):
+                            break
+                    except TimeoutError:
+                        continue
+            except OSError:
+                pass
+            finally:
+                s.close()
+
+    def close(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(5)
+
+
+def honest_fetches(server: RelayServer, blob: bytes, n: int) -> int:
+    ok = 0
+    for i in range(n):
+        f = Fetcher(Store(), TOKEN, manifest_key=KEY, connect_timeout_s=2, answer_timeout_s=2)
+        try:
+            ok += bytes(f.fetch(1, [server.addr], ticket=relay_ticket(SIGNER, f"w{i}", 1, FULL, 1)).buf) == blob
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            f.close()
+    return ok
+
+
+def test_honest_fetches_get_through_while_strangers_and_insiders_hammer_the_cap():
+    """max_conns 4, request timeout 2 s: outsiders from four addresses hold every slot they can and reconnect the
+    moment one is closed, insiders (the relay key, no ticket) park connections with one valid request each. Every
+    honest fetch, showing its order's ticket, succeeds (before: with the cap taken, every one failed)."""
+    blob = os.urandom(16 * CHUNK)
+    server = server_with(blob, max_conns=4, request_timeout_s=2.0)
+    outsiders = Hammer(server.addr, [f"127.0.0.{i}" for i in range(2, 6)], per_source=3)
+    insiders = Hammer(server.addr, ["127.0.0.9"], per_source=3, insider=True)
+    try:
+        assert holds_within(lambda: outsiders.opened >= 4 and insiders.opened >= 3, 10)
+        assert holds_within(lambda: len(server.conns) == 4, 5)  # the cap is taken
+        assert honest_fetches(server, blob, 10) == 10
+    finally:
+        outsiders.close()
+        insiders.close()
+        server.close()
+
+
+def test_an_error_answer_drops_the_connection():
+    """One valid request for a version this node does not hold used to buy 900 s of slot."""
+    server = server_with(os.urandom(4 * CHUNK), request_timeout_s=30.0)
+    s = socket.create_connection(server.addr, timeout=5)
+    try:
+        send_frame(s, request(1, 0, 1 << 40))  # past its end
+        assert "error" in recv_frame(s)
+        assert closed_by_server(s, 2)
+    finally:
+        s.close()
+        server.close()
+
+
+def test_only_a_ticket_buys_a_long_idle():
+    """A served request without a ticket leaves the connection request_timeout_s to make the next; with the order's
+    ticket it may idle (a fetcher keeps its connections from one snapshot to the next)."""
+    blob = os.urandom(4 * CHUNK)
+    server = server_with(blob, request_timeout_s=1.0, idle_timeout_s=60.0)
+    plain, ticketed = (socket.create_connection(server.addr, timeout=5) for _ in range(2))
+    try:
+        for s, ticket in ((plain, None), (ticketed, relay_ticket(SIGNER, "w1", 1, FULL, 1))):
+            send_frame(s, request(1, ticket=ticket))
+            assert "manifest" in recv_frame(s)
+            assert s.recv(1) == blob[:1]
+        assert closed_by_server(plain, 3)
+        assert not closed_by_server(ticketed, 2)
+        send_frame(ticketed, request(1, ticket=relay_ticket(SIGNER, "w1", 2, FULL, 1)))  # a ticket for v2, not v1
+        assert "error" in recv_frame(ticketed) and closed_by_server(ticketed, 2)
+    finally:
+        plain.close()
+        ticketed.close()
+        server.close()

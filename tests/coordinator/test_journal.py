@@ -1,0 +1,236 @@
+"""Recovery from the rollout journal (echo2/coordinator/journal.py, ledger.py): it starts at the checkpoint's state
+line, never at byte 0, survives any damage past the last fsynced state line, and refuses damage before it. Property
+tests drive the ledger with any sequence of valid transitions and damage the journal past a checkpoint in any way."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from collections import deque
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from echo2.coordinator.ledger import BUFFERED, IN_FLIGHT, Ledger
+
+G, ROWS = 4, 7
+
+
+def balanced(acc) -> bool:
+    return acc["dispatched"] == (acc["consumed"] + sum(acc["dropped"].values()) + sum(acc["lost"].values())
+                                 + acc["in_flight"] + acc["buffered"])
+
+
+def step(led: Ledger, op: int, pick: int) -> None:
+    """One valid transition, chosen by ``op`` (0-9) on the group ``pick`` selects: what a coordinator does."""
+    flying = [g for g, (_, s) in led.open.items() if s == IN_FLIGHT]
+    buffered = [g for g, (_, s) in led.open.items() if s == BUFFERED]
+    if op <= 2 or not led.open:
+        led.draw()
+    elif op == 3 and flying:
+        led.received(flying[pick % len(flying)], f"w{pick % 3}")
+    elif op == 4 and flying:
+        led.lose(flying[pick % len(flying)], "worker_dead")
+    elif op == 5 and flying:
+        led.drop(flying[pick % len(flying)], "invalid", requeue=True)
+    elif op == 6 and buffered:
+        take = buffered[: 1 + pick % 2]
+        rows = [led.open[g][0] for g in take]
+        led.consumed(take)
+        if pick % 5 == 0:  # the learner's checks found them untrusted
+            led.distrusted(take[:1], rows[:1], "untrusted")
+    elif op == 7 and buffered:
+        led.drop(buffered[pick % len(buffered)], "stale", requeue=False)
+    elif op == 8:
+        led.new_worker_id() if pick % 2 else led.retire(f"w{pick % 3}", "worker_left")
+    elif op == 9:
+        led.refuse("not_in_flight_for_this_worker", 1 + pick % 3)
+
+
+def position_of(led: Ledger) -> dict:
+    """The data position a resume from now must give back: the re-queue, then the open groups' rows, then the
+    stream past ``drawn``."""
+    open_rows = [row for _, (row, _) in sorted(led.open.items(), key=lambda kv: int(kv[0][1:]))]
+    return {"drawn": led.drawn, "requeue": [*led.requeue, *open_rows]}
+
+
+def run(path: str, ops: list[tuple[int, int]], mark_at: int) -> tuple[int, dict, dict]:
+    """Drive a fresh ledger through ``ops`` with a checkpoint (sync) after op ``mark_at``; returns (the checkpoint's
+    offset, its data position, its state)."""
+    led = Ledger(G, ROWS, 0)
+    led.open_journal(path)
+    mark = None
+    for i, (op, pick) in enumerate(ops):
+        step(led, op, pick)
+        if i == mark_at:
+            mark = (led.sync(), position_of(led), json.loads(json.dumps(led.state())))
+    if mark is None:
+        mark = (led.sync(), position_of(led), json.loads(json.dumps(led.state())))
+    led.close()
+    return mark
+
+
+def damage(path: str, offset: int, kind: str, at: float, size: int) -> None:
+    """Damage the journal past byte ``offset`` as a machine crash can leave it."""
+    data = bytearray(open(path, "rb").read())
+    tail = len(data) - offset
+    cut = offset + int(at * tail)
+    if kind == "truncate":
+        data = data[:cut]
+    elif kind == "zeros":  # zeros over a span, newlines included: lines glued, later lines intact
+        data[cut:cut + size] = bytes(len(data[cut:cut + size]))
+    elif kind == "zero_page":  # a page of zeros ended by a newline, then whatever followed
+        data[cut:cut] = bytes(size) + b"\n"
+    elif kind == "garbage":
+        data[cut:cut] = random.Random(size).randbytes(size) + b"\n"
+    elif kind == "json":  # a line that parses but cannot apply: a consumed group nobody drew
+        data[cut:cut] = b'["c",["g999999"]]\n["d","g1",0,0]\n'
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+
+
+OPS = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 1000)), min_size=1, max_size=120)
+DAMAGE = st.tuples(st.sampled_from(["none", "truncate", "zeros", "zero_page", "garbage", "json"]),
+                   st.floats(0, 1), st.integers(1, 5000))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, mark=st.floats(0, 1), harm=DAMAGE)
+def test_resume_survives_any_damage_past_its_checkpoint(ops, mark, harm):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "j")
+        offset, position, _ = run(path, ops, int(mark * len(ops)))
+        damage(path, offset, *harm)
+        led = Ledger.after_learner_resume(path, offset, G, ROWS, 0)
+        acc = led.accounting()
+        assert balanced(acc) and acc["in_flight"] == acc["buffered"] == 0
+        assert position_of(led) == position  # the checkpoint's data position, whatever came after
+        again = Ledger.after_coordinator_restart(path, G, ROWS, 0)  # and what the resume wrote replays
+        assert balanced(again.accounting()) and again.drawn == led.drawn
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, mark=st.floats(0, 1), harm=DAMAGE)
+def test_restart_survives_any_damage_past_the_last_checkpoint(ops, mark, harm):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "j")
+        offset, _, state = run(path, ops, len(ops))  # the last checkpoint at the end: the damage comes after it
+        damage(path, offset, *harm)
+        led = Ledger.after_coordinator_restart(path, G, ROWS, 0)
+        acc = led.accounting()
+        assert balanced(acc) and acc["in_flight"] == acc["buffered"] == 0
+        # nothing the checkpoint holds is lost; a line past it that could be real (the "json" damage's draw) counts
+        assert led.drawn >= state["drawn"] and acc["dispatched"] >= state["rollouts"]["dispatched"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS)
+def test_a_replay_of_valid_transitions_gives_their_books(ops):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "j")
+        led = Ledger(G, ROWS, 0)
+        led.open_journal(path)
+        for op, pick in ops:
+            step(led, op, pick)
+        led.close()
+        assert balanced(led.accounting())
+        assert Ledger.replay(path, G, ROWS, 0).state() == led.state()
+        restarted = Ledger.after_coordinator_restart(path, G, ROWS, 0)
+        assert balanced(restarted.accounting()) and restarted.next_group == led.next_group
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=400), offset=st.integers(0, 500))
+def test_no_bytes_make_recovery_fail_unhelpfully(data, offset):
+    """Any file as a journal: a restart recovers balanced books (nothing in it was fsynced by a checkpoint); a
+    resume does too, or says in one ValueError naming the journal what is wrong with the checkpoint's position."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "j")
+        with open(path, "wb") as f:
+            f.write(data)
+        assert balanced(Ledger.after_coordinator_restart(path, G, ROWS, 0).accounting())
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            led = Ledger.after_learner_resume(path, offset, G, ROWS, 0)
+        except ValueError as e:
+            assert path in str(e)
+        else:
+            assert balanced(led.accounting())
+
+
+# ---------------------------------------------------------------------- the cases, one by one
+
+
+def journal_with_checkpoint(tmp_path, after: int = 60):
+    path = str(tmp_path / "j")
+    rng = random.Random(7)
+    ops = [(rng.randrange(10), rng.randrange(1000)) for _ in range(300)]
+    offset, position, state = run(path, ops[: 300 - after] + ops[300 - after:], 300 - after - 1)
+    return path, offset, position
+
+
+@pytest.mark.parametrize("kind", ["zeros", "zero_page", "garbage"])
+def test_a_machine_crash_leaves_garbage_past_the_checkpoint_and_both_recoveries_go_on(tmp_path, caplog, kind):
+    """After a machine crash the part past the last fsync may hold zeros over a line with later lines intact, a
+    zero page ended by a newline, or garbage: resume and restart go on from the checkpoint (the damaged lines
+    skipped, counted and said), where one bad line used to block both."""
+    path, offset, position = journal_with_checkpoint(tmp_path)
+    damage(path, offset, kind, 0.3, 300)
+    led = Ledger.after_learner_resume(path, offset, G, ROWS, 0)
+    assert position_of(led) == position and balanced(led.accounting()) and led.damaged_lines >= 1
+    assert "damaged lines" in caplog.text
+    damage(path, os.path.getsize(path) - 1, kind, 0.0, 300)  # damage after the resume's own state line too
+    again = Ledger.after_coordinator_restart(path, G, ROWS, 0)
+    assert balanced(again.accounting()) and again.damaged_lines >= 1
+
+
+def test_damage_inside_the_fsynced_part_is_an_error_not_skipped(tmp_path):
+    path, offset, _ = journal_with_checkpoint(tmp_path)
+    data = bytearray(open(path, "rb").read())
+    data[offset - 10:offset - 1] = bytes(9)  # the checkpoint's own state line
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=f"journal {path}: the checkpoint's state.*damaged"):
+        Ledger.after_learner_resume(path, offset, G, ROWS, 0)
+
+
+def test_recovery_never_reads_what_precedes_the_state_line_it_starts_from(tmp_path):
+    """Replay starts at the checkpoint's state line: every byte before it could be garbage (here it is) and resume
+    and restart give the same books as from the intact journal. Time to recover is then bounded by what happened
+    since the last checkpoint, not by the run's length (benchmarks/journal_replay.py measures it)."""
+    path, offset, _ = journal_with_checkpoint(tmp_path)
+    original = open(path, "rb").read()
+    line_start = original.rfind(b"\n", 0, offset - 1) + 1
+    rng = random.Random(1)
+    garbled = bytes(rng.choice(range(11, 256)) for _ in range(line_start - 1)) + original[line_start - 1:]
+    copies = {}
+    for name, data in [("intact", original), ("garbled", garbled)]:
+        for use in ("resume", "restart"):
+            copies[name, use] = str(tmp_path / f"{name}-{use}")
+            with open(copies[name, use], "wb") as f:
+                f.write(data)
+    resumed = [Ledger.after_learner_resume(copies[name, "resume"], offset, G, ROWS, 0).state()
+               for name in ("intact", "garbled")]
+    restarted = [Ledger.after_coordinator_restart(copies[name, "restart"], G, ROWS, 0).state()
+                 for name in ("intact", "garbled")]
+    assert resumed[0] == resumed[1] and restarted[0] == restarted[1]
+    with pytest.raises(ValueError):  # while a replay from byte 0 (the old recovery) cannot read it
+        Ledger.replay(copies["garbled", "resume"], G, ROWS, 0)
+
+
+def test_each_checkpoint_writes_one_state_line(tmp_path):
+    path = tmp_path / "j"
+    led = Ledger(G, ROWS, 0)
+    led.open_journal(str(path))
+    led.draw()
+    first = led.sync()
+    assert led.sync() == first  # nothing new: no second state line
+    assert open(path, "rb").read().splitlines()[-1].startswith(b'["s",')
+    led.draw()
+    assert led.sync() > first
+    led.close()
+    assert [line[:5] for line in path.read_bytes().splitlines()] == [b'["d",', b'["s",', b'["d",', b'["s",']
+    assert Ledger.replay(str(path), G, ROWS, 0).requeue == deque()

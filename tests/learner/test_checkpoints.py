@@ -1,0 +1,64 @@
+"""Checkpoint rotation (run.keep_checkpoints): a kill at any moment leaves a complete checkpoint to resume from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import build_run
+from echo2.learner.callbacks import CHECKPOINT_STATE, checkpoints_to_remove
+from echo2.learner.trainer import Echo2GRPOTrainer  # noqa: F401  (TRL and DeepSpeed ask `uname` once, at import)
+
+
+@pytest.mark.parametrize("found, keep, removed", [
+    ({1: True}, 1, []),
+    ({1: True, 2: True}, 1, [1]),  # called once 2 is complete: 1 goes
+    ({1: True, 2: False}, 1, [2]),  # 2 never completed (its save failed): 1 stays, the wreck goes
+    ({1: True, 2: True, 3: True}, 2, [1]),
+    ({1: True, 2: True, 3: False, 4: True}, 2, [1, 3]),
+    ({5: False, 2: True, 3: True}, 1, [2, 5]),  # a dead run's incomplete checkpoint past the newest complete one
+    ({}, 1, []),
+])
+def test_checkpoints_to_remove(found, keep, removed):
+    assert checkpoints_to_remove(found, keep) == removed
+
+
+class KilledAtSave:
+    """The sync source, but its checkpoint state at ``at`` cannot be had: the learner dies there, between HF's save
+    of weights and optimizer and echo2's state, which completes the checkpoint (as a kill -9 or a full journal
+    disk would leave it)."""
+
+    def __init__(self, inner, at):
+        self.inner, self.at, self.trainer = inner, at, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def checkpoint(self):
+        if self.trainer.state.global_step == self.at:
+            raise OSError("killed while saving")
+        return self.inner.checkpoint()
+
+
+def test_a_kill_while_saving_leaves_a_complete_checkpoint_with_one_kept(tmp_path):
+    """keep_checkpoints=1: HF's rotation deleted the one complete checkpoint as soon as the new one's weights were
+    written, before echo2's state completed it; a kill in between left nothing to resume from."""
+    import train
+
+    cfg, trainer, source, _ = build_run(tmp_path, ["rollout=sync", "run.steps=3", "run.save_every_steps=1",
+                                                   "run.keep_checkpoints=1"])
+    killed = KilledAtSave(source, at=2)
+    killed.trainer = trainer
+    trainer.rollout_source = killed
+    with pytest.raises(OSError, match="killed while saving"):
+        trainer.train()
+    assert train.find_checkpoint(cfg, str(tmp_path)) == str(Path(tmp_path, "trainer", "checkpoint-1"))
+    assert (Path(tmp_path, "trainer", "checkpoint-1") / CHECKPOINT_STATE).is_file()
+
+
+def test_one_kept_means_one_left(tmp_path):
+    cfg, trainer, source, _ = build_run(tmp_path, ["rollout=sync", "run.steps=3", "run.save_every_steps=1",
+                                                   "run.keep_checkpoints=1"])
+    trainer.train()
+    assert sorted(p.name for p in Path(tmp_path, "trainer").glob("checkpoint-*")) == ["checkpoint-3"]
