@@ -157,6 +157,7 @@ class LearnerConfig:
     low_precision_weights: bool = False
     micro_batch_size: Optional[int] = None
     gradient_checkpointing: bool = False
+    num_iterations: int = 1
     deepspeed: Optional[Any] = None
     trl: dict[str, Any] = field(default_factory=dict)
 
@@ -203,6 +204,13 @@ class RunConfig:
     save_every_steps: int = 50
     keep_checkpoints: int = 2
     resume: str = "auto"
+    report_to: Any = field(default_factory=lambda: ["wandb"])  # a name, a list of names, "all" or "none"
+    tags: List[str] = field(default_factory=list)
+    completions_every_steps: int = 10
+    completions_rows: int = 16
+    push_to_hub: bool = False
+    hub_model_id: Optional[str] = None
+    hub_private: Optional[bool] = None
 
 
 @dataclass
@@ -219,21 +227,17 @@ class Config:
 
 
 def register_configs() -> None:
+    """The structured configs, at the top of the config store: each group's YAML names its schema in its defaults
+    (``- /rollout_schema@_here_``, ``- /async_schema@source``), so the schemas check every option without being
+    options of a group themselves (Hydra's option lists and ``--help`` show only the YAML files)."""
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="task", name="arith_schema", node=ArithTaskConfig)
-    cs.store(group="task", name="gsm8k_schema", node=Gsm8kTaskConfig)
-    cs.store(group="task", name="kuhn_schema", node=KuhnTaskConfig)
-    cs.store(group="task", name="arith_chat_schema", node=ArithChatTaskConfig)
-    cs.store(group="learner", name="learner_schema", node=LearnerConfig)
-    cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
-    cs.store(group="broadcast", name="broadcast_schema", node=BroadcastConfig)
-    cs.store(group="activation", name="activation_schema", node=ActivationConfig)
-    for name, node in SOURCE_SCHEMAS.items():  # conf/rollout/*.yaml: `- source: async_schema` in their defaults
-        cs.store(group="rollout/source", name=name, node=node)
-    for name, node in SENDER_SCHEMAS.items():  # conf/broadcast/*.yaml: `- sender: relay_schema`
-        cs.store(group="broadcast/sender", name=name, node=node)
+    for name, node in {"model_schema": ModelConfig, "arith_schema": ArithTaskConfig, "gsm8k_schema": Gsm8kTaskConfig,
+                       "kuhn_schema": KuhnTaskConfig, "arith_chat_schema": ArithChatTaskConfig,
+                       "learner_schema": LearnerConfig, "rollout_schema": RolloutConfig,
+                       "broadcast_schema": BroadcastConfig, "activation_schema": ActivationConfig,
+                       **SOURCE_SCHEMAS, **SENDER_SCHEMAS}.items():
+        cs.store(name=name, node=node)
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -260,6 +264,8 @@ def unknown_key(dotted: str) -> str | None:
             where = ".".join(parts[:depth]) or "the top level"
             near = difflib.get_close_matches(key, [f for f in fields if not f.startswith("_")], n=1)
             hint = f" (did you mean {'.'.join(parts[:depth] + near)}?)" if near else ""
+            if depth == len(parts) - 1 and (trl := trl_hint(key)):  # a TRL name: where echo2 keeps that setting
+                hint = f" ({trl})"
             return (f"{dotted.lstrip('+~')}: no such option in {where}{hint}; every option is listed in "
                     "docs/config.md")
         hint = fields[key]
@@ -273,9 +279,29 @@ def unknown_key(dotted: str) -> str | None:
             nodes = COMPONENT_SCHEMAS[tuple(parts[:depth + 1])]
         elif dataclasses.is_dataclass(hint):
             nodes = (hint,)
+        elif tuple(parts[:depth + 1]) == ("learner", "trl") and depth + 1 < len(parts):
+            return trl_errors(parts[depth + 1])  # the GRPOConfig pass-through: TRL's own field names
         else:
             return None  # a value (or a free-form node): Hydra and the component check it
     return None
+
+
+def trl_hint(name: str) -> str | None:
+    """Where echo2 keeps the setting TRL's GRPOConfig calls ``name`` (None: not a GRPOConfig field). Reads TRL only
+    for names that could be one (a plain identifier)."""
+    if not name.isidentifier():
+        return None
+    from echo2.learner.trl_fields import hint
+
+    return hint(name)
+
+
+def trl_errors(name: str) -> str | None:
+    """Why ``learner.trl.<name>`` cannot be set (owned by echo2, refused, or no GRPOConfig field), or None."""
+    from echo2.learner.trl_fields import check
+
+    errors = check({name: None})
+    return errors[0] + "; every option is listed in docs/config.md" if errors else None
 
 
 GROUPS_WITHOUT_SCHEMA = ("experiment",)
@@ -367,6 +393,10 @@ def unknown_keys(cfg: Any) -> list[str]:
     return out
 
 
+class ConfigError(ValueError):
+    """A setting that composes but cannot run; train.py logs it (the run's train.log) and exits 1, no traceback."""
+
+
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Fail fast, with the key to change, on settings that compose but cannot run."""
     r = cfg.rollout
@@ -432,5 +462,111 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if cfg.learner.scale_rewards not in SCALE_REWARDS:
         errors.append(f"learner.scale_rewards={cfg.learner.scale_rewards!r}: expected one of "
                       f"{', '.join(SCALE_REWARDS)}")
+    errors += _learner_errors(cfg) + _pool_errors(cfg, remote) + _run_errors(cfg)
     if errors:
-        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _learner_errors(cfg: Any) -> list[str]:
+    """TRL's side of the learner: the loss TRL computes, the GRPOConfig pass-through (echo2/learner/trl_fields.py),
+    and μ passes per batch."""
+    from omegaconf import OmegaConf
+
+    from echo2.learner import trl_fields
+
+    lc, errors = cfg.learner, []
+    if lc.loss_type not in trl_fields.loss_types():
+        errors.append(f"learner.loss_type={lc.loss_type!r}: TRL {_trl_version()} computes "
+                      f"{', '.join(trl_fields.loss_types())}")
+    trl = OmegaConf.to_container(lc.trl, resolve=True) if lc.trl else {}
+    errors += trl_fields.check(trl)
+    mu = lc.num_iterations
+    if mu < 1:
+        errors.append(f"learner.num_iterations={mu}: must be >= 1 (optimizer steps, PPO-style passes, per batch)")
+    elif mu > 1 and cfg.run.save_every_steps % mu:
+        errors.append(f"run.save_every_steps={cfg.run.save_every_steps} with learner.num_iterations={mu}: checkpoints "
+                      f"lie between batches, so save every multiple of {mu} steps")
+    return errors
+
+
+def _trl_version() -> str:
+    import trl
+
+    return trl.__version__
+
+
+def _pool_errors(cfg: Any, remote: bool) -> list[str]:
+    """A pool that cannot feed a remote source."""
+    from echo2.learner.sources.pool import LocalPool
+
+    pool = cfg.pool
+    target = pool.get("_target_") if hasattr(pool, "get") else None
+    if remote and target and get_class(target) is LocalPool and pool.get("workers", 1) < 1:
+        return [f"pool.workers={pool.workers} with pool=local starts no worker: the learner would wait "
+                f"rollout.source.take_timeout_s for rollouts that never come. Set pool.workers=N (N >= 1), or "
+                "pool=static to join workers of your own (launchers/join.sh)"]
+    return []
+
+
+def _run_errors(cfg: Any) -> list[str]:
+    """Logs and outputs: trackers, the completions table, the hub push."""
+    import os
+
+    from echo2.trackers import resolve_report_to
+
+    run, errors = cfg.run, []
+    try:
+        resolve_report_to(run.report_to)
+    except ValueError as e:
+        errors.append(str(e))
+    if run.completions_every_steps < 0 or run.completions_rows < 1:
+        errors.append(f"run.completions_every_steps={run.completions_every_steps}, completions_rows="
+                      f"{run.completions_rows}: need completions_every_steps >= 0 (0: never) and completions_rows >= 1")
+    if run.push_to_hub:
+        if not run.hub_model_id:
+            errors.append("run.push_to_hub=true needs run.hub_model_id (the repository, e.g. my-org/qwen3-grpo)")
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            errors.append("run.push_to_hub=true but HF_HUB_OFFLINE is set: the final model could not be pushed. "
+                          "Unset HF_HUB_OFFLINE, or push later: hf upload REPO <run dir>/trainer")
+    return errors
+
+
+def sweep_warning(hydra_config: Any) -> str | None:
+    """What to say when a configuration that defines a sweep (``hydra.sweeper.params``, e.g. experiment=
+    staleness_sweep) runs without ``-m``: one job with the file's defaults, not its grid."""
+    from hydra.types import RunMode
+
+    sweeper = hydra_config.get("sweeper") if hasattr(hydra_config, "get") else None
+    params = (sweeper.get("params") if sweeper is not None else None) or {}
+    if hydra_config.mode != RunMode.RUN or not params:
+        return None
+    grid = ", ".join(f"{k}={v}" for k, v in params.items())
+    return (f"this configuration defines a sweep ({grid}) but was started without -m: it runs ONE job with the "
+            "defaults, not the grid. Add -m to run every job of the grid (python train.py -m ...)")
+
+
+def log_composition_error(argv: list[str], conf_dir: Path = CONF_DIR) -> str | None:
+    """After Hydra failed to compose the config of ``argv`` (it printed why): when the command line names the run
+    directory (``hydra.run.dir=...``, as a scheduled or resumed run does), append the same error to its train.log,
+    where the run's other messages would be. Returns the error, or None if it cannot be reproduced here."""
+    import datetime
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    run_dir = next((a.split("=", 1)[1] for a in overrides if a.lstrip("+").startswith("hydra.run.dir=")), None)
+    if run_dir is None:
+        return None
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            compose(config_name="config", overrides=[o for o in overrides if not o.lstrip("+").startswith("hydra.")])
+        return None
+    except Exception as e:  # noqa: BLE001 - whatever Hydra refused, it goes to the run's log as it was printed
+        error = f"{e}\n{e.__cause__}" if e.__cause__ is not None else str(e)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    with open(Path(run_dir) / "train.log", "a") as f:
+        f.write(f"[{stamp}][echo2][ERROR] - invalid config: {error}\n")
+    return error

@@ -25,7 +25,8 @@ class RewardFunctions:
 
     def __init__(self, task: Task):
         self.funcs = task.reward_funcs()
-        self.weights = task.reward_weights()
+        # learner.trl.reward_weights (TRL's name), set on the task by train.py, else the task's own
+        self.weights = list(getattr(task, "reward_weights_override", None) or task.reward_weights())
         if len(self.weights) != len(self.funcs):
             raise ValueError(f"task {task.name}: {len(self.funcs)} reward funcs but {len(self.weights)} weights")
 

@@ -42,6 +42,7 @@ class RunParts:
     activation: Any  # activation.settings.ActivationSettings
     broadcast_shape: Any  # activation.settings.BroadcastShape
     resume: dict | None = None  # what the source's checkpoint() returned, when the learner resumes from one
+    steps_per_batch: int = 1  # μ (learner.num_iterations): optimizer steps (versions) the learner makes per batch
 
 
 class Engine(Protocol):

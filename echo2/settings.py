@@ -60,7 +60,7 @@ class CoordinatorSettings:
 
     token: str  # the run secret: workers authenticate with it or a credential derived from it
     staleness: int  # S: the most versions a consumed group may lag the learner
-    prompts_per_step: int  # P: groups per learner step
+    prompts_per_step: int  # P: groups per batch (one batch per learner step, or per steps_per_batch steps)
     group_size: int  # G: completions per prompt
     sampling: dict[str, Any]  # what workers sample with (max_tokens, temperature, top_p, top_k, stop_token_ids)
     vocab_size: int  # a pushed token id must be below it
@@ -83,8 +83,11 @@ class CoordinatorSettings:
     broadcaster: dict | None = None  # the broadcast.sender config (its _target_ and options), built in the process
     reward_processes: int = 2  # the reward pool's processes, each group scored within reward_timeout_s
     reward_timeout_s: float = 10.0
+    steps_per_batch: int = 1  # μ (learner.num_iterations): the learner takes a batch every μ versions
 
     def __post_init__(self):
+        if self.steps_per_batch < 1:
+            raise ValueError(f"learner.num_iterations={self.steps_per_batch}: must be >= 1")
         if self.reward_processes < 1 or not self.reward_timeout_s > 0:
             raise ValueError(f"rollout.source.reward_processes={self.reward_processes} must be >= 1 and "
                              f"reward_timeout_s={self.reward_timeout_s} > 0")

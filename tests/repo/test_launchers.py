@@ -164,17 +164,18 @@ def test_install_puts_the_checkout_on_the_venv_path_so_modules_run_from_anywhere
 
 @pytest.mark.slow
 def test_a_run_waiting_for_workers_says_so_and_stops_at_the_first_sigterm(tmp_path):
-    """pool.workers=0: the learner's first step waits for rollouts that never come. It says what it waits for
-    (periodically, naming the option), and one SIGTERM ends the run at once with a summary.json."""
+    """pool=static and no worker joins: the learner's first step waits for rollouts that never come. It says what it
+    waits for (periodically, with how to join workers), and one SIGTERM ends the run at once with a summary.json."""
     log = tmp_path / "out.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "train.py", "pool.workers=0", "run.steps=2", "run.wandb=disabled",
+        proc = subprocess.Popen([sys.executable, "train.py", "pool=static", "run.steps=2", "run.wandb=disabled",
                                  "rollout.source.wait_log_s=1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: log.read_text().count("waiting") >= 2, timeout_s=300)
         text = log.read_text()
-        assert "16 rollout groups for step 1: 0 workers connected" in text and "pool.workers=0" in text, text[-2000:]
+        assert "16 rollout groups for step 1: 0 workers connected" in text and "pool=static starts no worker" in text, \
+            text[-2000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]  # was: ~65 s, then no summary
     finally:
