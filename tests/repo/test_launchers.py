@@ -188,14 +188,15 @@ def test_a_run_waiting_for_workers_says_so_and_stops_at_the_first_sigterm(tmp_pa
 
 
 def test_join_installs_once_when_an_array_starts_together(tmp_path):
-    """16 SLURM array tasks in one shared checkout run join.sh at once: one ./install.sh, the rest wait for it."""
+    """16 SLURM array tasks in one shared checkout run join.sh at once: one ./install.sh --worker (the worker-only
+    environment, .venv-worker), the rest wait for it."""
     (tmp_path / "launchers").mkdir()
     (tmp_path / "launchers" / "join.sh").write_text((ROOT / "launchers" / "join.sh").read_text())
     (tmp_path / "install.sh").write_text(
-        "#!/usr/bin/env bash\nset -e\n"
-        "[ ! -e busy ] || echo overlap >> log\ntouch busy; echo install >> log; sleep 1\n"
-        "mkdir -p .venv/bin; printf '#!/bin/sh\\necho ran \"$@\"\\n' > .venv/bin/python; chmod +x .venv/bin/python\n"
-        "rm busy; touch .venv/.echo2-installed\n")
+        "#!/usr/bin/env bash\nset -e\nv=${ECHO2_VENV:-.venv}\n"
+        "[ ! -e busy ] || echo overlap >> log\ntouch busy; echo install \"$@\" >> log; sleep 1\n"
+        "mkdir -p $v/bin; printf '#!/bin/sh\\necho ran \"$@\"\\n' > $v/bin/python; chmod +x $v/bin/python\n"
+        "rm busy; touch $v/.echo2-installed\n")
     os.chmod(tmp_path / "install.sh", 0o755)
     env = {k: v for k, v in os.environ.items() if k != "ECHO2_PYTHON"}
     env.update(ECHO2_TOKEN="t", PATH="/usr/bin:/bin")  # no nvidia-smi on this PATH: the CPU install
@@ -203,7 +204,8 @@ def test_join_installs_once_when_an_array_starts_together(tmp_path):
                               stdout=subprocess.PIPE, text=True) for _ in range(6)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert (tmp_path / "log").read_text().split() == ["install"]
+    assert (tmp_path / "log").read_text().split() == ["install", "--worker"]
+    assert (tmp_path / ".venv-worker" / ".echo2-installed").exists() and not (tmp_path / ".venv").exists()
     assert all("ran -m echo2.worker --coordinator http://h:1 --model m" in o for o in outs), outs
 
 
