@@ -126,3 +126,34 @@ def test_dispatch_counts_mu_versions_per_batch(step, worker, ahead, P, S, mu, wo
     """The coordinator dispatches a group only if it can still be admissible when consumed; a batch is taken
     every μ versions, so a group `ahead // P` batches back in the queue is consumed μ·(ahead // P) versions on."""
     assert worth_dispatching(step, worker, ahead, P, S, mu) == worth
+
+
+def test_a_resume_between_batches_takes_the_same_next_batch(tmp_path):
+    """μ = 2, a checkpoint at step 2 (between batches): resumed from it, the learner takes its next batch at version
+    2 from the same prompts as the run that was not interrupted, and counts the rollouts of the batches before."""
+    import train
+    from conftest import compose
+
+    common = ["rollout=sync", "learner.num_iterations=2", "run.steps=4", "run.save_every_steps=2", *SHRUNK,
+              "run.wandb=disabled", "run.progress=false", "run.eval_every_steps=0"]
+
+    def run(run_dir, resume=None):
+        cfg = compose(common)
+        trainer, source, _ = train.build(cfg, str(run_dir), rank=0, world_size=1, resume=resume)
+        taken = []
+
+        def keep(rows, version, policy=None, _collect=source.collect):
+            taken.append((version, [r["prompt"] for r in rows]))
+            return _collect(rows, version, policy)
+
+        source.collect = keep
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, taken
+
+    whole, taken = run(tmp_path / "whole")
+    assert [v for v, _ in taken] == [0, 2]
+    checkpoint = tmp_path / "whole" / "trainer" / "checkpoint-2"
+    assert (checkpoint / "echo2_state.json").is_file()
+    resumed, taken_again = run(tmp_path / "whole", resume=str(checkpoint))
+    assert taken_again == [taken[1]], "the resumed run did not take the same batch at version 2"
+    assert resumed.version == 4 and resumed.rollouts_consumed == whole.rollouts_consumed == 2 * 64
