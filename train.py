@@ -25,7 +25,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from echo2.config import ConfigError, check_experiments, check_overrides, register_configs, sweep_warning, validate
+from echo2.config import ConfigError, check_experiments, check_overrides, register_configs, validate
+from echo2.config_checks import sweep_warning
 from echo2.env import configure_process, run_token, world
 from echo2.seams import RunParts, RunStopped
 
@@ -301,7 +302,7 @@ if __name__ == "__main__":
         main()
     except SystemExit as e:
         if e.code and not STARTED:  # Hydra could not compose the config: it printed why; the run dir keeps it too
-            from echo2.config import log_composition_error
+            from echo2.config_checks import log_composition_error
 
             log_composition_error(sys.argv[1:])
         raise

@@ -9,7 +9,8 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from conftest import CONF, compose, run_train
-from echo2.config import ConfigError, sweep_warning, validate
+from echo2.config import ConfigError, validate
+from echo2.config_checks import sweep_warning
 
 
 def test_a_local_pool_that_starts_no_worker_is_refused():

@@ -51,7 +51,7 @@ TOOL_IMPORTS = {"echo2/config.py": {"echo2.coordinator.broadcaster", "echo2.coor
 """The imports of a plane by a tool that the learner process runs: train.py composes its config with echo2/config.py,
 which reads the coordinator's broadcaster constructor as the ``broadcast.sender`` schema (its class, no instance)."""
 
-TOOLS = ("lab", "sim", "cost", "plan", "report", "config", "config_reference", "eval")
+TOOLS = ("lab", "sim", "cost", "plan", "report", "config", "config_checks", "config_reference", "eval")
 """What wires the planes or studies them from outside (like train.py, tests and benchmarks): may import any."""
 
 
