@@ -126,7 +126,8 @@ def evaluate(checkpoint: str, task: Any, options: dict[str, Any]) -> dict[str, A
         if options["greedy"]:
             greedy = engine.generate(prompts, SamplingParams(n=1, max_tokens=max_tokens, stop_token_ids=tuple(stops)),
                                      greedy=True)
-            out["greedy_accuracy"] = sum(correct(g[0], r) for g, r in zip(greedy, rows, strict=True)) / max(1, len(rows))
+            hits = sum(correct(g[0], r) for g, r in zip(greedy, rows, strict=True))
+            out["greedy_accuracy"] = hits / max(1, len(rows))
         samples = engine.generate(prompts, sampled, greedy=False)
     finally:
         engine.close()
@@ -213,7 +214,8 @@ class VLLMEval:
 
 def table(scores: dict[str, Any]) -> str:
     keys = [k for k in ("examples", "greedy_accuracy", "pass@1", f"pass@{scores['k']}") if k in scores]
-    head = f"{scores['checkpoint']} on {scores['task']} ({scores['engine']}; n={scores['n']}, T={scores['temperature']})"
+    head = (f"{scores['checkpoint']} on {scores['task']} ({scores['engine']}; n={scores['n']}, "
+            f"T={scores['temperature']})")
     return head + "\n" + "\n".join(f"  {k:>16}: {scores[k]:.4f}" if isinstance(scores[k], float) else
                                    f"  {k:>16}: {scores[k]}" for k in keys)
 

@@ -73,8 +73,9 @@ class SourceVersions(TrainerCallback):
 
 class StopOnSignal(TrainerCallback):
     """``requested`` (set by train.py's signal handler) ends the run after the current step (with
-    ``learner.num_iterations`` = μ > 1, after the current batch's last pass), with a checkpoint where checkpoints are on; a signal to any rank stops every rank after the same step (none left waiting): the
-    current one, or the next if the signal lands while the ranks vote at the step's end."""
+    ``learner.num_iterations`` = μ > 1, after the current batch's last pass), with a checkpoint where checkpoints are
+    on; a signal to any rank stops every rank after the same step (none left waiting): the current one, or the next
+    if the signal lands while the ranks vote at the step's end."""
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
