@@ -150,3 +150,10 @@ def test_the_field_table_in_the_docs_is_the_installed_trls():
     doc = (ROOT / "docs" / "trl.md").read_text()
     assert doc.split("## GRPOConfig, field by field\n", 1)[1].endswith(trl_fields.markdown()), \
         "docs/trl.md is stale: regenerate its last section with python -m echo2.learner.trl_fields"
+
+
+def test_model_init_kwargs_are_merged_with_echo2s_dtype(tmp_path):
+    """learner.trl.model_init_kwargs reaches TRL's from_pretrained beside echo2's dtype (float32 for the tiny model)."""
+    cfg, trainer, _, _ = build_run(tmp_path, ["rollout=sync", "+learner.trl.model_init_kwargs={attn_implementation:eager}"])
+    assert trainer.args.model_init_kwargs == {"attn_implementation": "eager", "dtype": "float32"}
+    assert trainer.model.config._attn_implementation == "eager"
