@@ -25,7 +25,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from echo2.config import check_experiments, check_overrides, register_configs, validate
+from echo2.config import ConfigError, check_experiments, check_overrides, register_configs, validate
+from echo2.config_checks import sweep_warning
 from echo2.env import configure_process, run_token, world
 from echo2.seams import RunParts, RunStopped
 
@@ -55,25 +56,33 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     writes the summary, and its ``stop`` ends the run after a step. ``resume``: a checkpoint to resume from
     (find_checkpoint); the trainer loads it in ``train()``."""
     from echo2.learner.args import grpo_config, learning_rate_warning, peft_config, resolve_precision
-    from echo2.learner import callbacks
+    from echo2.learner import callbacks, trl_fields
+    from echo2.learner.samples import CompletionsTable
     from echo2.learner.trainer import Echo2GRPOTrainer
     from echo2.metrics import MetricsSink
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
     from echo2.learner.evaluate import Evaluator
 
     resolve_precision(cfg)
-    model_path = instantiate(cfg.model.path)
-    tokenizer = load_tokenizer(model_path)
-    stop_ids = stop_token_ids(tokenizer, model_path)
-    log.info("model %s from %s (%s), stop tokens %s", cfg.model.name, model_path, cfg.model.dtype,
-             tokenizer.convert_ids_to_tokens(stop_ids))
-    if warning := learning_rate_warning(cfg):
-        log.warning("%s", warning)
-
+    trl = OmegaConf.to_container(cfg.learner.trl, resolve=True) if cfg.learner.trl else {}
     task = instantiate(cfg.task)
     train_set = task.train_dataset()
     log.info("task %s: %d train rows, max %d completion tokens", task.name, len(train_set),
              task.max_completion_length)
+    reward_weights(task, trl.get("reward_weights"))
+
+    model_path = instantiate(cfg.model.path)
+    tokenizer = load_tokenizer(model_path)
+    stop_ids = stop_token_ids(tokenizer, model_path)
+    if extra := [i for i in trl_fields.extra_stop_ids(trl) if i not in stop_ids]:  # learner.trl.generation_kwargs
+        if max(extra) >= len(tokenizer):
+            raise ConfigError(f"learner.trl.generation_kwargs: stop token {max(extra)} is not in the vocabulary "
+                              f"({len(tokenizer)} tokens)")
+        stop_ids = [*stop_ids, *extra]
+    log.info("model %s from %s (%s), stop tokens %s", cfg.model.name, model_path, cfg.model.dtype,
+             tokenizer.convert_ids_to_tokens(stop_ids))
+    if warning := learning_rate_warning(cfg):
+        log.warning("%s", warning)
 
     engine = instantiate(cfg.rollout.engine, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_ids)
     resumed = json.loads((Path(resume) / callbacks.CHECKPOINT_STATE).read_text()) if resume else None
@@ -108,12 +117,14 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     if rank == 0:
         group, name = wandb_names(cfg)
         sink = MetricsSink(run_dir, cfg.run.wandb, cfg.run.project, group, name,
-                           OmegaConf.to_container(cfg, resolve=True), resume_step=resumed["step"] if resumed else None)
+                           OmegaConf.to_container(cfg, resolve=True), resume_step=resumed["step"] if resumed else None,
+                           report_to=cfg.run.report_to, tags=list(cfg.run.tags))
     evaluator = Evaluator(task, tokenizer, engine) if cfg.run.eval_every_steps else None
     stop = callbacks.StopOnSignal(trainer)
     evaluation = callbacks.Evaluation(trainer, evaluator, cfg.run.eval_every_steps, sink.previous if sink else [])
     step_log = callbacks.StepLog(trainer, sink, evaluation, stop)
-    for callback in (callbacks.SourceVersions(trainer, cfg.run.keep_checkpoints), stop, evaluation, step_log):
+    table = CompletionsTable(trainer, sink, cfg.run.completions_every_steps, cfg.run.completions_rows)
+    for callback in (callbacks.SourceVersions(trainer, cfg.run.keep_checkpoints), stop, evaluation, step_log, table):
         trainer.add_callback(callback)
     if cfg.run.progress:
         trainer.add_callback(callbacks.ProgressBar(step_log))
@@ -144,7 +155,8 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
                      broadcaster=OmegaConf.to_container(cfg.broadcast.sender, resolve=True),
                      pool=instantiate(cfg.pool), activation=OmegaConf.to_object(cfg.activation),
                      broadcast_shape=BroadcastShape.of(cfg.broadcast),
-                     resume=resumed["source"] if resumed and resumed["source"] else None, max_steps=cfg.run.steps)
+                     resume=resumed["source"] if resumed and resumed["source"] else None, max_steps=cfg.run.steps,
+                     steps_per_batch=cfg.learner.num_iterations)
     if get_class(cfg.rollout.source._target_).needs_policy:  # generates in this process: every rank its own slice
         source = make_source(cfg.rollout.source, parts)
     else:  # remote workers
@@ -152,6 +164,19 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
     log.info("rollout source %s: S=%d, R=%d x %d per step, token %s", cfg.rollout.source._target_.rpartition(".")[2],
              cfg.rollout.staleness, cfg.rollout.prompts_per_step, cfg.rollout.group_size, token_origin)
     return source
+
+
+def reward_weights(task: Any, weights: list[float] | None) -> None:
+    """``learner.trl.reward_weights``, TRL's name: the weights of the task's reward functions, in their order, for
+    every scorer of the run (the task is handed, weights and all, to the coordinator's reward processes)."""
+    if weights is None:
+        return
+    names = [f.__name__ for f in task.reward_funcs()]
+    if len(weights) != len(names):
+        raise ConfigError(f"learner.trl.reward_weights={list(weights)}: task {task.name} has {len(names)} reward "
+                          f"function(s) ({', '.join(names)}), so give {len(names)} weight(s), in that order")
+    task.reward_weights_override = [float(w) for w in weights]
+    log.info("reward weights %s", ", ".join(f"{n}={w:g}" for n, w in zip(names, weights)))
 
 
 def make_source(node: DictConfig, parts: RunParts) -> Any:
@@ -191,22 +216,48 @@ def _swept_keys(argv: list[str]) -> set[str]:
     return {o.key_or_group for o in overrides if o.is_sweep_override()}
 
 
+def check(cfg: DictConfig, run_dir: str, world_size: int) -> str | None:
+    """Every check that needs no model, before anything loads; returns the checkpoint to resume from. A failure is
+    a configuration error: logged (the console and <run dir>/train.log), then exit 1, without a traceback."""
+    from echo2.learner.args import check_launch, resolve_precision
+    from echo2.learner.outputs import check_hub
+
+    try:
+        resolve_precision(cfg)  # model.dtype=auto, learner.bf16=null: what this machine runs
+        check_launch(cfg, world_size)  # before DeepSpeed: no launcher, N not dividing P, micro-batches, precision
+        validate(cfg, world_size)
+        check_hub(cfg)  # run.push_to_hub: a token and a hub that answers, before hours of training
+        return find_checkpoint(cfg, run_dir)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        config_error(e)
+
+
+def config_error(e: BaseException):
+    log.error("%s", e)
+    raise SystemExit(1) from None
+
+
+STARTED = False  # main() was entered: a failure before it is Hydra's (composition)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> dict:
+    global STARTED
+    STARTED = True
     configure_process()
     rank, world_size = world()
     if rank:  # one voice: the other ranks log warnings only
         logging.getLogger().setLevel(logging.WARNING)
-    from echo2.learner.args import check_launch, resolve_precision
-
-    resolve_precision(cfg)  # model.dtype=auto, learner.bf16=null: what this machine runs
-    check_launch(cfg, world_size)  # before DeepSpeed starts: no launcher, N not dividing P, micro-batches, precision
-    validate(cfg, world_size)
+    if warning := sweep_warning(HydraConfig.get()):
+        log.warning("%s", warning)
     run_dir = HydraConfig.get().runtime.output_dir
+    checkpoint = check(cfg, run_dir, world_size)
     if rank == 0:
         OmegaConf.save(cfg, os.path.join(run_dir, "resolved_config.yaml"), resolve=True)
-    checkpoint = find_checkpoint(cfg, run_dir)
-    trainer, source, step_log = build(cfg, run_dir, rank, world_size, resume=checkpoint)
+    try:
+        trainer, source, step_log = build(cfg, run_dir, rank, world_size, resume=checkpoint)
+    except ConfigError as e:  # what only the task or model could tell (reward weights, stop tokens)
+        config_error(e)
     stop = step_log.stop
 
     # The first SIGTERM (a scheduler's stop or preemption, `kill`) or Ctrl-C ends the run after the current step,
@@ -228,9 +279,12 @@ def main(cfg: DictConfig) -> dict:
         log.warning("%s; the run ends after %d steps", e, trainer.state.global_step)
     finally:
         accounting = source.close()
+    from echo2.learner.outputs import HubError, push, save_final
+
+    final = save_final(trainer)  # always: run.save_every_steps only decides the resumable checkpoints
     summary = step_log.summary(wall_s=time.perf_counter() - t0, learner_backend=trainer.backend(),
                                learner_processes=world_size, rollouts_consumed=trainer.rollouts_consumed,
-                               rollout_accounting=accounting)
+                               rollout_accounting=accounting, final_model=final)
     if rank == 0:
         from echo2.report import load, summary_table
 
@@ -241,6 +295,10 @@ def main(cfg: DictConfig) -> dict:
              "eval accuracy %s; run dir %s", summary["steps"], summary["wall_s"], summary["learner_backend"],
              world_size, num(summary["reward_first"]), num(summary["reward_last20_mean"]),
              " -> ".join(f"{a:.3f}@{s}" for s, a in evals.items()) or "off", run_dir)
+    try:
+        push(trainer, cfg)
+    except HubError as e:
+        config_error(e)
     return summary
 
 
@@ -248,4 +306,11 @@ if __name__ == "__main__":
     # before Hydra: its message would suggest adding the key with +, or name a mistyped key without a near one
     if bad := check_overrides(sys.argv[1:]) + check_experiments(sys.argv[1:]):
         sys.exit("invalid setting:\n  " + "\n  ".join(bad))
-    main()
+    try:
+        main()
+    except SystemExit as e:
+        if e.code and not STARTED:  # Hydra could not compose the config: it printed why; the run dir keeps it too
+            from echo2.config_checks import log_composition_error
+
+            log_composition_error(sys.argv[1:])
+        raise

@@ -145,6 +145,7 @@ class LearnerConfig:
     low_precision_weights: bool = False
     micro_batch_size: Optional[int] = None
     gradient_checkpointing: bool = False
+    num_iterations: int = 1
     deepspeed: Optional[Any] = None
     lora: LoraSettings = field(default_factory=LoraSettings)
     trl: dict[str, Any] = field(default_factory=dict)
@@ -193,6 +194,13 @@ class RunConfig:
     save_every_steps: int = 50
     keep_checkpoints: int = 2
     resume: str = "auto"
+    report_to: Any = field(default_factory=lambda: ["wandb"])  # a name, a list of names, "all" or "none"
+    tags: List[str] = field(default_factory=list)
+    completions_every_steps: int = 10
+    completions_rows: int = 16
+    push_to_hub: bool = False
+    hub_model_id: Optional[str] = None
+    hub_private: Optional[bool] = None
 
 
 @dataclass
@@ -209,19 +217,16 @@ class Config:
 
 
 def register_configs() -> None:
+    """The structured configs, at the top of the config store: each group's YAML names its schema in its defaults
+    (``- /rollout_schema@_here_``, ``- /async_schema@source``), so the schemas check every option without being
+    options of a group themselves (Hydra's option lists and ``--help`` show only the YAML files)."""
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    for name, node in TASK_SCHEMAS.items():  # conf/task/*.yaml: `- arith_schema` in their defaults
-        cs.store(group="task", name=name, node=node)
-    cs.store(group="learner", name="learner_schema", node=LearnerConfig)
-    cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
-    cs.store(group="broadcast", name="broadcast_schema", node=BroadcastConfig)
-    cs.store(group="activation", name="activation_schema", node=ActivationConfig)
-    for name, node in SOURCE_SCHEMAS.items():  # conf/rollout/*.yaml: `- source: async_schema` in their defaults
-        cs.store(group="rollout/source", name=name, node=node)
-    for name, node in SENDER_SCHEMAS.items():  # conf/broadcast/*.yaml: `- sender: relay_schema`
-        cs.store(group="broadcast/sender", name=name, node=node)
+    for name, node in {"model_schema": ModelConfig, **TASK_SCHEMAS,
+                       "learner_schema": LearnerConfig, "rollout_schema": RolloutConfig,
+                       "broadcast_schema": BroadcastConfig, "activation_schema": ActivationConfig,
+                       **SOURCE_SCHEMAS, **SENDER_SCHEMAS}.items():
+        cs.store(name=name, node=node)
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -249,6 +254,8 @@ def unknown_key(dotted: str, task_schema: type | None = None) -> str | None:
             where = ".".join(parts[:depth]) or "the top level"
             near = difflib.get_close_matches(key, [f for f in fields if not f.startswith("_")], n=1)
             hint = f" (did you mean {'.'.join(parts[:depth] + near)}?)" if near else ""
+            if depth == len(parts) - 1 and (trl := trl_hint(key)):  # a TRL name: where echo2 keeps that setting
+                hint = f" ({trl})"
             return (f"{dotted.lstrip('+~')}: no such option in {where}{hint}; every option is listed in "
                     "docs/config.md")
         hint = fields[key]
@@ -262,9 +269,29 @@ def unknown_key(dotted: str, task_schema: type | None = None) -> str | None:
             nodes = COMPONENT_SCHEMAS[tuple(parts[:depth + 1])]
         elif dataclasses.is_dataclass(hint):
             nodes = (hint,)
+        elif tuple(parts[:depth + 1]) == ("learner", "trl") and depth + 1 < len(parts):
+            return trl_errors(parts[depth + 1])  # the GRPOConfig pass-through: TRL's own field names
         else:
             return None  # a value (or a free-form node): Hydra and the component check it
     return None
+
+
+def trl_hint(name: str) -> str | None:
+    """Where echo2 keeps the setting TRL's GRPOConfig calls ``name`` (None: not a GRPOConfig field). Reads TRL only
+    for names that could be one (a plain identifier)."""
+    if not name.isidentifier():
+        return None
+    from echo2.learner.trl_fields import hint
+
+    return hint(name)
+
+
+def trl_errors(name: str) -> str | None:
+    """Why ``learner.trl.<name>`` cannot be set (owned by echo2, refused, or no GRPOConfig field), or None."""
+    from echo2.learner.trl_fields import check
+
+    errors = check({name: None})
+    return errors[0] + "; every option is listed in docs/config.md" if errors else None
 
 
 GROUPS_WITHOUT_SCHEMA = ("experiment",)
@@ -424,6 +451,10 @@ def task_errors(node: Any) -> list[str]:
     return [f"task.{k}: {target} needs it (no default)" for k in names if OmegaConf.is_missing(merged, k)]
 
 
+class ConfigError(ValueError):
+    """A setting that composes but cannot run; train.py logs it (the run's train.log) and exits 1, no traceback."""
+
+
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Fail fast, with the key to change, on settings that compose but cannot run."""
     r = cfg.rollout
@@ -495,5 +526,9 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if cfg.learner.scale_rewards not in SCALE_REWARDS:
         errors.append(f"learner.scale_rewards={cfg.learner.scale_rewards!r}: expected one of "
                       f"{', '.join(SCALE_REWARDS)}")
+    from echo2.config_checks import learner_errors, pool_errors, run_errors
+
+    errors += learner_errors(cfg) + pool_errors(cfg, remote) + run_errors(cfg)
     if errors:
-        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+

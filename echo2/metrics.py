@@ -1,8 +1,10 @@
-"""Metric names and the one place they are written from: ``metrics.jsonl`` in the run dir, and wandb.
+"""Metric names and the one place they are written from: ``metrics.jsonl`` in the run dir, and the run's trackers
+(``run.report_to``: wandb, tensorboard, trackio; echo2/trackers.py).
 
 Every key is namespaced (``train/ reward/ rollout/ buffer/ broadcast/ activation/ cost/ eval/``). TRL's own
-log keys (``loss``, ``grad_norm``, ``clip_ratio/...``) are moved under ``train/``. Only rank 0 writes; the
-same calls work with wandb off (``run.wandb=disabled``).
+log keys (``loss``, ``grad_norm``, ``clip_ratio/...``) are moved under ``train/``; ``TRL_NAMES`` maps echo2's keys to
+the names TRL's GRPOTrainer logs the same quantities under. Only rank 0 writes; the same calls work with every
+tracker off (``run.report_to=none``).
 
 Every key the library writes or reads is a constant below, one per key, grouped by namespace; a key made per
 worker, credential or reward function is a prefix constant (``..._PREFIX``, ending in ``/``) the caller appends
@@ -74,6 +76,11 @@ ROLLOUT_TOOL_ERRORS = "rollout/tool_errors"  # tool calls answered with an error
 ROLLOUT_ENV_REWARD_MEAN = "rollout/env_reward_mean"  # the environment's own reward (get_reward, SkyRL step rewards)
 ROLLOUT_ENV_ERRORS = "rollout/env_errors"  # episodes ended by an environment that raised or overran its time limit
 ROLLOUT_ENV_TOKENS_FRAC = "rollout/env_tokens_frac"  # share of the completions' tokens that are the environment's
+ROLLOUT_COMPLETION_LEN_MIN = "rollout/completion_len_min"  # shortest completion in the step's batch, tokens
+ROLLOUT_COMPLETION_LEN_MAX = "rollout/completion_len_max"  # longest completion in the step's batch, tokens
+ROLLOUT_TRUNCATED_FRAC = "rollout/truncated_frac"  # share of the batch's completions cut at max_completion_length
+ROLLOUT_TOKENS = "rollout/tokens"  # prompt + completion tokens of the step's batch (all processes)
+ROLLOUT_TOKENS_TOTAL = "rollout/tokens_total"  # prompt + completion tokens trained on so far (TRL's num_tokens)
 ROLLOUT_THROUGHPUT_PREFIX = "rollout/throughput/"  # + a worker id: its measured rate, rollouts/s
 ROLLOUT_CHECK_LOG_RATIO_PREFIX = "rollout/check_log_ratio/"  # + a credential: mean log-ratio so far, nats/token
 ROLLOUT_CHECK_ABS_LOG_RATIO_PREFIX = "rollout/check_abs_log_ratio/"  # + a credential: mean |log-ratio|, nats/token
@@ -124,6 +131,29 @@ EVAL_ACCURACY = "eval/accuracy"  # held-out (greedy) accuracy, 0 to 1
 EVAL_EXAMPLES = "eval/examples"  # held-out examples evaluated
 EVAL_REWARD_MEAN = "eval/reward_mean"  # a multi-turn task's eval reward over held-out episodes (poker: chips won)
 
+# TRL's GRPOTrainer logs the same quantities under these names (its wandb panels show them under ``train/``):
+# echo2 logs each once, under its own key (docs/logging.md has this table). A reward function's mean,
+# TRL's ``rewards/<name>/mean``, is echo2's ``reward/<name>``.
+TRL_NAMES = {
+    REWARD_MEAN: "reward",
+    REWARD_STD: "reward_std",
+    REWARD_FRAC_ZERO_STD_GROUPS: "frac_reward_zero_std",
+    ROLLOUT_COMPLETION_LEN_MEAN: "completions/mean_length",
+    ROLLOUT_COMPLETION_LEN_MIN: "completions/min_length",
+    ROLLOUT_COMPLETION_LEN_MAX: "completions/max_length",
+    ROLLOUT_TRUNCATED_FRAC: "completions/clipped_ratio",
+    ROLLOUT_TOKENS_TOTAL: "num_tokens",
+    TRAIN_LR: "learning_rate",
+    TRAIN_GRAD_NORM: "grad_norm",
+    TRAIN_STEP_TIME_S: "step_time",
+    "train/loss": "loss",
+    "train/kl": "kl",
+    "train/entropy": "entropy",
+    "train/clip_ratio/region_mean": "clip_ratio/region_mean",
+    "train/clip_ratio/low_mean": "clip_ratio/low_mean",
+    "train/clip_ratio/high_mean": "clip_ratio/high_mean",
+}
+
 NAMESPACES = ("train/", "reward/", "rollout/", "buffer/", "broadcast/", "activation/", "cost/", "eval/")
 # TRL log keys with an obvious better name; the rest go under train/ as they are.
 _RENAME = {"step_time": TRAIN_STEP_TIME_S, "learning_rate": TRAIN_LR, "epoch": None, "total_flos": None}
@@ -149,48 +179,45 @@ def _json_safe(value: Any) -> Any:
 
 
 class MetricsSink:
-    """Writes one JSON object per learner step to ``metrics.jsonl`` and mirrors it to wandb."""
+    """Writes one JSON object per learner step to ``metrics.jsonl`` and mirrors it to the run's trackers
+    (``run.report_to``: wandb, tensorboard, trackio; echo2/trackers.py)."""
 
     def __init__(self, run_dir: str | Path, wandb_mode: str = "offline", project: str = "echo2",
                  group: str | None = None, name: str | None = None, config: dict | None = None,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, report_to: Any = ("wandb",), tags: list[str] = ()):
         """``resume_step``: a run resumed from the checkpoint at that step: records after it (written by steps
-        that were thrown away) are cut from ``metrics.jsonl`` and ``consumed.jsonl``, and wandb continues the
-        same run."""
+        that were thrown away) are cut from ``metrics.jsonl``, ``consumed.jsonl`` and ``completions.jsonl``, and the
+        trackers continue the same run. ``report_to``: as TRL's (a name, a list, ``all`` or ``none``)."""
+        from echo2.trackers import open_trackers, resolve_report_to
+
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self.consumed_path = self.run_dir / "consumed.jsonl"
+        self.completions_path = self.run_dir / "completions.jsonl"
         self.previous: list[dict] = []  # records kept from before a resume
         if resume_step is not None:
             self.previous = _truncate(self.path, resume_step)
             _truncate(self.consumed_path, resume_step)
+            _truncate(self.completions_path, resume_step)
         else:  # a fresh run in a used directory starts its logs afresh
-            for p in (self.path, self.consumed_path):
+            for p in (self.path, self.consumed_path, self.completions_path):
                 p.unlink(missing_ok=True)
         self._file = self.path.open("a")
         self._consumed = self.consumed_path.open("a")
-        self._wandb = None
-        self.wandb_info: dict[str, Any] | None = None  # as wandb has it (read back from the run)
-        if wandb_mode != "disabled":
-            import wandb
-
-            id_file = self.run_dir / "wandb_id"
-            run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else None
-            self._wandb = wandb.init(project=project, group=group, name=name, dir=str(self.run_dir),
-                                     mode=wandb_mode, config=config, reinit="finish_previous", id=run_id,
-                                     resume="allow" if run_id else None)
-            id_file.write_text(self._wandb.id + "\n")
-            self.wandb_info = {"id": self._wandb.id, "group": self._wandb.group, "name": self._wandb.name,
-                               "project": self._wandb.project, "mode": wandb_mode}
-            log.info("wandb run %s (%s) in %s", self._wandb.id, wandb_mode, self.run_dir)
+        self._completions = self.completions_path.open("a")
+        self.trackers = open_trackers(resolve_report_to(report_to), self.run_dir, wandb_mode, project, group, name,
+                                      config, list(tags), resume_step)
+        wandb = [t for t in self.trackers if type(t).__name__ == "WandbTracker"]
+        self.wandb_info: dict[str, Any] | None = wandb[0].info if wandb else None  # as wandb has it
+        self.tracker_info = {type(t).__name__.removesuffix("Tracker").lower(): t.info for t in self.trackers}
 
     def log(self, record: dict[str, Any]) -> None:
         record = {k: _json_safe(v) for k, v in record.items()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._wandb is not None:
-            self._wandb.log(record, step=int(record["step"]))
+        for tracker in self.trackers:
+            tracker.log(record, int(record["step"]))
 
     def consumed(self, step: int, groups: list[Any]) -> None:
         """One line per learner step: the groups it trained on (ids, training-set rows, policy versions)."""
@@ -199,18 +226,29 @@ class MetricsSink:
                                          "versions": [g.version for g in groups]}) + "\n")
         self._consumed.flush()
 
+    def completions(self, step: int, columns: list[str], rows: list[list]) -> None:
+        """The sample-completions table of a step: one line per row in ``completions.jsonl`` (with its step), and a
+        table named ``completions`` in each tracker."""
+        for row in rows:
+            self._completions.write(json.dumps({"step": step, **dict(zip(columns, map(_json_safe, row)))}) + "\n")
+        self._completions.flush()
+        for tracker in self.trackers:
+            tracker.table("completions", columns, rows, step)
+
     def summary(self, summary: dict[str, Any]) -> None:
-        summary = {**{k: _json_safe(v) for k, v in summary.items()}, "wandb": self.wandb_info}
+        summary = {**{k: _json_safe(v) for k, v in summary.items()}, "wandb": self.wandb_info,
+                   "trackers": self.tracker_info}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if self._wandb is not None:
-            self._wandb.summary.update(summary)
+        for tracker in self.trackers:
+            tracker.summary(summary)
 
     def close(self) -> None:
         self._file.close()
         self._consumed.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+        self._completions.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def _truncate(path: Path, step: int) -> list[dict]:

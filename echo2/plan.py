@@ -31,6 +31,11 @@ def load_pool(path: str) -> list[Worker]:
     if not rows:
         raise SystemExit(f"{path}: no 'workers' list (id, usd_per_hour, rollouts_per_s, downlink_mbit, "
                          f"uplink_mbit, rtt_ms)")
+    if not isinstance(rows, list) or not all(isinstance(w, dict) for w in rows):
+        raise SystemExit(f"{path}: 'workers' is {rows!r}, not a list of workers. The planner needs each worker's "
+                         "price and rate (a list of id, usd_per_hour, rollouts_per_s, downlink_mbit, uplink_mbit, "
+                         "rtt_ms), as in conf/pool/demo_market.yaml; a pool that only counts the workers a run starts "
+                         "(pool=local) has none")
     out = []
     for i, w in enumerate(rows):
         try:
@@ -66,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", help="write utilization-vs-throughput and cost-vs-S plots to this PNG")
     a = p.parse_args(argv)
+    if a.staleness < 0:
+        p.error(f"--staleness {a.staleness}: S must be >= 0 (0: on-policy)")
     if not 1 <= a.interval <= a.staleness + 1:
         p.error(f"--interval {a.interval} needs 1 <= κ <= S+1 (S={a.staleness})")
     workers = load_pool(a.pool)

@@ -321,6 +321,46 @@ def config_value(run: dict, key: str) -> Any:
     return node
 
 
+def missing_key(runs: list[dict], key: str) -> str | None:
+    """Why ``key`` cannot group ``runs`` (a run whose resolved config lacks it), with the nearest key there; None
+    if every run has it."""
+    import difflib
+
+    import yaml
+
+    lacking = []
+    for run in runs:
+        path = run["dir"] / "resolved_config.yaml"
+        node: Any = yaml.safe_load(path.read_text()) if path.exists() else None
+        for part in key.split("."):
+            node = node[part] if isinstance(node, dict) and part in node else KeyError
+            if node is KeyError:
+                lacking.append(run)
+                break
+    if not lacking:
+        return None
+    near = difflib.get_close_matches(key, sorted(config_keys(lacking[0])), n=1)
+    return (f"not a key of the resolved config of {len(lacking)} of the {len(runs)} runs (e.g. "
+            f"{lacking[0]['dir']}/resolved_config.yaml)" + (f"; did you mean {near[0]}?" if near else ""))
+
+
+def config_keys(run: dict) -> set[str]:
+    """Every dotted key of a run's resolved config."""
+    import yaml
+
+    path = run["dir"] / "resolved_config.yaml"
+    out: set[str] = set()
+
+    def walk(node: Any, prefix: str) -> None:
+        for k, v in (node or {}).items():
+            out.add(prefix + str(k))
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+
+    walk(yaml.safe_load(path.read_text()) if path.exists() else {}, "")
+    return out
+
+
 def moving_average(xs: list[float], window: int) -> list[float]:
     out, acc = [], []
     for x in xs:
@@ -489,6 +529,9 @@ def main(argv: list[str] | None = None) -> None:
     if not dirs:
         p.error(f"no run directory among {args.runs} (each needs a metrics.jsonl)")
     runs = [load(d) for d in dirs]
+    for flag, key in (("--by", args.by), ("--panels", args.panels)):
+        if key and (why := missing_key(runs, key)):
+            p.error(f"{flag} {key}: {why}")
     out = Path(args.out)
     files = plot(runs, out, args.smooth)
     table = markdown(runs)

@@ -45,7 +45,8 @@ class RewardFunctions:
         self.task = task
         self.funcs = task.reward_funcs()
         self.func_names = unique_names(self.funcs)
-        self.weights = list(task.reward_weights())
+        # learner.trl.reward_weights (TRL's name), set on the task by train.py, else the task's own
+        self.weights = list(getattr(task, "reward_weights_override", None) or task.reward_weights())
         if len(self.weights) != len(self.funcs):
             raise ValueError(f"task {task.name}: {len(self.funcs)} reward funcs but {len(self.weights)} weights")
         # a multi-turn task's environment reward: one more column, weight 1 (as TRL adds get_reward)

@@ -43,6 +43,7 @@ class RunParts:
     broadcast_shape: Any  # activation.settings.BroadcastShape
     resume: dict | None = None  # what the source's checkpoint() returned, when the learner resumes from one
     max_steps: int = 0  # the run's learner steps (run.steps), which reward functions read in trainer_state
+    steps_per_batch: int = 1  # μ (learner.num_iterations): optimizer steps (versions) the learner makes per batch
 
 
 class Engine(Protocol):

@@ -60,7 +60,7 @@ class CoordinatorSettings:
 
     token: str  # the run secret: workers authenticate with it or a credential derived from it
     staleness: int  # S: the most versions a consumed group may lag the learner
-    prompts_per_step: int  # P: groups per learner step
+    prompts_per_step: int  # P: groups per batch (one batch per learner step, or per steps_per_batch steps)
     group_size: int  # G: completions per prompt
     sampling: dict[str, Any]  # what workers sample with (max_tokens, temperature, top_p, top_k, stop_token_ids)
     vocab_size: int  # a pushed token id must be below it
@@ -90,7 +90,11 @@ class CoordinatorSettings:
     # CPU seconds one group's scoring may use in a reward process (RLIMIT_CPU, re-armed per group; 0: no limit)
     reward_cpu_s: float = 30.0
 
+    steps_per_batch: int = 1  # μ (learner.num_iterations): the learner takes a batch every μ versions
+
     def __post_init__(self):
+        if self.steps_per_batch < 1:
+            raise ValueError(f"learner.num_iterations={self.steps_per_batch}: must be >= 1")
         from echo2.credential import check_run_secret
         from echo2.net.tls import is_loopback
 

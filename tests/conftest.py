@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+# trackio keeps its projects in $TRACKIO_DIR (read once, at its import): the tests' runs go to a folder of their own
+os.environ.setdefault("TRACKIO_DIR", os.path.join(tempfile.gettempdir(), f"echo2-tests-trackio-{os.getuid()}"))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

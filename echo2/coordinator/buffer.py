@@ -11,11 +11,12 @@
 (the step that produces version t+1) only if ``t − x ≤ S``. A group's x is the oldest version among its G
 completions; groups are admitted or dropped whole.
 
-**The dispatch cap.** Groups are consumed in arrival order, P per step. A group dispatched now, at learner
-step t, to a worker holding version x_w, with ``ahead`` groups already buffered or in flight, is consumed at
-the earliest at step ``t + ahead // P``; so it is worth generating only if ``t + ahead // P − x_w ≤ S``.
-For an up-to-date worker (x_w = t) that caps buffered + in-flight groups at (S+1)·P, i.e. (S+1)·R rollouts:
-nothing is generated that is already doomed to be stale.
+**The dispatch cap.** Groups are consumed in arrival order, P per batch, one batch every μ steps (μ:
+``learner.num_iterations``, the optimizer steps the learner makes per batch; 1 by default). A group dispatched now,
+when the learner's next batch is for step t, to a worker holding version x_w, with ``ahead`` groups already
+buffered or in flight, is consumed at the earliest at step ``t + μ·(ahead // P)``; so it is worth generating only
+if ``t + μ·(ahead // P) − x_w ≤ S``. For an up-to-date worker (x_w = t) and μ = 1 that caps buffered + in-flight
+groups at (S+1)·P, i.e. (S+1)·R rollouts: nothing is generated that is already doomed to be stale.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def admissible(step: int, version: int, staleness: int) -> bool:
     return step - version <= staleness
 
 
-def worth_dispatching(step: int, worker_version: int, ahead: int, prompts_per_step: int, staleness: int) -> bool:
+def worth_dispatching(step: int, worker_version: int, ahead: int, prompts_per_step: int, staleness: int,
+                      steps_per_batch: int = 1) -> bool:
     """Whether a group dispatched now could still be admissible when its turn comes (see the module doc)."""
-    return admissible(step + ahead // prompts_per_step, worker_version, staleness)
+    return admissible(step + steps_per_batch * (ahead // prompts_per_step), worker_version, staleness)
 
 
 @dataclass

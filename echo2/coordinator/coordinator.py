@@ -116,10 +116,12 @@ class Coordinator:
         # new epoch: its workers wait for its weights, delivered like any snapshot.
         self.initial_versions = ({0} if version == 0 else set(range(max(0, version - staleness), version + 1))
                                  if not (recover and "resume_offset" in recover) else set())
-        # Batches handed to the learner: the next batch taken is for step ``batches_taken``. Between a take at
-        # step t and set_version(t+1) the learner is mid-step; dispatch must already judge for step t+1, or it
-        # hands out work that is stale on arrival (measured: 21 % of rollouts dropped at S=0 without this).
-        self.batches_taken = version
+        # The step the learner's next batch is for: after a take at step t, t + μ (μ = s.steps_per_batch: its
+        # optimizer steps per batch). Between a take at step t and set_version(t+1) the learner is mid-step; dispatch
+        # must already judge for the next take, or it hands out work that is stale on arrival (measured: 21 % of
+        # rollouts dropped at S=0 without this).
+        self.steps_per_batch = s.steps_per_batch
+        self.next_take = version
         self.last_taken: list[tuple] = []  # (group id, worker id, row) of the last batch: what the checks judge
         self.reg = Registry(self.liveness)
         self.dataset = dataset
@@ -130,7 +132,7 @@ class Coordinator:
         self.closed = False
         activation, shape = s.activation, s.broadcast_shape
         self.activation = OnlinePlanner(activation, shape, staleness=staleness,
-                                        rollouts_per_step=s.prompts_per_step * group_size)
+                                        rollouts_per_step=s.prompts_per_step * group_size / s.steps_per_batch)
         log.info("activation: %s solver, planned for a %s relay (fanout %d), a snapshot every %d steps",
                  activation.solver, shape.topology, shape.fanout, shape.interval)
         self.on_change = OnChangeHook(activation.on_change, run_dir=os.path.dirname(journal) if journal else None)
@@ -290,7 +292,8 @@ class Coordinator:
         room -= principal.held
         while len(work) < min(want, room) and not self.closed:
             ahead = len(self.buffer) + len(self.reg.in_flight)
-            if not worth_dispatching(max(self.version, self.batches_taken), worker.version, ahead, self.P, self.staleness):
+            if not worth_dispatching(max(self.version, self.next_take), worker.version, ahead, self.P, self.staleness,
+                                     self.steps_per_batch):
                 break
             gid, index = self.ledger.draw()
             try:
@@ -482,7 +485,7 @@ class Coordinator:
                 if got is not None:
                     self.ledger.consumed([g.group_id for _, g in got])
                     self.last_taken = [(g.group_id, g.worker_id, g.row_index) for _, g in got]
-                    self.batches_taken += 1
+                    self.next_take = self.version + self.steps_per_batch
                     self.activation.took(time.monotonic())
                     self.lock.notify_all()  # room under the in-flight cap: wake long-polling workers
                     return [g for _, g in got]

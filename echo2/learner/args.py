@@ -13,6 +13,8 @@ import torch
 from omegaconf import OmegaConf
 from trl import GRPOConfig
 
+from echo2.learner.trl_fields import passthrough
+
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LOW_PRECISION = ("bfloat16", "float16")
 
@@ -124,23 +126,25 @@ def learning_rate_warning(cfg: Any) -> str | None:
     return None
 
 
-def grpo_config(cfg: Any, run_dir: str | Path, world_size: int) -> GRPOConfig:
+def grpo_kwargs(cfg: Any, run_dir: str | Path, world_size: int) -> dict[str, Any]:
+    """The GRPOConfig fields echo2 sets from its own config: each is in trl_fields.OWNED, which names the echo2 key
+    a ``learner.trl`` entry of the same name is refused for (tests/learner/test_trl_fields.py holds them equal)."""
     lc, rc = cfg.learner, cfg.rollout
-    extra = OmegaConf.to_container(lc.trl, resolve=True) if lc.trl else {}
     deepspeed = OmegaConf.to_container(lc.deepspeed, resolve=True) if lc.deepspeed else None
     micro, steps = micro_batches(cfg, world_size)
-    return GRPOConfig(
+    return dict(
         output_dir=str(Path(run_dir) / "trainer"),
         seed=cfg.seed,
         max_steps=cfg.run.steps,
-        # One optimizer step per R = P·G rollouts, split evenly over the learner processes, each slice in `steps`
-        # micro-batches of `micro`: TRL buffers the slice and hands out one micro-batch per accumulation step
-        # (steps_per_generation = gradient_accumulation_steps), so version == optimizer step.
+        # One optimizer step per R = P·G rollouts (per pass), split evenly over the learner processes, each slice in
+        # `steps` micro-batches of `micro`: TRL buffers the slice and hands out one micro-batch per accumulation step
+        # (steps_per_generation = gradient_accumulation_steps), so version == optimizer step; with num_iterations = μ
+        # TRL reuses the buffered slice for μ optimizer steps before the next batch.
         per_device_train_batch_size=micro,
         num_generations=rc.group_size,
         gradient_accumulation_steps=steps,
         steps_per_generation=steps,
-        num_iterations=1,
+        num_iterations=lc.num_iterations,
         max_completion_length=cfg.task.max_completion_length,
         temperature=rc.temperature,  # the learner's logprobs must use the sampling temperature
         learning_rate=lc.learning_rate,
@@ -158,15 +162,27 @@ def grpo_config(cfg: Any, run_dir: str | Path, world_size: int) -> GRPOConfig:
         gradient_checkpointing=lc.gradient_checkpointing,
         deepspeed=deepspeed,
         use_cpu=not torch.cuda.is_available(),
-        model_init_kwargs={"dtype": master_dtype(cfg)},
         logging_steps=1,
-        report_to="none",  # echo2's MetricsSink owns wandb, with namespaced keys
+        report_to="none",  # echo2's MetricsSink writes every record to run.report_to, with namespaced keys
+        run_name=cfg.run.name,
         save_strategy="steps" if cfg.run.save_every_steps else "no",
         save_steps=cfg.run.save_every_steps or 500,
         # HF's rotation runs before echo2's state completes a new checkpoint: with one kept, a kill then left none
         # complete. echo2 rotates instead, after (callbacks.SourceVersions, run.keep_checkpoints).
         save_total_limit=None,
+        # The final model is pushed once, at the end (train.py: outputs.save_final), never per checkpoint, and no
+        # repository is created while the trainer is built: push_to_hub stays off here; the repo settings are used.
+        push_to_hub=False,
+        hub_model_id=cfg.run.hub_model_id,
+        hub_private_repo=cfg.run.hub_private,
         disable_tqdm=True,  # echo2's own progress bar
-        log_completions=False,
-        **extra,
+        log_completions=False,  # echo2's completions table (run.completions_every_steps)
     )
+
+
+def grpo_config(cfg: Any, run_dir: str | Path, world_size: int) -> GRPOConfig:
+    """echo2's settings (grpo_kwargs) and the ``learner.trl`` entries TRL's training path reads
+    (trl_fields.passthrough; validate() refused the others)."""
+    trl = OmegaConf.to_container(cfg.learner.trl, resolve=True) if cfg.learner.trl else {}
+    owned = grpo_kwargs(cfg, run_dir, world_size)
+    return GRPOConfig(**owned, **passthrough(trl, {"dtype": master_dtype(cfg)}))

@@ -55,8 +55,9 @@ class SourceVersions(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.past_policies.record(state.global_step, self.trainer.model)
         if state.global_step:  # resumed from a checkpoint: weights, optimizer, RNG and step are restored
-            self.trainer.rollouts_consumed = state.global_step * (args.per_device_train_batch_size
-                                                                  * args.gradient_accumulation_steps * args.world_size)
+            batches = -(-state.global_step // self.trainer.num_iterations)  # μ optimizer steps per batch
+            self.trainer.rollouts_consumed = batches * (args.per_device_train_batch_size
+                                                        * args.gradient_accumulation_steps * args.world_size)
             self.trainer.rollout_source.on_resume(state.global_step, self.trainer.weights())
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -95,9 +96,10 @@ class SourceVersions(TrainerCallback):
 
 
 class StopOnSignal(TrainerCallback):
-    """``requested`` (set by train.py's signal handler) ends the run after the current step, with a checkpoint
-    where checkpoints are on; a signal to any rank stops every rank after the same step (none left waiting): the
-    current one, or the next if the signal lands while the ranks vote at the step's end."""
+    """``requested`` (set by train.py's signal handler) ends the run after the current step (with
+    ``learner.num_iterations`` = μ > 1, after the current batch's last pass), with a checkpoint where checkpoints are
+    on; a signal to any rank stops every rank after the same step (none left waiting): the current one, or the next
+    if the signal lands while the ranks vote at the step's end."""
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
@@ -115,7 +117,8 @@ class StopOnSignal(TrainerCallback):
             if voted and not stop:
                 self.requested = self.requested or "stopped by another learner rank"
             stop = voted
-        if stop:
+        # with μ passes per batch, a stop waits for the batch's last pass (checkpoints lie between batches)
+        if stop and state.global_step % self.trainer.num_iterations == 0:
             control.should_training_stop = True
             control.should_save = bool(args.save_strategy != "no")
 
@@ -164,7 +167,8 @@ class StepLog(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         source = self.trainer.rollout_source  # the consumed log holds every rank's groups
         batch = source.last_batch if isinstance(source, ShardedSource) else self.trainer.last_groups
-        if self.sink is not None and state.is_world_process_zero and batch:
+        new_batch = state.global_step == self.trainer.batch_version + 1  # not a later pass (μ > 1) over it
+        if self.sink is not None and state.is_world_process_zero and batch and new_batch:
             self.sink.consumed(state.global_step, batch)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -202,6 +206,7 @@ class ProgressBar(TrainerCallback):
     def __init__(self, step_log: StepLog):
         self.step_log = step_log
         self.bar: tqdm | None = None
+        self.fields: dict[str, str] = {}  # kept across steps without a batch of their own (μ > 1)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -210,7 +215,8 @@ class ProgressBar(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.bar is not None and self.step_log.last is not None:
-            self.bar.set_postfix(progress_fields(self.step_log.last, self.step_log.evaluation.results), refresh=False)
+            self.fields.update(progress_fields(self.step_log.last, self.step_log.evaluation.results))
+            self.bar.set_postfix(self.fields, refresh=False)
             self.bar.update(state.global_step - self.bar.n)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -220,7 +226,7 @@ class ProgressBar(TrainerCallback):
 
 def progress_fields(record: dict[str, Any], evals: list[tuple[int, float]]) -> dict[str, str]:
     """The progress bar's fields: reward, mean lag of the batch, learner utilization, dollars, eval accuracy."""
-    out = {"reward": f"{record.get(REWARD_MEAN, float('nan')):.3f}"}
+    out = {"reward": f"{record[REWARD_MEAN]:.3f}"} if record.get(REWARD_MEAN) is not None else {}
     if record.get(BUFFER_STALENESS_MEAN) is not None:
         out["lag"] = f"{record[BUFFER_STALENESS_MEAN]:.1f}"
     if record.get(TRAIN_LEARNER_UTILIZATION) is not None:

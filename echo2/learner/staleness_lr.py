@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from echo2.metrics import BUFFER_STALENESS_MEAN, TRAIN_LR_STALENESS_FACTOR
+from echo2.metrics import TRAIN_LR_STALENESS_FACTOR
 
 
 def lr_factor(lag: float, ref_lag: float) -> float:
@@ -29,9 +29,10 @@ class StalenessLR(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         """After the step's gradients, before the optimizer applies them: the batch's lag is known (its
-        ``buffer/staleness_mean``, recorded when the batch was built)."""
+        ``buffer/staleness_mean``, recorded when the batch was taken; with ``learner.num_iterations`` > 1 every pass
+        over the batch uses that lag)."""
         metrics = self.trainer._metrics["train"]
-        factor = lr_factor(metrics[BUFFER_STALENESS_MEAN][-1], self.ref_lag)
+        factor = lr_factor(self.trainer.batch_lag_mean, self.ref_lag)
         for group in (optimizer or self.trainer.optimizer).param_groups:
             group["lr"] = group["lr"] * factor
         metrics[TRAIN_LR_STALENESS_FACTOR].append(factor)

@@ -11,12 +11,17 @@ How it differs from TRL's trainer (trl==1.16.0), and nothing else:
   the learner uses the decoupled loss instead: the ratio is taken against its weights now (one more forward
   pass, without grad) and each token's advantage is weighted by π_learner / π_behaviour, truncated or masked
   as ``echo2/learner/corrections.py`` defines (tis, mask, icepop, m2po, seq_mask).
-* One optimizer step per batch of R = P·G rollouts, so the policy version is exactly ``state.global_step``
-  (docs/design.md §1). Each process's slice of R/N rollouts may be split into micro-batches
+* One optimizer step per pass over a batch of R = P·G rollouts, so the policy version is exactly
+  ``state.global_step`` (docs/design.md §1). Each process's slice of R/N rollouts may be split into micro-batches
   (``learner.micro_batch_size``): TRL's own buffering does it (``steps_per_generation =
-  gradient_accumulation_steps = k``, ``num_iterations = 1``). TRL's grpo, dr_grpo and dapo normalisations then
-  equal the whole slice's; bnpo's (per micro-batch token count) is rescaled here to the slice's token count, so
-  the step does not depend on the micro-batch size.
+  gradient_accumulation_steps = k``). TRL's grpo, dr_grpo and dapo normalisations then equal the whole slice's;
+  bnpo's (per micro-batch token count) is rescaled here to the slice's token count, so the step does not depend on
+  the micro-batch size.
+* ``learner.num_iterations`` = μ > 1 is TRL's: μ optimizer steps (passes) over each batch, TRL's buffer reused, so a
+  batch taken at version t trains versions t+1 .. t+μ and the next batch is taken at t+μ. What this module builds
+  once per batch is kept for its μ passes: the "old" logprobs of the clip (the behaviour logprobs, or with a
+  correction the learner's weights at the first pass, π_θold, computed once) and the correction's importance
+  weights π_θold / π_behaviour, as TRL keeps ``old_per_token_logps`` and its vLLM importance-sampling ratio.
 * With ``beta > 0`` the reference logprobs (TRL's frozen ``ref_model``, sharded like the policy under ZeRO-3)
   are computed here, once per slice, for TRL's KL term. With a LoRA adapter (``learner.lora``, TRL's
   ``peft_config``) the reference is the base model with the adapter disabled, as TRL does: no second copy.
@@ -55,11 +60,12 @@ from echo2.learner.past_policies import PastPolicies
 from echo2.learner.reward_logs import log_episodes, log_reward_logs
 from echo2.learner.weights import PolicyWeights
 from echo2.metrics import (BUFFER_STALENESS_MAX, BUFFER_STALENESS_MEAN, REWARD_FRAC_ZERO_STD_GROUPS,
-                           REWARD_FUNCTION_PREFIX, REWARD_MEAN, REWARD_STD, ROLLOUT_COMPLETION_LEN_MEAN,
-                           ROLLOUT_CONSUMED, ROLLOUT_IS_FRAC_CORRECTED, ROLLOUT_IS_FRAC_MASKED,
-                           ROLLOUT_IS_FRAC_TRUNCATED, ROLLOUT_IS_LOG_RATIO_M2, ROLLOUT_IS_LOG_RATIO_M2_KEPT,
-                           ROLLOUT_BOUNDED_TOKENS, ROLLOUT_IS_RATIO_MAX, ROLLOUT_IS_RATIO_MEAN,
-                           ROLLOUT_IS_WEIGHT_MEAN, TRAIN_LEARNER_IDLE_S, TRAIN_LEARNER_UTILIZATION,
+                           REWARD_FUNCTION_PREFIX, REWARD_MEAN, REWARD_STD, ROLLOUT_BOUNDED_TOKENS,
+                           ROLLOUT_COMPLETION_LEN_MAX, ROLLOUT_COMPLETION_LEN_MEAN, ROLLOUT_COMPLETION_LEN_MIN,
+                           ROLLOUT_CONSUMED, ROLLOUT_IS_FRAC_CORRECTED, ROLLOUT_IS_FRAC_MASKED, ROLLOUT_IS_FRAC_TRUNCATED,
+                           ROLLOUT_IS_LOG_RATIO_M2, ROLLOUT_IS_LOG_RATIO_M2_KEPT, ROLLOUT_IS_RATIO_MAX,
+                           ROLLOUT_IS_RATIO_MEAN, ROLLOUT_IS_WEIGHT_MEAN, ROLLOUT_TOKENS, ROLLOUT_TOKENS_TOTAL,
+                           ROLLOUT_TRUNCATED_FRAC, TRAIN_LEARNER_IDLE_S, TRAIN_LEARNER_UTILIZATION,
                            TRAIN_SKIPPED_STEPS)
 from echo2.seams import RolloutSource
 from echo2.records import RolloutGroup
@@ -102,9 +108,9 @@ class Echo2GRPOTrainer(GRPOTrainer):
         # rollout.correction with its thresholds (echo2/learner/corrections.py); self.correction stays its name.
         self.correction_spec = Correction(correction, is_bounds=tuple(is_bounds), icepop_bounds=tuple(icepop_bounds),
                                           m2_threshold=m2_threshold, seq_bounds=tuple(seq_bounds))
-        if self.args.steps_per_generation != self.args.gradient_accumulation_steps or self.num_iterations != 1:
-            raise ValueError("echo2's learner takes one optimizer step per batch: steps_per_generation = "
-                             "gradient_accumulation_steps (the micro-batches of one slice), num_iterations = 1")
+        if self.args.steps_per_generation != self.args.gradient_accumulation_steps:
+            raise ValueError("echo2's learner takes one optimizer step per pass over a batch: steps_per_generation = "
+                             "gradient_accumulation_steps (the micro-batches of one slice)")
         if (self.loss_type == "bnpo" and self.args.gradient_accumulation_steps > 1
                 and (self._entropy_bonus_enabled or self.aux_loss_enabled)):
             raise ValueError("loss_type=bnpo with learner.micro_batch_size and an entropy bonus or router aux loss: "
@@ -119,6 +125,8 @@ class Echo2GRPOTrainer(GRPOTrainer):
         self.remove_callback(PrinterCallback)
         self.rollouts_consumed = 0
         self.last_groups: list[RolloutGroup] = []  # the batch of the step in progress (for the consumed log)
+        self.batch_version = -1  # the version the newest batch was taken at (its μ passes train from there)
+        self.batch_lag_mean = 0.0  # that batch's mean policy lag when taken, versions
 
     def backend(self) -> str:
         """What runs the optimizer: ``deepspeed-zero<N>``, ``ddp`` or ``single``."""
@@ -184,7 +192,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
         t0 = time.perf_counter()
         self._t_start = self._t_start or t0
         groups = self._collect(rows)
-        self.last_groups = groups
+        self.last_groups, self.batch_version = groups, self.version
         self._idle_s = time.perf_counter() - t0
         self._idle_total_s += self._idle_s
         if len(groups) != len(rows) or any(len(g.rollouts) != group_size for g in groups):
@@ -219,17 +227,32 @@ class Echo2GRPOTrainer(GRPOTrainer):
         all_rewards = self.accelerator.gather(rewards)
         advantages = group_advantages(rewards, self.num_generations, self.scale_rewards, nanstd(all_rewards))
 
-        lags = torch.tensor([self.version - r.version for r in rollouts], dtype=torch.float32, device=device)
-        all_lags = self.accelerator.gather(lags)
-        lengths = self.accelerator.gather(loss_mask.sum(1).float())  # the model's tokens, as TRL counts them
+        # per rollout (every process): lag, the model's completion tokens (not a multi-turn episode's environment
+        # tokens, as TRL counts them), cut at max_completion_length?, all its tokens
+        stats = self.accelerator.gather(torch.stack([
+            torch.tensor([self.version - r.version for r in rollouts], dtype=torch.float32, device=device),
+            loss_mask.sum(1).float(),
+            torch.tensor([r.completion.finish_reason == "length" for r in rollouts], dtype=torch.float32,
+                         device=device),
+            torch.tensor([len(r.prompt_ids) + len(r.completion.token_ids) for r in rollouts], dtype=torch.float32,
+                         device=device)], 1))
+        all_lags, lengths, truncated = stats[:, 0], stats[:, 1], stats[:, 2]
+        tokens = int(stats[:, 3].sum().item())  # every token in the batch, the environment's too
+        self.state.num_input_tokens_seen += tokens  # as TRL counts it (its num_tokens): kept in checkpoints
         self.rollouts_consumed += len(all_rewards)
+        self.batch_lag_mean = all_lags.mean().item()
         metrics = {
             REWARD_MEAN: torch.nanmean(all_rewards).item(),
             REWARD_STD: nanstd(all_rewards).item(),
             REWARD_FRAC_ZERO_STD_GROUPS: self._zero_std_fraction(all_rewards),
-            BUFFER_STALENESS_MEAN: all_lags.mean().item(),
+            BUFFER_STALENESS_MEAN: self.batch_lag_mean,
             BUFFER_STALENESS_MAX: all_lags.max().item(),
             ROLLOUT_COMPLETION_LEN_MEAN: lengths.mean().item(),
+            ROLLOUT_COMPLETION_LEN_MIN: lengths.min().item(),
+            ROLLOUT_COMPLETION_LEN_MAX: lengths.max().item(),
+            ROLLOUT_TRUNCATED_FRAC: truncated.mean().item(),
+            ROLLOUT_TOKENS: float(tokens),
+            ROLLOUT_TOKENS_TOTAL: float(self.state.num_input_tokens_seen),
             ROLLOUT_CONSUMED: float(self.rollouts_consumed),
             # Idle = time this step spent obtaining rollouts (generating, for the sync source; waiting on the
             # buffer, for remote workers); utilization = 1 - idle / wall, cumulative since the first batch.

@@ -33,7 +33,7 @@ class Vote:
         return SimpleNamespace(device=torch.device("cpu"), reduce=reduce)
 
 
-def run_ranks(signal_rank: int, signal_step: int, during_vote: bool, steps: int = 6) -> dict[int, tuple]:
+def run_ranks(signal_rank: int, signal_step: int, during_vote: bool, steps: int = 6, mu: int = 1) -> dict[int, tuple]:
     vote, stopped = Vote(), {}
     callbacks = {}
 
@@ -43,7 +43,7 @@ def run_ranks(signal_rank: int, signal_step: int, during_vote: bool, steps: int 
                 callbacks[rank].requested = "SIGTERM"
 
         callbacks[rank] = StopOnSignal(SimpleNamespace(accelerator=vote.accelerator(
-            rank, on_wait=deliver if during_vote else None)))
+            rank, on_wait=deliver if during_vote else None), num_iterations=mu))
         args = SimpleNamespace(world_size=2, save_strategy="no")
         for step in range(1, steps + 1):
             if not during_vote:
@@ -76,3 +76,10 @@ def test_a_signal_handled_inside_the_vote_stops_every_rank_after_the_next_step()
         assert set(stopped) == {0, 1}, f"a rank was left waiting in the vote: {stopped}"
         assert stopped[0][0] == stopped[1][0] == 4, stopped
         assert stopped[signal_rank][1] == "SIGTERM" and stopped[1 - signal_rank][1] == "stopped by another learner rank"
+
+
+def test_with_several_passes_per_batch_the_stop_waits_for_the_batch_to_end():
+    """learner.num_iterations = 3: a signal at step 4 (the first pass over the batch taken at version 3) stops both
+    ranks after step 6, its last pass: checkpoints and resumes lie between batches."""
+    stopped = run_ranks(signal_rank=0, signal_step=4, during_vote=False, steps=9, mu=3)
+    assert stopped == {0: (6, "SIGTERM"), 1: (6, "stopped by another learner rank")}

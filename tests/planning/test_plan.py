@@ -42,3 +42,17 @@ def test_plan_rejects_bad_input(tmp_path):
     assert out.returncode != 0 and "worker #0" in out.stderr
     out = plan("--interval", "5")
     assert out.returncode == 2 and "1 <= κ <= S+1" in out.stderr
+
+
+def test_plan_explains_a_pool_file_without_prices_or_rates(capsys):
+    """conf/pool/local.yaml counts the workers a run starts (workers: 2): the planner says what it needs instead of
+    a raw TypeError; a negative S names --staleness."""
+    import pytest
+
+    from echo2 import plan as planner
+
+    with pytest.raises(SystemExit, match=r"'workers' is 2, not a list of workers.*conf/pool/demo_market\.yaml"):
+        planner.main([*ARGS[2:], "--pool", str(ROOT / "conf" / "pool" / "local.yaml")])
+    with pytest.raises(SystemExit):
+        planner.main([*ARGS[:6], "--staleness", "-1", *ARGS[8:]])
+    assert "--staleness -1: S must be >= 0" in capsys.readouterr().err

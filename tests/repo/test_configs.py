@@ -182,7 +182,7 @@ def test_a_mistyped_key_in_an_experiment_file_is_refused_before_composing_with_a
     assert shipped and check_experiments([f"experiment={','.join(shipped)}"]) == []
 
 
-@pytest.mark.e2e
+@pytest.mark.e2e  # starts train.py
 def test_train_py_names_a_near_option_for_a_typo_in_an_experiment_file():
     experiment = CONF / "experiment" / "zz_test_typo.yaml"
     experiment.write_text("# @package _global_\nrollout:\n  stalenes: 3\n")
@@ -195,7 +195,8 @@ def test_train_py_names_a_near_option_for_a_typo_in_an_experiment_file():
 
 
 @pytest.mark.parametrize("override", [
-    "rollout.staleness=4", "rollout=sync", "hydra/launcher=slurm", "experiment=mod10", "+learner.trl.top_entropy=1",
+    "rollout.staleness=4", "rollout=sync", "hydra/launcher=slurm", "experiment=mod10",
+    "+learner.trl.top_entropy_quantile=0.2",
     "rollout.source.min_workers=2", "pool.workers=3", "learner.deepspeed.zero_optimization.overlap_comm=true",
     "model.path.name_or_path=/x", "hydra.run.dir=/tmp/x", "~run.group",
 ])

@@ -174,17 +174,18 @@ def test_install_puts_the_checkout_on_the_venv_path_so_modules_run_from_anywhere
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_run_waiting_for_workers_says_so_and_stops_at_the_first_sigterm(tmp_path):
-    """pool.workers=0: the learner's first step waits for rollouts that never come. It says what it waits for
-    (periodically, naming the option), and one SIGTERM ends the run at once with a summary.json."""
+    """pool=static and no worker joins: the learner's first step waits for rollouts that never come. It says what it
+    waits for (periodically, with how to join workers), and one SIGTERM ends the run at once with a summary.json."""
     log = tmp_path / "out.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "train.py", "pool.workers=0", "run.steps=2", "run.wandb=disabled",
+        proc = subprocess.Popen([sys.executable, "train.py", "pool=static", "run.steps=2", "run.wandb=disabled",
                                  "rollout.source.wait_log_s=1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: log.read_text().count("waiting") >= 2, timeout_s=300)
         text = log.read_text()
-        assert "16 rollout groups for step 1: 0 workers connected" in text and "pool.workers=0" in text, text[-2000:]
+        assert "16 rollout groups for step 1: 0 workers connected" in text and "pool=static starts no worker" in text, \
+            text[-2000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]  # was: ~65 s, then no summary
     finally:
@@ -198,14 +199,15 @@ def test_a_run_waiting_for_workers_says_so_and_stops_at_the_first_sigterm(tmp_pa
 
 @pytest.mark.e2e
 def test_join_installs_once_when_an_array_starts_together(tmp_path):
-    """16 SLURM array tasks in one shared checkout run join.sh at once: one ./install.sh, the rest wait for it."""
+    """16 SLURM array tasks in one shared checkout run join.sh at once: one ./install.sh --worker (the worker-only
+    environment, .venv-worker), the rest wait for it."""
     (tmp_path / "launchers").mkdir()
     (tmp_path / "launchers" / "join.sh").write_text((ROOT / "launchers" / "join.sh").read_text())
     (tmp_path / "install.sh").write_text(
-        "#!/usr/bin/env bash\nset -e\n"
-        "[ ! -e busy ] || echo overlap >> log\ntouch busy; echo install >> log; sleep 1\n"
-        "mkdir -p .venv/bin; printf '#!/bin/sh\\necho ran \"$@\"\\n' > .venv/bin/python; chmod +x .venv/bin/python\n"
-        "rm busy; touch .venv/.echo2-installed\n")
+        "#!/usr/bin/env bash\nset -e\nv=${ECHO2_VENV:-.venv}\n"
+        "[ ! -e busy ] || echo overlap >> log\ntouch busy; echo install \"$@\" >> log; sleep 1\n"
+        "mkdir -p $v/bin; printf '#!/bin/sh\\necho ran \"$@\"\\n' > $v/bin/python; chmod +x $v/bin/python\n"
+        "rm busy; touch $v/.echo2-installed\n")
     os.chmod(tmp_path / "install.sh", 0o755)
     env = {k: v for k, v in os.environ.items() if k != "ECHO2_PYTHON"}
     env.update(ECHO2_TOKEN="t", PATH="/usr/bin:/bin")  # no nvidia-smi on this PATH: the CPU install
@@ -213,7 +215,8 @@ def test_join_installs_once_when_an_array_starts_together(tmp_path):
                               stdout=subprocess.PIPE, text=True) for _ in range(6)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert (tmp_path / "log").read_text().split() == ["install"]
+    assert (tmp_path / "log").read_text().split() == ["install", "--worker"]
+    assert (tmp_path / ".venv-worker" / ".echo2-installed").exists() and not (tmp_path / ".venv").exists()
     assert all("ran -m echo2.worker --coordinator http://h:1 --model m" in o for o in outs), outs
 
 

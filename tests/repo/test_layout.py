@@ -44,14 +44,14 @@ PLANES = ("learner", "coordinator", "worker")
 (coordinator/) and the worker host (worker/)."""
 
 SHARED = ("net", "broadcast", "models", "tasks", "activation", "records", "seams", "settings", "scoring", "metrics",
-          "env", "capacity", "credential")
+          "env", "capacity", "credential", "trackers")
 """What the processes share (each plane may import these, and they import no plane)."""
 
 TOOL_IMPORTS = {"echo2/config.py": {"echo2.coordinator.broadcaster", "echo2.coordinator.broadcaster.RelayBroadcaster"}}
 """The imports of a plane by a tool that the learner process runs: train.py composes its config with echo2/config.py,
 which reads the coordinator's broadcaster constructor as the ``broadcast.sender`` schema (its class, no instance)."""
 
-TOOLS = ("lab", "sim", "cost", "plan", "report", "config", "config_reference", "export")
+TOOLS = ("lab", "sim", "cost", "plan", "report", "config", "config_checks", "config_reference", "eval", "export")
 """What wires the planes or studies them from outside (like train.py, tests and benchmarks): may import any."""
 
 

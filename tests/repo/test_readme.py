@@ -181,8 +181,8 @@ def check(where: str, line: str, tmp_path: Path) -> str:
         assert argv[1] == "-w" and Path("/proc/sys", *key.split(".")).exists() and value, line
         return "parses"
     if argv[0] == "./install.sh":
-        assert set(argv[1:]) <= {"--gpu"}, line
-        assert '"--gpu"' in (ROOT / "install.sh").read_text()
+        assert set(argv[1:]) <= {"--gpu", "--worker"}, line
+        assert all(f"{flag})" in (ROOT / "install.sh").read_text() for flag in argv[1:]), line
         return "parses"
     if argv[0] in ("python", ".venv/bin/python"):
         argv = argv[1:]
@@ -287,7 +287,7 @@ def check_sky_worker(args: list[str], tmp_path: Path) -> None:
     assert task["secrets"] == ["ECHO2_TOKEN"] and task["resources"], task
     for r in task["resources"]:
         assert r["use_spot"] and r["job_recovery"]["strategy"] and r["accelerators"], r
-    assert task["setup"].strip() == "./install.sh --gpu"
+    assert task["setup"].strip() == "./install.sh --worker --gpu"  # the worker only: no TRL, DeepSpeed
     joined = run_stand_in(["bash", "-c", task["run"]], tmp_path, dict(task["envs"], ECHO2_TOKEN="box:0"),
                           curl="203.0.113.7")
     ns = worker_args(["--coordinator", *joined])

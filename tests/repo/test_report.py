@@ -60,3 +60,18 @@ def test_the_report_shows_the_share_of_tokens_a_correction_masked(tmp_path):
     table = report.grouped_markdown(report.grouped(runs, "seed", None), "seed", None, None, 10).splitlines()
     assert table[0].endswith("| tokens masked |")
     assert table[2].endswith("| 0.050 |") and table[3].endswith("| - |")
+
+
+def test_a_mistyped_grouping_key_is_refused_with_the_nearest(tmp_path, capsys):
+    """--by rollout.stalenes used to group every run under None; it is refused, naming the key it is near."""
+    from echo2 import report
+
+    dirs = [fake_run(tmp_path, "a", 0, 0, [0.0] * 5, 0), fake_run(tmp_path, "b", 2, 0, [0.0] * 5, 2)]
+    for flag in ("--by", "--panels"):
+        with pytest.raises(SystemExit):
+            report.main([str(d) for d in dirs] + ["--out", str(tmp_path / "out"), "--by", "seed", flag,
+                                                   "rollout.stalenes"])
+        err = capsys.readouterr().err
+        assert f"{flag} rollout.stalenes: not a key of the resolved config of 2 of the 2 runs" in err
+        assert "did you mean rollout.staleness?" in err
+    assert not (tmp_path / "out" / "reward_by_stalenes.png").exists()

@@ -137,7 +137,8 @@ class AsyncRolloutSource:
             max_steps=parts.max_steps,
             episode=task.episode_spec().as_dict() if task.episode_spec() is not None else None,
             # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
-            epoch=os.urandom(8).hex(), version=self.version)  # a bad value fails here, not in the child
+            epoch=os.urandom(8).hex(), version=self.version,
+            steps_per_batch=parts.steps_per_batch)  # a bad value fails here, not in the child
         self.check_every_steps = check_every_steps  # read by the learner (trainer._check)
         self.ca_hash, tls_dir = self._tls(tls, host)
         self.requires = run_needs(task, tokenizer, model_path, s.max_tokens)
