@@ -231,7 +231,8 @@ class Echo2GRPOTrainer(GRPOTrainer):
         # tokens, as TRL counts them), cut at max_completion_length?, all its tokens
         stats = self.accelerator.gather(torch.stack([
             torch.tensor([self.version - r.version for r in rollouts], dtype=torch.float32, device=device),
-            loss_mask.sum(1).float(),
+            torch.tensor([sum(r.completion.mask) if r.completion.mask else len(r.completion.token_ids)
+                          for r in rollouts], dtype=torch.float32, device=device),
             torch.tensor([r.completion.finish_reason == "length" for r in rollouts], dtype=torch.float32,
                          device=device),
             torch.tensor([len(r.prompt_ids) + len(r.completion.token_ids) for r in rollouts], dtype=torch.float32,
