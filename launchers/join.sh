@@ -7,8 +7,9 @@
 #
 # First time on a box: sets up the worker's own environment, .venv-worker, with ./install.sh --worker (--gpu where
 # nvidia-smi sees a GPU: vLLM and echo2's worker package, not the learner's TRL or DeepSpeed), once even when many
-# tasks of an array start together in one shared checkout. A full install (.venv, ./install.sh) serves too, where
-# there is one; $ECHO2_PYTHON: use that interpreter, install nothing.
+# tasks of an array start together in one shared checkout. A multi-turn task (an environment or tools run on the
+# worker): export ECHO2_WORKER_ENV=1 first, and the install adds their packages (./install.sh --worker --env). A full
+# install (.venv, ./install.sh) serves too, where there is one; $ECHO2_PYTHON: use that interpreter, install nothing.
 # Every option after the URL goes to `python -m echo2.worker` (--help lists them: --engine, --dtype,
 # --max-model-len, --usd-per-hour, --advertise-host, --snapshot-port, --relay-port, --vllm-arg ...). The learner must reach this box's snapshot
 # port, and other workers its relay port: on a rented box open both and pass --advertise-host <public IP>.
@@ -28,7 +29,8 @@ elif [ -z "$py" ]; then
   if [ ! -f .venv-worker/.echo2-installed ]; then
     gpu=
     if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then gpu=--gpu; fi
-    ECHO2_VENV=.venv-worker ./install.sh --worker $gpu
+    env=; [ "${ECHO2_WORKER_ENV:-0}" = 1 ] && env=--env
+    ECHO2_VENV=.venv-worker ./install.sh --worker $env $gpu
   fi
   flock -u 9
 fi

