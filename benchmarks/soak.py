@@ -654,7 +654,7 @@ def coordinator_story(log: str, names: dict[str, str]) -> dict[str, Counter]:
         (re.compile(r"worker (w\d+) retired: (\w+)"), lambda m: f"retired: {m.group(2)}"),
         (re.compile(r"worker ([\w,]+) flagged:"), lambda m: "flagged by the checks"),
         (re.compile(r"worker credential '(\S+)' revoked"), lambda m: "revoked"),
-        (re.compile(r"peer w\d+ says (w\d+)'s relay failed it"), lambda m: "its relay reported silent: planned last"),
+        (re.compile(r"peer w\d+ says (w\d+)'s relay \w+, and it does"), lambda m: "its relay reported silent: planned last"),
         (re.compile(r"the credential '(\S+)' was benched"), lambda m: "register refused: benched"),
         (re.compile(r"the credential '(\S+)' already has \d+ live workers"), lambda m: "register refused: id cap")]
     for line in log.splitlines():

@@ -47,11 +47,18 @@ def schema_of(cls: type, *, target: bool = True, skip: tuple[str, ...] = (), req
         params = [(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
                   for f in dataclasses.fields(cls)]
     else:
-        hints = typing.get_type_hints(cls.__init__)
-        params = [(n, MISSING if p.default is inspect.Parameter.empty else p.default)
-                  for n, p in inspect.signature(cls).parameters.items()
-                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                  and (p.default is not inspect.Parameter.empty or required)]
+        hints, params, names = {}, [], set()
+        for base in cls.__mro__:  # a constructor taking **kwargs hands them on (super().__init__(**kwargs)): its
+            if base is object or "__init__" not in vars(base):  # parent's parameters are options too
+                continue
+            hints = {**typing.get_type_hints(base.__init__), **hints}
+            signature = inspect.signature(base.__init__).parameters.values()
+            params += [(p.name, MISSING if p.default is inspect.Parameter.empty else p.default) for p in signature
+                       if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+                       and p.name not in names and (p.default is not inspect.Parameter.empty or required)]
+            names |= {name for name, _ in params}
+            if not any(p.kind is p.VAR_KEYWORD for p in signature):
+                break
     out: list = [("_target_", str, field(default=f"{cls.__module__}.{cls.__qualname__}"))] if target else []
     out += list(extra)
     for name, default in params:

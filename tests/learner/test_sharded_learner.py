@@ -161,12 +161,13 @@ def check_run(run_dir, stage: int, learns: bool = True) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_zero2_lora_learner_trains_from_remote_vllm_workers(tmp_path):
-    """A LoRA adapter trained by a 2-process ZeRO-2 learner from vLLM workers that merge each version into their
-    weights: only the adapter is published (a few KB here, against the model's 340 KB), and every check of a
-    ZeRO run holds but learning: a low-rank adapter on the tiny model's random weights learns too slowly for 30 steps
-    (learning with LoRA is measured on a pretrained model: BENCHMARKS.md, "LoRA")."""
-    out = run_train(launch(2, "learner.lora.rank=4", "learner.learning_rate=1e-2", engine="vllm")[1:], tmp_path,
+def test_zero2_lora_learner_trains_from_remote_workers(tmp_path):
+    """A LoRA adapter trained by a 2-process ZeRO-2 learner from workers that merge each version into their weights
+    (the hf engine here; vLLM's merge and its LoRA layers are tested on the adapter in tests/worker/test_engines.py):
+    only the adapter is published (a few KB here, against the model's 340 KB), and every check of a ZeRO run holds
+    but learning: a low-rank adapter on the tiny model's random weights learns too slowly for 30 steps (learning with
+    LoRA is measured on a pretrained model: BENCHMARKS.md, "LoRA")."""
+    out = run_train(launch(2, "learner.lora.rank=4", "learner.learning_rate=1e-2")[1:], tmp_path,
                     launcher=["launchers/learner.sh"], timeout=900)
     assert out.returncode == 0, out.stderr[-5000:]
     check_run(tmp_path, 2, learns=False)
