@@ -34,7 +34,7 @@ from conftest import ROOT, compose
 from echo2.config import check_overrides, validate
 
 GUIDES = ("README.md", "docs/cluster.md", "docs/operations.md", "docs/planning.md", "docs/models.md",
-          "docs/security.md", "docs/tasks.md", "docs/trl.md")
+          "docs/security.md", "docs/tasks.md", "docs/trl.md", "docs/logging.md")
 """The pages whose commands a user copies: the README and the guides it leads to (generated docs/config.md is not
 one: its commands are the experiments' own comments, composed by tests/repo/test_configs.py)."""
 README = "\n\n".join((ROOT / page).read_text() for page in GUIDES if (ROOT / page).is_file())
