@@ -8,6 +8,7 @@ without the marker fails, naming what it started: ``-m "not e2e"`` stays the qui
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -272,3 +273,48 @@ def slow_until(condition, at_most_s: float = 1.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+class WrappedSource:
+    """A stub rollout source: another source's rollouts (``collect`` overridden to change them), nothing else."""
+
+    check_every_steps = 0
+
+    def __init__(self, inner):
+        self.inner, self.needs_policy = inner, True
+
+    def collect(self, rows, version, policy=None):
+        return self.inner.collect(rows, version, policy)
+
+    def on_version(self, version, policy):
+        pass
+
+    def metrics(self):
+        return {}
+
+    def checkpoint(self):
+        return {}
+
+    def on_resume(self, version, policy):
+        pass
+
+    def close(self):
+        pass
+
+
+def post_with_credentials(host: str, port: int, path: str, body: dict, credentials) -> tuple[int, dict]:
+    """POST with one ``Authorization`` header per credential, in that order (requests would merge them)."""
+    import http.client
+
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    data = json.dumps(body).encode()
+    conn.putrequest("POST", path)
+    for c in credentials:
+        conn.putheader("Authorization", f"Bearer {c}")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(len(data)))
+    conn.endheaders(data)
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read() or b"{}")
+    conn.close()
+    return out

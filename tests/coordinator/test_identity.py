@@ -6,12 +6,10 @@ even on a full disk. Route tests against a real coordinator over loopback HTTP."
 from __future__ import annotations
 
 import errno
-import http.client
-import json
 
 import pytest
 
-from conftest import balanced, small_coordinator
+from conftest import balanced, post_with_credentials, small_coordinator
 from echo2.coordinator import bounds
 from echo2.coordinator.coordinator import MAX_IDS_PER_CREDENTIAL
 from echo2.credential import worker_credential
@@ -28,18 +26,7 @@ def results(work, version=0):
 
 def smuggle(coord, path: str, body: dict, *credentials: str) -> tuple[int, dict]:
     """POST with one Authorization header per credential, in that order (as the attack sent them)."""
-    conn = http.client.HTTPConnection(*coord.server.address, timeout=10)
-    data = json.dumps(body).encode()
-    conn.putrequest("POST", path)
-    for c in credentials:
-        conn.putheader("Authorization", f"Bearer {c}")
-    conn.putheader("Content-Type", "application/json")
-    conn.putheader("Content-Length", str(len(data)))
-    conn.endheaders(data)
-    r = conn.getresponse()
-    out = r.status, json.loads(r.read() or b"{}")
-    conn.close()
-    return out
+    return post_with_credentials(*coord.server.address, path, body, credentials)
 
 
 @pytest.fixture

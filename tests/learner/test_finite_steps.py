@@ -9,39 +9,23 @@ import math
 import pytest
 import torch
 
-from conftest import build_run
+from conftest import WrappedSource, build_run
 from echo2.learner.corrections import bound_log_ratio
 from echo2.learner.trainer import Echo2GRPOTrainer  # noqa: F401  (TRL and DeepSpeed ask `uname` once, at import)
 from echo2.metrics import ROLLOUT_BOUNDED_TOKENS, TRAIN_SKIPPED_STEPS
 
 
-class Forged:
+class Forged(WrappedSource):
     """A stub source: the sync source's rollouts, the first token of the first rollout claimed at ``logprob``."""
 
-    check_every_steps = 0
-
     def __init__(self, inner, logprob):
-        self.inner, self.logprob, self.needs_policy = inner, logprob, True
+        super().__init__(inner)
+        self.logprob = logprob
 
     def collect(self, rows, version, policy=None):
         groups = self.inner.collect(rows, version, policy)
         groups[0].rollouts[0].completion.logprobs[0] = self.logprob
         return groups
-
-    def on_version(self, version, policy):
-        pass
-
-    def metrics(self):
-        return {}
-
-    def checkpoint(self):
-        return {}
-
-    def on_resume(self, version, policy):
-        pass
-
-    def close(self):
-        pass
 
 
 def weights(trainer) -> torch.Tensor:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import build_run
+from conftest import WrappedSource, build_run
 from echo2.learner.trainer import group_advantages
 from echo2.models.generate import HFEngine
 from echo2.records import SamplingParams
@@ -61,13 +61,12 @@ def test_every_parameter_changes(tmp_path):
     assert trainer.version == 3 and trainer.rollouts_consumed == 3 * 16 * 8
 
 
-class ShiftedLogprobs:
+class ShiftedLogprobs(WrappedSource):
     """A stub source: the sync source's rollouts with every behaviour logprob lowered by ``shift`` nats."""
 
-    check_every_steps = 0
-
     def __init__(self, inner, shift):
-        self.inner, self.shift, self.needs_policy = inner, shift, True
+        super().__init__(inner)
+        self.shift = shift
 
     def collect(self, rows, version, policy=None):
         groups = self.inner.collect(rows, version, policy)
@@ -75,21 +74,6 @@ class ShiftedLogprobs:
             for r in g.rollouts:
                 r.completion.logprobs = [lp - self.shift for lp in r.completion.logprobs]
         return groups
-
-    def on_version(self, version, policy):
-        pass
-
-    def metrics(self):
-        return {}
-
-    def checkpoint(self):
-        return {}
-
-    def on_resume(self, version, policy):
-        pass
-
-    def close(self):
-        pass
 
 
 @pytest.mark.parametrize("shift, clipped", [(0.0, False), (1.0, True)])

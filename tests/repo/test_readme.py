@@ -194,7 +194,6 @@ def check(where: str, line: str, tmp_path: Path) -> str:
     if argv[:2] == ["-m", "pytest"]:
         return "setup"  # the test suite itself (.ci/run runs it)
     if argv[:2] == ["-m", "echo2.plan"]:
-        from echo2.plan import main
 
         args = argv[2:]
         if "--plot" in args:

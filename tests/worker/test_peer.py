@@ -3,12 +3,11 @@ credential."""
 
 from __future__ import annotations
 
-import http.client
-import json
 from urllib.parse import urlsplit
 
 import pytest
 
+from conftest import post_with_credentials
 from echo2.broadcast.manifest import order_credential, signing_key
 from echo2.worker.peer import SnapshotReceiver
 
@@ -17,20 +16,8 @@ SIGNER = signing_key(SECRET)
 
 
 def post(url: str, path: str, body: dict, credentials: list[str]) -> tuple[int, dict]:
-    """POST with one ``Authorization`` header per credential (requests would merge them)."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
-    data = json.dumps(body).encode()
-    conn.putrequest("POST", path)
-    for c in credentials:
-        conn.putheader("Authorization", f"Bearer {c}")
-    conn.putheader("Content-Type", "application/json")
-    conn.putheader("Content-Length", str(len(data)))
-    conn.endheaders(data)
-    resp = conn.getresponse()
-    out = resp.status, json.loads(resp.read() or b"{}")
-    conn.close()
-    return out
+    return post_with_credentials(parts.hostname, parts.port, path, body, credentials)
 
 
 @pytest.fixture
