@@ -143,7 +143,9 @@ def test_vllm_workers_learn_survive_a_kill_and_welcome_a_joiner(tmp_path):
         if events.get("killed_at") == step - 5:
             wait_registered(source, 3)
         if "killed_at" in events and step > events["killed_at"] + 5:
-            slow_until(lambda: delivered_by(source, "w2"))  # the joiner, registered, loads its first snapshot
+            # the joiner, registered, starts its vLLM server and loads its first snapshot (25-60 s here): up to 4 s a
+            # step, so that a 40-step run leaves it ~100 s
+            slow_until(lambda: delivered_by(source, "w2"), at_most_s=4.0)
 
     # heartbeat timeout shrunk so that the kill is noticed within the run
     _, trainer, _, acc, records = train(tmp_path, ["pool.engine=vllm", "run.steps=40", "rollout.staleness=2",
