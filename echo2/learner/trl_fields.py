@@ -411,4 +411,9 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m echo2.learner.trl_fields",
+                            description="Print docs/trl.md's field-by-field section for the installed TRL: every "
+                                        "GRPOConfig field, set by echo2, read by echo2, passed to TRL or refused.").parse_args()
     print(markdown(), end="")

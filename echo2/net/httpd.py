@@ -32,6 +32,7 @@ short grace (the http.server it replaces dropped them at once).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import resource
@@ -405,7 +406,7 @@ class BackgroundServer:
         descriptor as much as an open connection does): slots.py decides whether it may, and whom it displaces."""
         while True:
             try:
-                sock, peer = await self.loop.sock_accept(self.sock)
+                sock, peer = await self._accept_one()
             except OSError as e:  # EMFILE and the like: let connections close, then go on
                 log.warning("%s: accept failed: %s", self.name, e)
                 await asyncio.sleep(0.1)
@@ -421,15 +422,44 @@ class BackgroundServer:
             # Headers and body go out as separate writes; with Nagle + delayed ACK each small response would stall
             # ~40 ms (measured: 0.16 s of learner idle per step over loopback).
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = self.loop.create_task(self._open(sock, peer, slot))
+            started = [False]  # _open sets it; a task cancelled before it ran never saw its socket
+            task = self.loop.create_task(self._open(sock, peer, slot, started))
             slot.cut = task.cancel  # until the protocol takes over (its transport then)
             self.opening.add(task)
             task.add_done_callback(self.opening.discard)
+            task.add_done_callback(functools.partial(self._never_opened, sock, slot, started))
 
-    async def _open(self, sock: socket.socket, peer: Any, slot: Slot) -> None:
+    async def _accept_one(self) -> tuple[socket.socket, Any]:
+        """The next connection. Not loop.sock_accept: when this task is cancelled (the server closes) just as a
+        connection was accepted, sock_accept's result is dropped and that socket stays open until it is collected;
+        here the accept itself is synchronous, and only the wait for one is cancelled."""
+        fd = self.sock.fileno()
+        while True:
+            try:
+                sock, peer = self.sock.accept()
+                sock.setblocking(False)
+                return sock, peer
+            except BlockingIOError:
+                ready = self.loop.create_future()
+                self.loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+                try:
+                    await ready
+                finally:
+                    self.loop.remove_reader(fd)
+
+    def _never_opened(self, sock: socket.socket, slot: Slot, started: list[bool], _task: asyncio.Task) -> None:
+        """An _open task cut (for a newcomer, or by the server's close) before it ran: its socket is closed and its
+        slot released here, or the connection would stay open until the task is collected."""
+        if not started[0]:
+            self.slots.release(slot)
+            sock.close()
+
+    async def _open(self, sock: socket.socket, peer: Any, slot: Slot, started: list[bool]) -> None:
         """Serve HTTP on an accepted socket, over TLS after a handshake of at most ``header_timeout_s``. Its slot is
         released when the protocol's connection is lost, or here when it never gets one: never twice (idempotent),
         never not at all."""
+        started[0] = True
+
         def protocol() -> asyncio.Protocol:
             return _Protocol(self.conn_limits, self.on_reject, slot, self.slots, config=self.config,
                              server_state=self.state, app_state={})

@@ -166,7 +166,7 @@ class _NoBroadcast:
 
     on_delivered = None
 
-    def __init__(self, secret=None):
+    def __init__(self, secret=None, state_dir=None):
         pass
 
     def metrics(self):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import balanced, slow_until, small_coordinator, train, wait_until
+from conftest import balanced, delivered_by, slow_until, small_coordinator, train, wait_until
 from echo2.worker.engines.hf import HFWorkerEngine
 from echo2.coordinator.trust import Checks, Verdict
 from echo2.settings import CheckSettings
@@ -130,9 +130,12 @@ def test_an_honest_workers_lagged_tokens_are_scored_under_the_version_that_made_
     rate: scored with the current weights their lagged tokens were 0.12-0.17 nats a token off (what the learner
     learnt since), and the checks would flag them; scored under the version each claims, they are off by numerics
     only (same transformers code on both sides: 0), none is flagged, and everything is trained on."""
+    def both_deliver(step, source):  # a worker slow to start on a loaded machine must still be checked
+        slow_until(lambda: delivered_by(source, "w0", "w1"))
+
     _, trainer, _, acc, records = train(tmp_path, ["pool.engine=hf", "run.steps=30", "rollout.staleness=2",
                                                    "rollout.source.check_every_steps=1",
-                                                   "rollout.source.check_max_abs_log_ratio=0.05"])
+                                                   "rollout.source.check_max_abs_log_ratio=0.05"], both_deliver)
     assert trainer.state.global_step == 30 and max(r["buffer/staleness_max"] for r in records) >= 1
     means = {k: v for k, v in records[-1].items() if k.startswith("rollout/check_abs_log_ratio/")}
     assert len(means) == 2 and all(v < 1e-3 for v in means.values()), means
