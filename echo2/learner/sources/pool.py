@@ -52,8 +52,10 @@ class StaticPool:
     credential (echo2.credential: revocable, and it cannot sign snapshots as the run secret could).
     ``workers`` optionally lists the expected ones with prices and links (for planning: echo2.plan)."""
 
-    def __init__(self, workers: list[dict] | None = None):
-        self.workers = list(workers or [])
+    def __init__(self, workers: list[dict] | int | None = None):
+        # an int is pool=local's agent count, set by an experiment written for it (experiment=smollm2_arith's
+        # pool.workers=1) and run with joining workers (launchers/wan.py): nothing to list
+        self.workers = [] if isinstance(workers, int) else list(workers or [])
 
     def start(self, coordinator_url: str, token: str, model_path: str, run_dir: str,
               ca_hash: str | None = None) -> None:
