@@ -27,13 +27,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def run_model(train_args: list[str]) -> str:
+    """The weights the learner will train, resolved as train.py resolves them (model=..., an experiment's model): the
+    workers must serve the same (registration refuses another)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from echo2.config import CONF_DIR, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[a for a in train_args if not a.startswith("hydra.")])
+    return str(instantiate(cfg.model.path))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--link-mbit", type=float, default=100.0, help="each worker's uplink and downlink")
     p.add_argument("--learner-uplink-mbit", type=float, default=None, help="default: --link-mbit")
     p.add_argument("--rtt-ms", type=float, default=40.0, help="between any two hosts")
-    p.add_argument("--model", default=None, help="the workers' weights (default: the tiny model, built here)")
+    p.add_argument("--model", default=None, help="the workers' weights (default: the run's model.path, as train.py "
+                                                  "resolves it from the overrides after --)")
     p.add_argument("--engine", default=None, choices=["vllm", "hf"], help="workers' engine (default: vllm if installed)")
     p.add_argument("--port", type=int, default=29600, help="the coordinator's port on the learner host")
     p.add_argument("train_args", nargs="*", help="after --: hydra overrides for train.py")
@@ -50,11 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     why = testbed.available()
     if why:
         p.error(f"the emulated WAN {why}; run without it: launchers/local.sh N")
-    model = args.model
-    if model is None:
-        from echo2.models.tiny import build_tiny
-
-        model = build_tiny()
+    model = args.model or run_model(args.train_args)
     run_dir = next((a.split("=", 1)[1] for a in args.train_args if a.startswith("hydra.run.dir=")),
                    str(ROOT / "outputs" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S-wan")))
     (Path(run_dir) / "workers").mkdir(parents=True, exist_ok=True)
