@@ -318,3 +318,13 @@ def post_with_credentials(host: str, port: int, path: str, body: dict, credentia
     out = resp.status, json.loads(resp.read() or b"{}")
     conn.close()
     return out
+
+
+class ScriptedEngine:
+    """The learner's engine interface (generate(policy, ids, params)) over a scripted policy."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def generate(self, policy, prompt_ids, params, greedy=False):
+        return self.policy.generate(prompt_ids, params)

@@ -90,9 +90,8 @@ TOOL_CHAT_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_res
 
 
 def _write_tiny(out: Path, spec: dict) -> None:
-    import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     if spec.get("tool_chat"):
         return _write_tool_chat(out, spec)
@@ -118,8 +117,16 @@ def _write_tiny(out: Path, spec: dict) -> None:
     hf_tok.chat_template = (
         "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>{% endif %}{% endfor %}"
     )
+    _save(out, spec, hf_tok, len(vocab), spec.get("tie_word_embeddings", False))
+
+
+def _save(out: Path, spec: dict, hf_tok, vocab_size: int, tied: bool) -> None:
+    """A Qwen3 model of ``spec``'s shape, initialised from its seed, saved with ``hf_tok`` and the spec in ``out``."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
     cfg = Qwen3Config(
-        vocab_size=len(vocab),
+        vocab_size=vocab_size,
         hidden_size=spec["hidden_size"],
         intermediate_size=spec["intermediate_size"],
         num_hidden_layers=spec["num_hidden_layers"],
@@ -127,7 +134,7 @@ def _write_tiny(out: Path, spec: dict) -> None:
         num_key_value_heads=spec["num_key_value_heads"],
         head_dim=spec["head_dim"],
         max_position_embeddings=spec["max_position_embeddings"],
-        tie_word_embeddings=spec.get("tie_word_embeddings", False),
+        tie_word_embeddings=tied,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=2,
@@ -143,9 +150,8 @@ def _write_tiny(out: Path, spec: dict) -> None:
 
 def _write_tool_chat(out: Path, spec: dict) -> None:
     """The tiny model with a tool-calling chat template (see build_tiny)."""
-    import torch
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
     from trl.chat_template_utils import qwen3_chat_template
 
     vocab = {t: i for i, t in enumerate(TOOL_CHAT_SPECIAL + TOOL_CHAT_ADDED + list(dict.fromkeys(spec["chars"])))}
@@ -158,15 +164,4 @@ def _write_tool_chat(out: Path, spec: dict) -> None:
                                      unk_token="<unk>", padding_side="left",
                                      model_max_length=spec["max_position_embeddings"])
     hf_tok.chat_template = qwen3_chat_template
-    cfg = Qwen3Config(vocab_size=len(vocab), hidden_size=spec["hidden_size"],
-                      intermediate_size=spec["intermediate_size"], num_hidden_layers=spec["num_hidden_layers"],
-                      num_attention_heads=spec["num_attention_heads"], num_key_value_heads=spec["num_key_value_heads"],
-                      head_dim=spec["head_dim"], max_position_embeddings=spec["max_position_embeddings"],
-                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    torch.manual_seed(spec["init_seed"])
-    model = Qwen3ForCausalLM(cfg)
-    model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    hf_tok.save_pretrained(out)
-    (out / "echo2_spec.json").write_text(json.dumps(spec, indent=1))
+    _save(out, spec, hf_tok, len(vocab), tied=False)

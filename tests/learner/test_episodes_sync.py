@@ -4,19 +4,9 @@ calls, the environment's reward and how much of each completion was the environm
 
 from __future__ import annotations
 
-from conftest import build_run, read_jsonl
+from conftest import ScriptedEngine, build_run, read_jsonl
 from echo2.learner import trainer as _trainer  # noqa: F401 (imports DeepSpeed, which runs `uname`, at collection)
 from own_envs import ScriptedPolicy
-
-
-class ScriptedEngine:
-    """The learner's engine interface (generate(policy, ids, params)) over a scripted policy."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def generate(self, policy, prompt_ids, params, greedy=False):
-        return self.policy.generate(prompt_ids, params)
 
 
 def test_sync_episodes_train_on_the_models_tokens_only(tmp_path):

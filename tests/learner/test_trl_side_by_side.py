@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from conftest import build_run, read_jsonl
+from conftest import ScriptedEngine, build_run, read_jsonl
 from echo2.learner import trainer as _trainer  # noqa: F401 (imports DeepSpeed, which runs `uname`, at collection)
 from echo2.records import SamplingParams
 from own_envs import CounterEnv, ScriptedPolicy, reach_target
 
 G, P, BUDGET, STEPS = 2, 2, 300, 3
-
-
-class ScriptedEngine:
-    def __init__(self, policy):
-        self.policy = policy
-
-    def generate(self, policy, prompt_ids, params, greedy=False):
-        return self.policy.generate(prompt_ids, params)
 
 
 def rows_file(tmp_path):
