@@ -10,3 +10,11 @@
 ``evaluate``       greedy accuracy on the task's held-out split
 ``sources/``       where the batches come from: remote workers through the coordinator process, sync, lagged
 """
+
+import trl.import_utils as _trl_imports
+
+# TRL's trainer imports vLLM at import time wherever vLLM is installed, for TRL's own generation path, which echo2
+# replaces (the learner never generates with vLLM: its workers do). That import is 3-4 s of every learner
+# process's start on a machine that serves workers too; told vLLM is absent, TRL skips it. GRPOConfig(use_vllm=True)
+# is refused by echo2's config checks either way.
+_trl_imports.is_vllm_available = lambda *args, **kwargs: False

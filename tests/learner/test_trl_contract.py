@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import trl
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
@@ -80,3 +81,19 @@ def test_bnpo_normalisation_echo2_rescales():
     bnpo = src[src.index('elif self.loss_type == "bnpo":'):src.index('elif self.loss_type == "dr_grpo":')]
     assert "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)" in bnpo
     assert "self.current_gradient_accumulation_steps" in bnpo and "loss = loss / normalizer" in bnpo
+
+
+@pytest.mark.e2e
+def test_the_learner_imports_trl_without_vllm():
+    """echo2/learner tells TRL that vLLM is absent (TRL imports it for its own generation, which echo2 replaces: 3-4 s
+    of every learner start). In a fresh interpreter (this one may have imported vLLM already): the trainer module
+    imports TRL's trainer and its vLLM generation module, and vLLM stays unimported. Fails if TRL stops reading
+    ``trl.import_utils.is_vllm_available`` there, or reads it before echo2 can answer."""
+    import subprocess
+    import sys
+
+    code = ("import sys, echo2.learner.trainer, trl.generation.vllm_generation as g; "
+            "print('vllm' in sys.modules, g.is_vllm_available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"], out.stdout

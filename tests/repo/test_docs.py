@@ -58,16 +58,17 @@ def test_run_options_match_the_schema():
 
 
 def test_readme_quick_start_is_what_ci_and_the_demo_test_run():
-    """The two commands of the README: the test command is .ci/run's; the run command is what
-    tests/repo/test_cli.py::test_default_demo_learns_with_async_workers runs (train.py with no overrides)."""
+    """The two commands of the README: the test command is .ci/run's; the run command is the default config, which
+    tests/e2e/test_async_e2e.py's demo test builds as train.py does (with no override but its heartbeat timeout
+    and the test plumbing)."""
     readme = (ROOT / "README.md").read_text()
     quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"```bash\n(.*?)\n```", quick, re.S)
     assert commands == ["./install.sh && .venv/bin/python train.py", "./install.sh && .venv/bin/python -m pytest"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "./install.sh" in ci and ".venv/bin/python -m pytest\n" in ci
-    demo = (ROOT / "tests" / "repo" / "test_cli.py").read_text()
-    assert 'run_train(["run.wandb=disabled", f"hydra.run.dir={tmp_path}"]' in demo
+    demo = (ROOT / "tests" / "e2e" / "test_async_e2e.py").read_text()
+    assert 'train(tmp_path, ["rollout.source.heartbeat_timeout_s=5"], hook)' in demo
 
 
 def test_group_descriptions_are_whole_in_the_reference():

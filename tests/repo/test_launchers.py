@@ -18,21 +18,22 @@ from conftest import ROOT, build_run, descendants, read_jsonl, run_train, small_
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_sweep_has_one_wandb_group_job_names_from_overrides_and_a_report(tmp_path):
-    """The issue's sweep shape, shrunk: staleness x broadcast over async runs with local hf workers."""
+    """The issue's sweep shape, shrunk to two jobs (one swept key of two values, one key fixed; CI time): async runs
+    with local hf workers, one wandb group, each job named by its swept value only, and one report of both."""
     sweep = tmp_path / "sweep"
-    out = run_train(["-m", "rollout.staleness=0,2", "broadcast=pipelined,one_to_many", "pool.engine=hf",
+    out = run_train(["-m", "broadcast=pipelined,one_to_many", "rollout.staleness=2", "pool.engine=hf",
                      "run.steps=3", "run.eval_every_steps=0", "run.progress=false", f"hydra.sweep.dir={sweep}"],
                     tmp_path, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
-    assert len(jobs) == 4, [p.name for p in sweep.iterdir()]
+    assert len(jobs) == 2, [p.name for p in sweep.iterdir()]
     infos = [json.loads((j / "summary.json").read_text())["wandb"] for j in jobs]
     assert len({i["group"] for i in infos}) == 1 and infos[0]["group"] == f"{sweep.parent.name}_{sweep.name}"
-    names = {i["name"] for i in infos}
-    assert names == {f"broadcast={b},rollout.staleness={s}" for b in ("one_to_many", "pipelined") for s in (0, 2)}
+    assert {i["name"] for i in infos} == {"broadcast=one_to_many", "broadcast=pipelined"}  # not the fixed key
     for job, info in zip(jobs, infos, strict=True):  # the run dir is named from the same overrides (and the rest)
         assert set(info["name"].split(",")) <= set(job.name.split("_", 1)[1].split(",")), (job.name, info["name"])
-    assert out.stdout.count("echo2 run summary") == 4, out.stdout[-2000:]
+        assert "rollout.staleness=2" in job.name
+    assert out.stdout.count("echo2 run summary") == 2, out.stdout[-2000:]
 
     report = tmp_path / "report"
     rep = subprocess.run([sys.executable, "-m", "echo2.report", *map(str, jobs), "--out", str(report)], cwd=ROOT,
@@ -41,7 +42,7 @@ def test_a_sweep_has_one_wandb_group_job_names_from_overrides_and_a_report(tmp_p
     for png in ("reward.png", "staleness.png", "utilization.png", "broadcast.png"):
         assert (report / png).stat().st_size > 10_000, png
     table = (report / "report.md").read_text().splitlines()
-    assert len(table) == 2 + 4 and "broadcast=one_to_many rollout.staleness=2" in "\n".join(table)
+    assert len(table) == 2 + 2 and "broadcast=one_to_many" in "\n".join(table)
     assert all(row.count("|") == table[0].count("|") for row in table)
 
 
