@@ -364,23 +364,25 @@ def check_experiments(argv: list[str], conf_dir: Path = CONF_DIR) -> list[str]:
     """The errors of keys that name no option in the experiment files the command line selects (``experiment=x``,
     or ``experiment=x,y`` in a sweep), each with "did you mean" where a near option exists; the keys of their
     ``hydra.sweeper.params`` are judged as overrides. Hydra refuses such a key too, when it merges the file, but
-    names only the key. A file that is not in ``conf_dir/experiment``, or not ``@package _global_``, is left to
-    Hydra, and so is a source or broadcaster of your own (a ``_target_`` that is not the registered class)."""
+    names only the key. The file is looked for in ``conf_dir/experiment``, then in each ``hydra.searchpath=[file://DIR]``
+    folder's ``experiment/``; one found in neither, or not ``@package _global_``, is left to Hydra, and so is a source or broadcaster of your own (a ``_target_`` that is not the registered class)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    candidates = [a for a in argv if a.lstrip("+").startswith("experiment=")]
+    candidates = [a for a in argv if a.lstrip("+").startswith(("experiment=", "hydra.searchpath="))]
     try:
         overrides = OverridesParser.create().parse_overrides(candidates)
     except Exception:
         return []  # Hydra reports malformed overrides itself
-    names = [n for o in overrides
+    names = [n for o in overrides if o.key_or_group == "experiment"
              for n in (o.sweep_string_iterator() if o.is_sweep_override() else [o.value()]) if isinstance(n, str)]
+    dirs = [conf_dir] + [Path(str(p)[len("file://"):]) for o in overrides if o.key_or_group == "hydra.searchpath"
+                         and isinstance(o.value(), list) for p in o.value() if str(p).startswith("file://")]
     own = {path: {getattr(kind, "_target_", None) for kind in kinds} for path, kinds in COMPONENT_SCHEMAS.items()}
     errors: list[str] = []
     for name in dict.fromkeys(names):
-        path = conf_dir / "experiment" / f"{name}.yaml"
-        if not path.is_file() or "@package _global_" not in path.read_text().split("\n", 1)[0]:
+        path = next((p for d in dirs if (p := Path(d) / "experiment" / f"{name}.yaml").is_file()), None)
+        if path is None or "@package _global_" not in path.read_text().split("\n", 1)[0]:
             continue
         tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         where = f"{path.parent.name}/{path.name}"

@@ -42,11 +42,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # everything in tests/e2e/ is a whole-system run
         if E2E_DIR in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
-        # Under pytest-xdist (pytest.ini: -n 2 --dist loadgroup) the e2e tests run one after another in one of the
-        # two test processes, the quick ones in the other: an e2e test starts several processes of its own (a
-        # learner, workers, vLLM) and some hold a timing bound, so two never share the machine's cores at once.
-        if item.get_closest_marker("e2e"):
-            item.add_marker(pytest.mark.xdist_group("e2e"))
 
 
 RUNS_SOMETHING = re.compile(r"python[\d.]*|torchrun|accelerate|deepspeed|bash|sh|ip|iptables|iperf3|tc|sbatch|srun|sky|"

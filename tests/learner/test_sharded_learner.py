@@ -181,7 +181,8 @@ def test_zero3_learner_trains_from_remote_workers_and_resumes_after_kill_9(tmp_p
     """As for ZeRO-2, and: the whole job (learner ranks, coordinator, workers) killed with SIGKILL after a
     checkpoint; the same command resumes from it, and the consumed log is gap-free over the whole run. Each rank's
     64 rollouts go in 2 micro-batches, and a KL term against a reference model (sharded like the policy) is on: 0 at
-    step 1, then positive."""
+    step 1, then positive once the policy has moved (after the resume too: the reference is restored, not taken from
+    the resumed weights)."""
     env = dict(os.environ, ECHO2_RUN_DIR=str(tmp_path), ECHO2_PYTHON=sys.executable)
     cmd = launch(3, "learner.micro_batch_size=32", "learner.beta=0.01")
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -206,7 +207,10 @@ def test_zero3_learner_trains_from_remote_workers_and_resumes_after_kill_9(tmp_p
     assert f"checkpoint-{max(saved)} (step {max(saved)})" in second.stdout + second.stderr
     check_run(tmp_path, 3)
     kl = [r["train/kl"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
-    assert kl[0] == 0.0 and min(kl[1:]) > 0, kl
+    # 0 until the policy first moves (a step whose every group scored alike has no gradient: at this task's ~2.5 %
+    # chance reward, about 1 run in 25 has such a first step), positive from then on, the resumed steps included
+    moved = next(i for i, k in enumerate(kl) if k > 0)
+    assert kl[0] == 0.0 and moved < killed_at and min(kl[moved:]) > 0, kl
 
 
 @pytest.mark.e2e

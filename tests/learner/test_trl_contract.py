@@ -93,7 +93,7 @@ def test_the_learner_imports_trl_without_vllm():
     import sys
 
     code = ("import sys, echo2.learner.trainer, trl.generation.vllm_generation as g; "
-            "print('vllm' in sys.modules, g.is_vllm_available())")
+            "print('vllm', 'vllm' in sys.modules, g.is_vllm_available())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "False"], out.stdout
+    assert out.stdout.split()[-3:] == ["vllm", "False", "False"], out.stdout  # (a library may print before)

@@ -11,7 +11,7 @@ import threading
 import pytest
 import requests
 
-from conftest import balanced, small_coordinator, train, wait_until
+from conftest import balanced, slow_until, small_coordinator, train, wait_until
 from echo2.net.http import Client, JsonServer, RemoteError
 from echo2.net.tls import (LEARNER_NAME, PEER_NAME, RunCA, Trust, fetch_ca, fingerprint, is_loopback, join,
                            server_context)
@@ -176,6 +176,8 @@ def test_a_run_with_tls_forced_on_over_loopback(tmp_path, worker_tmp):
         if step == 3:
             wait_until(lambda: source.coordinator.status()["registered"] >= 2, timeout_s=120)
             ev["url"], ev["hash"] = source.coordinator.url, source.ca_hash
+        if step >= 3:  # a worker registered late may not have delivered in a 12-step run (a CI run): slow down for it
+            slow_until(lambda: len(source.coordinator.status()["by_worker"]) >= 2, at_most_s=2.0)
 
     _, trainer, source, acc, records = train(tmp_path, ["pool.engine=hf", "run.steps=12", "rollout.source.tls=on"],
                                              hook)

