@@ -31,14 +31,15 @@ def test_hf_workers_train_within_the_staleness_bound(tmp_path):
 def test_several_passes_per_batch_with_remote_workers(tmp_path):
     """learner.num_iterations = 2 at S = 2 with hf workers: a batch every 2 versions (12 steps: 6 batches), each
     within the bound when taken; the coordinator dispatches for one batch every 2 versions, so the books balance
-    and little is dropped as stale (measured: 0 of 928 dispatched; 512 of 1472 when the coordinator dispatched as
-    if the learner took a batch every version)."""
+    and little is dropped as stale (measured: 0 of 928 dispatched on an idle machine, 128 for 768 consumed under the
+    parallel suite's load; 512 for 768 consumed when the coordinator dispatched as if the learner took a batch every
+    version: the bound, a quarter of what is consumed, lies between)."""
     cfg, trainer, _, acc, records = train(tmp_path, ["pool.engine=hf", "rollout.staleness=2", "run.steps=12",
                                                      "learner.num_iterations=2", "run.save_every_steps=0"])
     assert trainer.version == 12 and len(records) == 6, "a batch's record at its first pass only"
     assert max(r["buffer/staleness_max"] for r in records) <= 2
     assert acc["consumed"] == 6 * 16 * 8 and balanced(acc), acc
-    assert acc["dropped"].get("stale", 0) <= 0.1 * acc["consumed"], acc
+    assert acc["dropped"].get("stale", 0) <= 0.25 * acc["consumed"], acc
 
 
 def test_activation_turns_off_a_worker_that_does_not_pay_and_costs_add_up(tmp_path):

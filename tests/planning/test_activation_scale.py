@@ -58,11 +58,13 @@ def test_greedy_prices_every_prefix_at_once_and_picks_the_same(seed):
     assert greedy(system, workers).active == brute_prefix(system, workers).active
 
 
-@pytest.mark.parametrize("n, measured, limit_s", [(100, False, 1.0), (500, True, 1.0), (2000, True, 1.0)])
+@pytest.mark.parametrize("n, measured, limit_s", [(100, False, 3.0), (500, True, 3.0), (2000, True, 3.0)])
 def test_the_exact_path_answers_a_real_pool_with_a_stated_gap(n, measured, limit_s, caplog, monkeypatch):
     """Generated markets (benchmarks/activation_scale.py: 3-6 GPU types, spread prices, links by host kind;
     ``measured``: every link distinct): the DP refuses, solve() says so in the log and answers with the bounded
-    search within its time limit, never worse than greedy, with a lower bound under its answer."""
+    search within its time limit, never worse than greedy, with a lower bound under its answer and a gap under 5 %.
+    The limit is wall-clock: 3 s, not the 1 s each took on an idle machine (BENCHMARKS: activation at scale), since
+    the suite shares the 2 cores between two test processes (500 workers: a 5.6 % gap at 1 s, a CI run)."""
     monkeypatch.setattr(solve_mod, "_fallbacks_logged", 0)
     caplog.set_level(logging.WARNING, logger="echo2.activation.solve")
     workers, kinds = activation_scale.market(n, seed=1, measured=measured)
