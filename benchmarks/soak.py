@@ -428,11 +428,18 @@ class HostileSoak:
         self.samples: list[dict] = []  # GET /status, every second: latency, held groups, benched ids
         self.t_go = None
 
-    def _start(self, name: str, cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    def _start(self, name: str, cmd: list[str], env: dict, log: Path, nice: int = 0) -> subprocess.Popen:
         from echo2.learner.sources.pool import _child_setup
 
+        setup = _child_setup(None)
+
+        def preexec() -> None:
+            setup()
+            if nice:
+                os.nice(nice)
+
         self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                            preexec_fn=_child_setup(None))
+                                            preexec_fn=preexec)
         return self.procs[name]
 
     def start(self) -> None:
@@ -475,7 +482,7 @@ class HostileSoak:
                                str(self.out / "hostile" / f"{kind}.json"), "--go", str(self.go), "--victim", victim,
                                "--half-open", str(a.half_open), "--silent-every-s", str(a.silent_every_s),
                                *(["--source-address", OUTSIDERS[kind]] if kind in OUTSIDERS else [])],
-                        env, self.out / "hostile" / f"{kind}.log")
+                        env, self.out / "hostile" / f"{kind}.log", nice=a.hostile_nice)
         deadline = time.monotonic() + a.start_timeout_s
         ready = lambda: all((self.out / "hostile" / f"{k}.ready").exists() for k in kinds_of(a))  # noqa: E731
         while not ready() and time.monotonic() < deadline:
@@ -897,6 +904,10 @@ def main() -> None:
     h.add_argument("--heartbeat-s", type=float, default=10.0, help="rollout.source.heartbeat_timeout_s")
     h.add_argument("--deadline-floor-s", type=float, default=10.0, help="rollout.source.liveness.floor_s")
     h.add_argument("--half-open", type=int, default=100, help="the outsider's half-open connections per target")
+    h.add_argument("--hostile-nice", type=int, default=0,
+                   help="run the hostile clients at this niceness (0-19): here they share the run's cores, which "
+                        "their own machines would not; a high value tells their own CPU from what the run spends "
+                        "on them")
     h.add_argument("--silent-every-s", type=float, default=30.0, help="a silent registration this often (absurd)")
     h.add_argument("--slow-reward-s", type=float, default=1.0,
                    help="seconds a crafted completion costs to score (slow_reward; math-verify's limit is 1 s)")

@@ -55,6 +55,14 @@ def max_gap(model, prompts, groups, temperature) -> tuple[float, int]:
     return gap, n
 
 
+def assert_on_policy(engine, learner, label: str) -> None:
+    """The engine's sampled logprobs equal ``learner``'s at two temperatures (S = 0: importance ratio 1)."""
+    for temperature in (1.0, 0.7):
+        groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8, temperature=temperature))
+        gap, n = max_gap(learner, PROMPTS, groups, temperature)
+        assert n >= 12 and gap < 1e-4, f"{label}, T={temperature}: engine vs learner logprobs off by {gap}"
+
+
 def perturb(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -216,10 +224,7 @@ def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
                                 {"probe": probe})
                 agent._apply_pending()
                 assert agent.version == version
-            for temperature in (1.0, 0.7):
-                groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8, temperature=temperature))
-                gap, n = max_gap(learner, PROMPTS, groups, temperature)
-                assert n >= 12 and gap < 1e-4, f"v{version}, T={temperature}: engine vs learner logprobs off by {gap}"
+            assert_on_policy(engine, learner, f"v{version}")
 
         # A snapshot that is not what its manifest says (its LM head / embeddings scaled): refused after 2 applies.
         probe = {"token_ids": ids, "logprobs": probe_logprobs(learner, ids), "dtype": "float32"}
@@ -347,10 +352,7 @@ def assert_serves_lora(engine, agent, path: str, version: int) -> None:
     agent._received(version, blob, manifest)
     agent._apply_pending()
     assert agent.version == version
-    for temperature in (1.0, 0.7):
-        groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8, temperature=temperature))
-        gap, n = max_gap(learner, PROMPTS, groups, temperature)
-        assert n >= 12 and gap < 1e-4, f"{engine.lora} v{version} T={temperature}: off by {gap}"
+    assert_on_policy(engine, learner, f"{engine.lora} v{version}")
 
 
 @pytest.mark.e2e
