@@ -6,7 +6,7 @@ greedily with the initial weights and with each run's final weights (echo2's eva
 environment answering) and reports the mean chips won a hand (the payoff) and the share of hands won. For reference
 it also reports what always betting and always passing win against the same opponent on the same hands.
 
-    python benchmarks/poker_payoff.py                                   # 2 seeds x 30 steps (2-core CPU: ~20 min each)
+    python benchmarks/poker_payoff.py                                   # 2 seeds x 30 steps (2-core CPU: ~25 min each)
     python benchmarks/poker_payoff.py --seeds 0 --steps 2 --hands 16    # a quick check that it runs
     python benchmarks/poker_payoff.py --game leduc_poker
 
