@@ -323,6 +323,16 @@ def check_overrides(argv: list[str]) -> list[str]:
             if not o.is_delete() and (why := unknown_key(added(o) + o.key_or_group, task_schema))]
 
 
+def config_dirs(overrides: list, conf_dir: Path) -> list[Path]:
+    """Where Hydra looks for a group's option files: ``conf_dir``, then each ``hydra.searchpath=[file://DIR]`` folder
+    the parsed command line adds (the last such override wins, as in Hydra)."""
+    searchpath: list[str] = []
+    for o in overrides:
+        if o.key_or_group == "hydra.searchpath" and not o.is_delete() and isinstance(o.value(), list):
+            searchpath = [str(p) for p in o.value()]
+    return [Path(conf_dir)] + [Path(p[len("file://"):]) for p in searchpath if p.startswith("file://")]
+
+
 def own_task_schema(overrides: list, conf_dir: Path | None = None) -> type | None:
     """The schema (read from its constructor) of a task of your own that the command line selects: ``task._target_=
     pkg.Task``, or ``task=NAME`` whose ``task/NAME.yaml`` (in conf/ or a ``hydra.searchpath=[file://DIR]`` folder)
@@ -331,7 +341,6 @@ def own_task_schema(overrides: list, conf_dir: Path | None = None) -> type | Non
     from omegaconf import OmegaConf
 
     target = name = None
-    searchpath: list[str] = []
     for o in overrides:
         if o.is_delete() or o.is_sweep_override():
             continue
@@ -339,11 +348,8 @@ def own_task_schema(overrides: list, conf_dir: Path | None = None) -> type | Non
             target = str(o.value())
         elif o.key_or_group == "task":
             name = str(o.value())
-        elif o.key_or_group == "hydra.searchpath" and isinstance(o.value(), list):
-            searchpath = [str(p) for p in o.value()]
     if target is None and name is not None:
-        dirs = [conf_dir or CONF_DIR] + [Path(p[len("file://"):]) for p in searchpath if p.startswith("file://")]
-        for d in dirs:
+        for d in config_dirs(overrides, conf_dir or CONF_DIR):
             path = Path(d) / "task" / f"{name}.yaml"
             if path.is_file():
                 node = OmegaConf.load(path)
@@ -364,8 +370,9 @@ def check_experiments(argv: list[str], conf_dir: Path = CONF_DIR) -> list[str]:
     """The errors of keys that name no option in the experiment files the command line selects (``experiment=x``,
     or ``experiment=x,y`` in a sweep), each with "did you mean" where a near option exists; the keys of their
     ``hydra.sweeper.params`` are judged as overrides. Hydra refuses such a key too, when it merges the file, but
-    names only the key. The file is looked for in ``conf_dir/experiment``, then in each ``hydra.searchpath=[file://DIR]``
-    folder's ``experiment/``; one found in neither, or not ``@package _global_``, is left to Hydra, and so is a source or broadcaster of your own (a ``_target_`` that is not the registered class)."""
+    names only the key. The file is looked for in ``conf_dir/experiment``, then in each search-path folder's
+    (config_dirs); one found in none, or not ``@package _global_``, is left to Hydra, and so is a source or
+    broadcaster of your own (a ``_target_`` that is not the registered class)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
@@ -376,12 +383,11 @@ def check_experiments(argv: list[str], conf_dir: Path = CONF_DIR) -> list[str]:
         return []  # Hydra reports malformed overrides itself
     names = [n for o in overrides if o.key_or_group == "experiment"
              for n in (o.sweep_string_iterator() if o.is_sweep_override() else [o.value()]) if isinstance(n, str)]
-    dirs = [conf_dir] + [Path(str(p)[len("file://"):]) for o in overrides if o.key_or_group == "hydra.searchpath"
-                         and isinstance(o.value(), list) for p in o.value() if str(p).startswith("file://")]
+    dirs = config_dirs(overrides, conf_dir)
     own = {path: {getattr(kind, "_target_", None) for kind in kinds} for path, kinds in COMPONENT_SCHEMAS.items()}
     errors: list[str] = []
     for name in dict.fromkeys(names):
-        path = next((p for d in dirs if (p := Path(d) / "experiment" / f"{name}.yaml").is_file()), None)
+        path = next((p for d in dirs if (p := d / "experiment" / f"{name}.yaml").is_file()), None)
         if path is None or "@package _global_" not in path.read_text().split("\n", 1)[0]:
             continue
         tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
