@@ -6,8 +6,8 @@
 
     every route: its body is validated first (schemas.py: types, finite bounded numbers, known keys), and a
             route changes nothing until it has (a bad body is a 400 naming the field, never a half-done change)
-    pull:  dispatch prompt groups, while worth_dispatching (buffer.py): in flight + being scored + buffered <= (S+1)·P, and
-           while the worker's credential holds less than its share (liveness.py)
+    pull:  dispatch prompt groups, while worth_dispatching (buffer.py): in flight + being scored + buffered (the
+           ledger's open groups) <= (S+1)·P, and while the worker's credential holds less than its share (liveness.py)
     push:  claim (lock) -> validate (results.py) and score (task rewards in a pool of reward processes with a time
            limit, reward_pool.py; never trusted from a worker) outside the lock (intake.py) -> settle (lock): each
            group buffered, or dropped with its reason; a version the worker was never delivered is refused
@@ -129,7 +129,6 @@ class Coordinator:
         self.registered = 0
         self.deadline_misses = self.reaper_errors = 0
         self.scoring = 0  # pushes claimed and not yet settled (close() waits for them, CLOSE_WAIT_S at most)
-        self.scoring_groups = 0  # their groups: out of flight, not yet buffered, still ahead of the learner
         self.closed = False
         activation, shape = s.activation, s.broadcast_shape
         self.activation = OnlinePlanner(activation, shape, staleness=staleness,
@@ -292,7 +291,9 @@ class Coordinator:
         room = self.reg.limit(principal, (self.staleness + 1) * self.P, self.groups_per_pull, self.activation.is_active)
         room -= principal.held
         while len(work) < min(want, room) and not self.closed:
-            ahead = len(self.buffer) + len(self.reg.in_flight) + self.scoring_groups
+            # every group dispatched and not yet consumed, dropped or lost: in flight, being scored (out of flight,
+            # not yet buffered) or buffered; the ledger's open groups are exactly those
+            ahead = len(self.ledger.open)
             if not worth_dispatching(max(self.version, self.next_take), worker.version, ahead, self.P, self.staleness,
                                      self.steps_per_batch):
                 break
@@ -325,7 +326,6 @@ class Coordinator:
             claimed, rejected = intake.claim(self.reg, self.ledger, worker, req.results)
             claimed_at = time.monotonic()
             self.scoring += 1
-            self.scoring_groups += len(claimed)
         try:
             outcomes = intake.score(self.scorer, claimed, self.G, int(self.sampling["max_tokens"]), self.vocab_size,
                                     episodes=self.settings.episode is not None, principal=worker.principal)
@@ -340,7 +340,6 @@ class Coordinator:
             with self.lock:
                 intake.unclaim(self.reg, self.ledger, [gid for gid, _, _ in claimed])
                 self.scoring -= 1
-                self.scoring_groups -= len(claimed)
                 self.lock.notify_all()
         return {"accepted": accepted, "rejected": rejected, "version": self.version}
 
