@@ -119,9 +119,11 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
         sink = MetricsSink(run_dir, cfg.run.wandb, cfg.run.project, group, name,
                            OmegaConf.to_container(cfg, resolve=True), resume_step=resumed["step"] if resumed else None,
                            report_to=cfg.run.report_to, tags=list(cfg.run.tags))
-    evaluator = Evaluator(task, tokenizer, engine) if cfg.run.eval_every_steps else None
+    on_workers = cfg.run.eval_on == "workers"
+    evaluator = Evaluator(task, tokenizer, engine) if cfg.run.eval_every_steps and not on_workers else None
     stop = callbacks.StopOnSignal(trainer)
-    evaluation = callbacks.Evaluation(trainer, evaluator, cfg.run.eval_every_steps, sink.previous if sink else [])
+    evaluation = callbacks.Evaluation(trainer, evaluator, cfg.run.eval_every_steps, sink.previous if sink else [],
+                                      on_workers=on_workers and bool(cfg.run.eval_every_steps))
     step_log = callbacks.StepLog(trainer, sink, evaluation, stop)
     table = CompletionsTable(trainer, sink, cfg.run.completions_every_steps, cfg.run.completions_rows)
     for callback in (callbacks.SourceVersions(trainer, cfg.run.keep_checkpoints), stop, evaluation, step_log, table):
@@ -156,7 +158,8 @@ def build_source(cfg: DictConfig, task: Any, tokenizer: Any, engine: Any, model_
                      pool=instantiate(cfg.pool), activation=OmegaConf.to_object(cfg.activation),
                      broadcast_shape=BroadcastShape.of(cfg.broadcast),
                      resume=resumed["source"] if resumed and resumed["source"] else None, max_steps=cfg.run.steps,
-                     steps_per_batch=cfg.learner.num_iterations)
+                     steps_per_batch=cfg.learner.num_iterations,
+                     worker_eval_every_steps=cfg.run.eval_every_steps if cfg.run.eval_on == "workers" else 0)
     if get_class(cfg.rollout.source._target_).needs_policy:  # generates in this process: every rank its own slice
         source = make_source(cfg.rollout.source, parts)
     else:  # remote workers

@@ -193,6 +193,7 @@ ActivationConfig = ActivationSettings
 class RunConfig:
     steps: int = 200
     eval_every_steps: int = 50
+    eval_on: str = "learner"
     wandb: str = "offline"
     project: str = "echo2"
     group: Optional[str] = None
@@ -543,7 +544,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                       f"{', '.join(SCALE_REWARDS)}")
     from echo2.config_checks import learner_errors, pool_errors, run_errors
 
-    errors += learner_errors(cfg) + pool_errors(cfg, remote) + run_errors(cfg)
+    errors += learner_errors(cfg) + pool_errors(cfg, remote) + run_errors(cfg, remote)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 

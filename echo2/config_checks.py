@@ -53,13 +53,20 @@ def pool_errors(cfg: Any, remote: bool) -> list[str]:
     return []
 
 
-def run_errors(cfg: Any) -> list[str]:
-    """Logs and outputs: trackers, the completions table, the hub push."""
+def run_errors(cfg: Any, remote: bool = True) -> list[str]:
+    """Logs and outputs: evaluation, trackers, the completions table, the hub push."""
     import os
 
     from echo2.trackers import resolve_report_to
 
     run, errors = cfg.run, []
+    if run.eval_every_steps < 0:
+        errors.append(f"run.eval_every_steps={run.eval_every_steps}: must be >= 0 (0: never)")
+    if run.eval_on not in ("learner", "workers"):
+        errors.append(f"run.eval_on={run.eval_on!r}: expected learner or workers")
+    elif run.eval_on == "workers" and not remote:
+        errors.append("run.eval_on=workers: this rollout source generates in the learner's process, so there is no "
+                      "worker to evaluate on; use rollout=async (remote workers) or run.eval_on=learner")
     try:
         resolve_report_to(run.report_to)
     except ValueError as e:

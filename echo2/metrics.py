@@ -130,6 +130,13 @@ COST_USD_PER_HOUR = "cost/usd_per_hour"  # dollars per hour of the learner and a
 EVAL_ACCURACY = "eval/accuracy"  # held-out (greedy) accuracy, 0 to 1
 EVAL_EXAMPLES = "eval/examples"  # held-out examples evaluated
 EVAL_REWARD_MEAN = "eval/reward_mean"  # a multi-turn task's eval reward over held-out episodes (poker: chips won)
+# run.eval_on=workers: the policy version a worker evaluated (the record's step is when its result came back), and
+# held-out rows whose judging failed (timed out, raised) and so count as not correct
+EVAL_VERSION = "eval/version"
+EVAL_UNSCORED = "eval/unscored"
+# seconds the evaluation took: on the learner, the time its steps waited; on a worker, from handing the rows out to
+# judging them (the learner does not wait)
+EVAL_TIME_S = "eval/time_s"
 
 # TRL's GRPOTrainer logs the same quantities under these names (its wandb panels show them under ``train/``):
 # echo2 logs each once, under its own key (docs/logging.md has this table). A reward function's mean,

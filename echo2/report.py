@@ -43,9 +43,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from echo2.metrics import (BROADCAST_TIME_S, BUFFER_STALENESS_MEAN, COST_USD, EVAL_ACCURACY, REWARD_MEAN,
-                           ROLLOUT_IS_FRAC_MASKED, ROLLOUT_IS_RATIO_MAX, TRAIN_GRAD_NORM, TRAIN_LEARNER_IDLE_S,
-                           TRAIN_LEARNER_UTILIZATION)
+from echo2.metrics import (BROADCAST_TIME_S, BUFFER_STALENESS_MEAN, COST_USD, EVAL_ACCURACY, EVAL_VERSION,
+                           REWARD_MEAN, ROLLOUT_IS_FRAC_MASKED, ROLLOUT_IS_RATIO_MAX, TRAIN_GRAD_NORM,
+                           TRAIN_LEARNER_IDLE_S, TRAIN_LEARNER_UTILIZATION)
 
 
 def load(run_dir: str | Path) -> dict[str, Any]:
@@ -93,8 +93,7 @@ def row(run: dict) -> dict[str, Any]:
     tail = rewards[-20:]
     lags = staleness(run)
     acc = s.get("rollout_accounting") or {}
-    evals = s.get("eval_accuracy_by_step") or {str(r["step"]): r[EVAL_ACCURACY] for r in recs
-                                                if r.get(EVAL_ACCURACY) is not None}
+    evals = s.get("eval_accuracy_by_step") or _record_evals(recs)
     return {
         "steps": s.get("steps", last.get("step", 0)),
         "wall_s": s.get("wall_s", last.get("time_s")),
@@ -112,10 +111,16 @@ def row(run: dict) -> dict[str, Any]:
 
 def evaluations(run: dict) -> list[tuple[int, float, float]]:
     """(step, wall-clock s, accuracy) of each held-out evaluation; step 0 is at time 0 (before training)."""
-    by_step = run["summary"].get("eval_accuracy_by_step") or {
-        str(r["step"]): r[EVAL_ACCURACY] for r in run["records"] if r.get(EVAL_ACCURACY) is not None}
+    by_step = run["summary"].get("eval_accuracy_by_step") or _record_evals(run["records"])
     times = {r["step"]: r["time_s"] for r in run["records"]}
     return sorted((int(s), times.get(int(s), 0.0), a) for s, a in by_step.items() if int(s) == 0 or int(s) in times)
+
+
+def _record_evals(records: list[dict]) -> dict[str, float]:
+    """A run without its summary yet (still running): the evaluations in its records, by the version evaluated
+    (``eval/version`` where a worker evaluated, a few steps before the record; else the record's step)."""
+    return {str(int(r.get(EVAL_VERSION, r["step"]))): r[EVAL_ACCURACY] for r in records
+            if r.get(EVAL_ACCURACY) is not None}
 
 
 def staleness(run: dict) -> Counter:

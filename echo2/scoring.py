@@ -16,6 +16,7 @@ the group.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from typing import Any
@@ -129,6 +130,30 @@ class RewardFunctions:
                     values[i] = math.nan
         return {"rewards": rewards, "logs": logs.as_dict()}
 
+    def judge_job(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Whether each completion of ``job`` solves its row's problem (what ``eval/accuracy`` counts), ``{"correct":
+        [bool], "values": [float]}``: the task's ``is_correct`` (handed the token ids where it takes them); a
+        multi-turn task's episodes by its eval reward column reaching its threshold (``correct_when``), NaN (not
+        correct) where every reward failed. The learner's evaluator and the coordinator's (workers) both judge here."""
+        if job.get("episodes"):
+            name, threshold = self.task.correct_when()
+            try:
+                values = [float(v) for v in self.compute_job(job)["rewards"][name]]
+            except RewardsFailed:
+                values = [math.nan] * len(job["texts"])
+            return {"correct": [bool(v >= threshold) for v in values], "values": values}
+        with_ids = "completion_ids" in inspect.signature(self.task.is_correct).parameters
+        correct = [bool(self.task.is_correct(text, job["row"], **({"completion_ids": ids} if with_ids else {})))
+                   for text, ids in zip(job["texts"], job["completion_ids"], strict=True)]
+        return {"correct": correct, "values": [float(c) for c in correct]}
+
+    def apply_judgement(self, group: RolloutGroup, value: dict[str, Any]) -> RolloutGroup:
+        """``judge_job``'s answer on the group's rollouts: ``rewards["correct"]`` (1.0 or 0.0) and ``reward`` the
+        value judged (an episode's eval reward, else the same 1.0 or 0.0)."""
+        for r, correct, v in zip(group.rollouts, value["correct"], value["values"], strict=True):
+            r.rewards, r.reward = {"correct": float(bool(correct))}, float(v)
+        return group
+
     def compute(self, row: dict, completions: list[str], completion_ids: list[list[int]]) -> dict[str, Any]:
         """``compute_job`` for a group given by its parts (the row, the decoded completions, their token ids)."""
         return self.compute_job({"row": row, "texts": completions, "completion_ids": completion_ids,
@@ -159,24 +184,28 @@ class Scorer(RewardFunctions):
         super().__init__(task, max_steps, steps_per_epoch)
         self.tokenizer = tokenizer
 
-    def score(self, group: RolloutGroup) -> RolloutGroup:
+    def score(self, group: RolloutGroup, judge: bool = False) -> RolloutGroup:
+        """Score ``group`` in place (``judge``: judge it instead, as held-out rows are: apply_judgement)."""
         decode(self.tokenizer, group)
         if any(r.episode is not None and "messages" not in r.episode for r in group.rollouts):
             self.read_transcripts(self.tokenizer, group)
+        if judge:
+            return self.apply_judgement(group, self.judge_job(self.job(group)))
         return self.apply(group, self.compute_job(self.job(group)))
 
     def check_transcripts(self, group: RolloutGroup) -> None:
         """A worker's episodes read back against their tokens (read_transcripts), where its results are taken in."""
         self.read_transcripts(self.tokenizer, group)
 
-    def score_many(self, groups: list[RolloutGroup], principal: str | None = None) -> list[str | None]:
+    def score_many(self, groups: list[RolloutGroup], principal: str | None = None,
+                   judge: bool = False) -> list[str | None]:
         """Score each group in place; per group None, or why it could not be (``reward_error``: every reward
         failed). ``principal``: who sent them (a reward pool orders and charges by it; here, in the caller's thread,
-        unused)."""
+        unused). ``judge``: judge them instead (held-out rows: ``apply_judgement``)."""
         reasons: list[str | None] = []
         for group in groups:
             try:
-                self.score(group)
+                self.score(group, judge)
                 reasons.append(None)
             except Exception as e:
                 log.warning("reward failed on group %s: %s: %s", group.group_id, type(e).__name__, e)

@@ -44,6 +44,9 @@ class RunParts:
     resume: dict | None = None  # what the source's checkpoint() returned, when the learner resumes from one
     max_steps: int = 0  # the run's learner steps (run.steps), which reward functions read in trainer_state
     steps_per_batch: int = 1  # μ (learner.num_iterations): optimizer steps (versions) the learner makes per batch
+    # run.eval_on=workers: workers evaluate every this many versions and the last (run.eval_every_steps); 0: they
+    # never do (the learner evaluates, or nobody)
+    worker_eval_every_steps: int = 0
 
 
 class Engine(Protocol):
@@ -231,6 +234,15 @@ class CoordinatorCalls(Protocol):
 
     def check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
         """The rollout checks' per-worker sums; the workers whose groups in the checked batch are not trained on."""
+        ...
+
+    def request_eval(self, version: int) -> None:
+        """Snapshot ``version`` is published: have a worker evaluate it on the held-out rows (run.eval_on=workers)."""
+        ...
+
+    def evaluations(self) -> dict[str, Any]:
+        """``{"results": [...], "wanted": [versions]}``: workers' evaluations finished since the last call, and the
+        versions asked for and not yet evaluated."""
         ...
 
     def close(self) -> dict[str, Any]:

@@ -91,6 +91,7 @@ class CoordinatorSettings:
     reward_cpu_s: float = 30.0
 
     steps_per_batch: int = 1  # μ (learner.num_iterations): the learner takes a batch every μ versions
+    evaluate: bool = False  # run.eval_on=workers: run-secret workers evaluate the task's held-out rows
 
     def __post_init__(self):
         if self.steps_per_batch < 1:

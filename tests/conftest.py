@@ -175,11 +175,12 @@ def small_coordinator(tiny_model_dir: str, group_size: int = 2, **kwargs):
     task = ArithTask(level="copy", train_size=20)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     broadcaster = kwargs.pop("broadcaster", None)
+    eval_rows = kwargs.pop("eval_rows", None)  # held-out rows workers evaluate (run.eval_on=workers)
     token = kwargs.pop("token", "secret")  # an exposed coordinator (host off loopback) needs a strong one
     settings = CoordinatorSettings(token=token, staleness=1, prompts_per_step=2, group_size=group_size,
                                    vocab_size=len(tok), long_poll_s=0.0,
                                    sampling={"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}, **kwargs)
-    return Coordinator(task.train_dataset(), Scorer(task, tok), tok, settings, broadcaster).start()
+    return Coordinator(task.train_dataset(), Scorer(task, tok), tok, settings, broadcaster, eval_rows=eval_rows).start()
 
 
 # ---------------------------------------------------------------------- asynchronous runs in this process

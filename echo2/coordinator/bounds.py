@@ -39,14 +39,18 @@ REGISTER_EVERY_S = 10.0
 than its engine takes to load again."""
 
 
-def body_limits(staleness: int, prompts_per_step: int, group_size: int, max_tokens: int) -> dict[str, int]:
+def body_limits(staleness: int, prompts_per_step: int, group_size: int, max_tokens: int,
+                eval_rows: int = 0) -> dict[str, int]:
     """Most body bytes per coordinator route (the rest: SMALL_BYTES), for a run of staleness S, P prompts per step,
-    G completions per group and at most ``max_tokens`` tokens per completion."""
+    G completions per group and at most ``max_tokens`` tokens per completion; ``eval_rows``: held-out rows a worker
+    evaluates (run.eval_on=workers; 0: no evaluation route), one completion each."""
     groups = min(MAX_GROUPS_PER_REQUEST, (staleness + 1) * prompts_per_step)
     group_bytes = GROUP_BYTES + group_size * (COMPLETION_BYTES + max_tokens * BYTES_PER_TOKEN)
+    row_bytes = GROUP_BYTES + COMPLETION_BYTES + max_tokens * BYTES_PER_TOKEN
     return {"POST /push": SMALL_BYTES + groups * group_bytes,
             "POST /release": SMALL_BYTES + groups * (MAX_ID_CHARS + 4),
-            "POST /register": REGISTER_BYTES}
+            "POST /register": REGISTER_BYTES,
+            **({"POST /eval": SMALL_BYTES + eval_rows * row_bytes} if eval_rows else {})}
 
 
 @dataclass

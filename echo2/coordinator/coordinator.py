@@ -24,6 +24,8 @@
             principal (registry.py): one share, one record of strikes, one verdict of the rollout checks, one
             bucket of registrations (bounds.py); ``POST /revoke`` (run secret only) refuses a name from then on and
             re-queues its work, all or nothing; ``GET /status`` shows a worker credential its own workers only
+    eval:  (run.eval_on=workers) the learner asks for a version's evaluation; a run-secret worker's pull that finds
+           one due gets the held-out rows instead of groups, and answers on POST /eval (evaluation.py)
     bodies: each route's limit is its largest honest body (bounds.py: a push sized from (S+1)·P groups of G
             completions of max_tokens), refused on its declared length before a byte is read
 
@@ -49,10 +51,10 @@ from collections import Counter
 from typing import Any
 
 from echo2.activation.planner import OnlinePlanner
-from echo2.metrics import BROADCAST_BYTES
+from echo2.metrics import BROADCAST_BYTES, EVAL_ACCURACY, EVAL_TIME_S, EVAL_UNSCORED
 from echo2.models.identity import mismatch
 from echo2.settings import CoordinatorSettings
-from echo2.coordinator import bounds, intake, schemas, verdicts, views
+from echo2.coordinator import bounds, evaluation, intake, schemas, verdicts, views
 from echo2.coordinator.on_change import OnChangeHook
 from echo2.coordinator.buffer import StalenessBuffer, worth_dispatching
 from echo2.coordinator.gate import Gate
@@ -87,13 +89,14 @@ class CannotServe(BadRequest):
 
 class Coordinator:
     def __init__(self, dataset: Any, scorer: Any, tokenizer: Any, settings: CoordinatorSettings,
-                 broadcaster: Any = None, encode: Any = None):
+                 broadcaster: Any = None, encode: Any = None, eval_rows: list[dict] | None = None):
         """``scorer``: anything with ``score_many(groups)``, ``metrics()`` and ``close()`` (a scoring.Scorer, or a
         reward_pool.RewardPool); ``broadcaster``: a seams.Broadcaster, or None. The coordinator owns both: its
         ``close`` and ``abort`` close them. ``settings``: everything else (echo2/settings.py). A ``recover``ed
         coordinator starts from the journal instead of afresh; ``requires`` None: no check of what workers
         serve. ``encode(row)``: a row's prompt token ids (the task's ``prompt_ids``, with its chat template
-        arguments; default: the prompt through the chat template as it is)."""
+        arguments; default: the prompt through the chat template as it is). ``eval_rows``: the task's held-out rows,
+        when workers evaluate (run.eval_on=workers; evaluation.py)."""
         s = self.settings = settings
         staleness, group_size, journal, recover, version = (s.staleness, s.group_size, s.journal, s.recover,
                                                             s.version)
@@ -127,6 +130,8 @@ class Coordinator:
         self.dataset = dataset
         self.ledger = open_ledger(journal, recover, group_size, len(dataset), s.seed)
         self.registered = 0
+        self.evals = (evaluation.WorkerEval(eval_rows, [self.encode(r) for r in eval_rows], s.episode is not None)
+                      if eval_rows is not None else None)
         self.deadline_misses = self.reaper_errors = 0
         self.scoring = 0  # pushes claimed and not yet settled (close() waits for them, CLOSE_WAIT_S at most)
         self.closed = False
@@ -144,11 +149,12 @@ class Coordinator:
         self.server = JsonServer(s.host, s.port, s.token, name="coordinator", tls=trust and trust.server,
                                  public=Gate.PUBLIC_ROUTES, authorize=self.gate.authorize, max_bytes=bounds.SMALL_BYTES,
                                  route_max_bytes=bounds.body_limits(staleness, self.P, self.G,
-                                                                    int(self.sampling["max_tokens"])), routes={
+                                                                    int(self.sampling["max_tokens"]),
+                                                                    len(self.evals.rows) if self.evals else 0), routes={
             **self.gate.routes(), "POST /revoke": self._revoke,
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
             "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "POST /release": self._release,
-            "GET /status": self._status,
+            "GET /status": self._status, **({"POST /eval": self._eval} if self.evals else {}),
         })
         self.reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
         if broadcaster is not None:
@@ -270,15 +276,60 @@ class Coordinator:
             worker = self._worker(req, headers)
             want = min(req.max_groups or self.groups_per_pull, self.groups_per_pull)
             while True:
-                work = self._dispatch(worker, want)
+                job = self._eval_job(worker)
+                work = self._dispatch(worker, want) if job is None else []
                 remaining = deadline - time.monotonic()
                 # A newer snapshot reached the worker: answer now so that it applies it and asks again.
-                if work or self.closed or remaining <= 0 or worker.delivered_version > worker.version:
+                if work or job or self.closed or remaining <= 0 or worker.delivered_version > worker.version:
                     break
                 self.lock.wait(timeout=remaining)
                 worker.last_seen = time.monotonic()
             fresh_snapshot = worker.delivered_version > worker.version
+        if job is not None:
+            log.info("worker %s evaluates v%d on %d held-out rows (%s)", worker.worker_id, job["version"],
+                     len(job["prompt_ids"]), job["job_id"])
+            return {"work": [], "eval": job, "version": self.version, "wait_s": 0.0}
         return {"work": work, "version": self.version, "wait_s": 0.0 if work or fresh_snapshot else 0.1}
+
+    def _eval_job(self, worker: WorkerInfo) -> dict | None:
+        """The held-out rows for ``worker`` to evaluate, if an evaluation is due at a version it holds and it joined
+        with the run secret (evaluation.py says why only those). Holds the lock."""
+        if self.evals is None or worker.name is not None or worker.version < 0 or self.closed or \
+                worker.worker_id not in self.reg.workers:
+            return None
+        rate = worker.rollouts_per_s or self.reg.fresh_rate()
+        return self.evals.hand_out(worker.worker_id, worker.version,
+                                   self.liveness.deadline_s(rate, len(self.evals.rows), 1), time.monotonic())
+
+    def _eval(self, body: dict, headers) -> dict:
+        """A worker's greedy completions of the held-out rows: parsed and judged outside the lock (evaluation.py);
+        a bad answer is refused and the evaluation handed out again."""
+        req = schemas.parse(schemas.EvalAnswer, body)
+        with self.lock:
+            worker = self._worker(req, headers)
+            if worker.name is not None:
+                raise Unauthorized("only workers that joined with the run secret evaluate")
+            job = self.evals.claim(worker.worker_id, req.job_id)
+        try:
+            if req.version is None or req.version != worker.version or req.version < min(job.covers):
+                raise BadRequest(f"evaluation {job.job_id}: 'version' {req.version} is not the version this worker "
+                                 f"holds (v{worker.version}), at least v{min(job.covers)}")
+            episodes = self.settings.episode is not None
+            groups = evaluation.parse(job, self.evals.rows, self.evals.prompt_ids, req.results, req.version,
+                                      int(self.sampling["max_tokens"]), self.vocab_size, episodes)
+            reasons = evaluation.judge(self.scorer, groups, episodes)
+        except BaseException as e:
+            with self.lock:
+                self.evals.give_back(job, "refused")
+                self.lock.notify_all()
+            log.warning("worker %s: evaluation %s refused, to be handed out again: %s", worker.worker_id, job.job_id, e)
+            raise
+        with self.lock:
+            result = self.evals.finish(job, req.version, groups, reasons, time.monotonic())
+        log.info("evaluation of v%d by worker %s: accuracy %.3f on %d rows (%d unscored) in %.1f s", req.version,
+                 worker.worker_id, result[EVAL_ACCURACY], len(groups),
+                 result[EVAL_UNSCORED], result[EVAL_TIME_S])
+        return {"accepted": True, "version": self.version}
 
     def _dispatch(self, worker: WorkerInfo, want: int) -> list[dict]:
         """New groups for ``worker``, while worth it (buffer.worth_dispatching) and within its credential's share.
@@ -406,6 +457,8 @@ class Coordinator:
             return
         self.ledger.retire(worker_id, reason)
         self.activation.dirty = True
+        if self.evals is not None:
+            self.evals.retire(worker_id)
         for gid in self.reg.held_by(worker_id):
             # remembered: a result for it that arrives later (from an agent retired as dead that comes back) is
             # refused as ``worker_gone``, not struck as a forgery
@@ -446,6 +499,9 @@ class Coordinator:
         """Groups past their deadline are lost and re-queued; each credential with late groups takes one miss.
         Holds the lock."""
         late: Counter = Counter()
+        if self.evals is not None and (wid := self.evals.expire(now)) is not None:
+            log.warning("worker %s did not answer its evaluation in time: handed out again", wid)  # no strike: ours
+            self.lock.notify_all()
         for gid in [g for g, f in self.reg.in_flight.items() if f.deadline < now]:
             flight = self.reg.land(gid)
             self.reg.remember(gid, flight, "past_deadline")
@@ -471,6 +527,21 @@ class Coordinator:
             self.activation.step_done(self.reg.workers, time.monotonic())
             self._evict_stale()
             self.lock.notify_all()  # long-polling workers may now be worth dispatching to
+
+    def request_eval(self, version: int) -> None:
+        """The learner published ``version`` and wants it evaluated on a worker (run.eval_on=workers)."""
+        if self.evals is None:
+            raise RuntimeError("this coordinator was started without held-out rows (run.eval_on=learner)")
+        with self.lock:
+            self.evals.request(version)
+            self.lock.notify_all()  # a long-polling worker may take it now
+
+    def evaluations(self) -> dict[str, Any]:
+        """Workers' finished evaluations since the last call (oldest first), and the versions still wanted."""
+        with self.lock:
+            if self.evals is None:
+                return {"results": [], "wanted": []}
+            return {"results": self.evals.take_results(), "wanted": sorted(self.evals.wanted)}
 
     def _tell_scorer(self, version: int) -> None:
         """The reward functions' ``trainer_state.global_step``: the learner's version when a group is scored."""

@@ -45,7 +45,8 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
     broadcaster = (instantiate(settings.broadcaster, secret=settings.token, state_dir=state_dir)
                    if settings.broadcaster else None)
     coordinator = Coordinator(dataset, rewards, tokenizer, settings, broadcaster,
-                              encode=functools.partial(task.prompt_ids, tokenizer)).start()
+                              encode=functools.partial(task.prompt_ids, tokenizer),
+                              eval_rows=list(task.eval_dataset()) if settings.evaluate else None).start()
     _exit_with_parent()
     conn.send(("ok", coordinator.url))
     while True:

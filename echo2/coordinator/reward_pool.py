@@ -83,12 +83,13 @@ class _Proc:
 
 
 class _Job:
-    """One group to score, and how it went (``reason``: None, scored; else why not)."""
+    """One group to score (``judge``: to judge, held-out rows), and how it went (``reason``: None, done; else why
+    not)."""
 
-    __slots__ = ("group", "reason", "started", "finished")
+    __slots__ = ("group", "judge", "reason", "started", "finished")
 
-    def __init__(self, group: RolloutGroup):
-        self.group, self.reason, self.started, self.finished = group, None, False, False
+    def __init__(self, group: RolloutGroup, judge: bool = False):
+        self.group, self.judge, self.reason, self.started, self.finished = group, judge, None, False, False
 
 
 class RewardPool:
@@ -123,13 +124,15 @@ class RewardPool:
 
     # ------------------------------------------------------------------ scoring
 
-    def score_many(self, groups: list[RolloutGroup], principal: str = "?") -> list[str | None]:
+    def score_many(self, groups: list[RolloutGroup], principal: str = "?", judge: bool = False) -> list[str | None]:
         """Score each group in place; per group None, or the reason it could not be scored (module doc). The groups
-        are queued for ``principal`` (fair.py) and scored one at a time by whichever process is free."""
+        are queued for ``principal`` (fair.py) and scored one at a time by whichever process is free. ``judge``:
+        judge them instead (held-out rows evaluated on a worker: scoring.RewardFunctions.judge_job), with the same
+        time limit and reasons."""
         if self.tokenizer is not None:
             for g in groups:
                 decode(self.tokenizer, g)
-        jobs = [_Job(g) for g in groups]
+        jobs = [_Job(g, judge) for g in groups]
         deadline = time.monotonic() + self.start_timeout_s
         with self.cond:
             if self.closed or (self.broken is not None and not self.live):
@@ -173,7 +176,7 @@ class RewardPool:
                 job.started = True
             t0 = time.monotonic()
             try:
-                reason = self._score(proc, job.group)
+                reason = self._score(proc, job.group, job.judge)
             except Exception:  # a bug on our side (rewards of the wrong shape): this group only, the runner goes on
                 log.exception("reward of group %s could not be applied", job.group.group_id)
                 reason = "reward_error"
@@ -200,10 +203,10 @@ class RewardPool:
                         group_id, principal, took_s, self.counts["slow_groups"], SLOW_GROUP_S)
             self.slow_logged = now
 
-    def _score(self, proc: _Proc, group: RolloutGroup) -> str | None:
-        """Score one group in ``proc``: None (its rewards set), or why not."""
+    def _score(self, proc: _Proc, group: RolloutGroup, judge: bool = False) -> str | None:
+        """Score (or ``judge``) one group in ``proc``: None (its rewards set), or why not."""
         try:
-            proc.conn.send([self.weights.job(group)])
+            proc.conn.send([{**self.weights.job(group), "judge": True} if judge else self.weights.job(group)])
         except OSError:  # it died while idle
             why = "reward_crashed"
         else:
@@ -220,7 +223,7 @@ class RewardPool:
                         group.group_id, why, self.timeout_s)
             return why
         if status == "ok":
-            self.weights.apply(group, value)
+            (self.weights.apply_judgement if judge else self.weights.apply)(group, value)
             return None
         log.warning("reward of group %s raised: %s", group.group_id, value)
         return "reward_error"
@@ -338,7 +341,7 @@ def _serve(fd: int, memory_mb: int = 0, cpu_s: float = 0.0) -> None:
                 soft = math.ceil(used.ru_utime + used.ru_stime + cpu_s)
                 resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
             try:
-                answer = ("ok", funcs.compute_job(group_job))
+                answer = ("ok", (funcs.judge_job if group_job.get("judge") else funcs.compute_job)(group_job))
             except MemoryError:
                 answer = ("error", "MemoryError: the reward outgrew its memory limit")
             except Exception as e:

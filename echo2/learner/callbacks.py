@@ -4,7 +4,8 @@
                     (where snapshots are published), its checkpoint state next to TRL's, and the rotation of
                     checkpoints once the new one is complete
     StopOnSignal    the first SIGTERM / Ctrl-C (train.py's handler) ends the run after the current step, on every rank
-    Evaluation      eval accuracy at step 0 and every run.eval_every_steps, carried into the next step's record
+    Evaluation      eval accuracy at step 0 and every run.eval_every_steps, carried into the next step's record (with
+                    run.eval_on=workers: the workers' results as they come back, the last one waited for at the end)
     StepLog         one record per step (metrics.jsonl, wandb), the consumed groups (consumed.jsonl), the summary
     ProgressBar     the tqdm bar and its fields
 
@@ -27,8 +28,9 @@ from tqdm import tqdm
 from transformers import TrainerCallback
 
 from echo2.learner.distributed import ShardedSource
-from echo2.metrics import (BUFFER_STALENESS_MEAN, COST_USD, EVAL_ACCURACY, REWARD_MEAN, TRAIN_LEARNER_UTILIZATION,
-                           MetricsSink, namespaced)
+from echo2.learner.evaluate import eval_due
+from echo2.metrics import (BUFFER_STALENESS_MEAN, COST_USD, EVAL_ACCURACY, EVAL_TIME_S, EVAL_VERSION, REWARD_MEAN,
+                           TRAIN_LEARNER_UTILIZATION, MetricsSink, namespaced)
 
 log = logging.getLogger(__name__)
 
@@ -125,18 +127,27 @@ class StopOnSignal(TrainerCallback):
 
 class Evaluation(TrainerCallback):
     """Runs ``evaluator(policy)`` at step 0 (not on a resume) and every ``every_steps`` steps and at the last one;
-    its results wait in ``pending`` for the step's record, and ``results`` keeps (step, accuracy) for the run."""
+    its results wait in ``pending`` for the step's record, and ``results`` keeps (version, accuracy) for the run.
 
-    def __init__(self, trainer: Any, evaluator: Any, every_steps: int, previous: list[dict] = ()):
-        self.trainer, self.evaluator, self.every_steps = trainer, evaluator, every_steps
+    ``on_workers`` (run.eval_on=workers): the rollout source has workers evaluate those versions instead
+    (echo2/coordinator/evaluation.py); each step's record carries the results that came back since the previous one,
+    with ``eval/version``, the version measured; the last version's result, waited for at the end of training, goes
+    to the summary (``eval_accuracy_by_step``, ``eval_final``), as the step records are written by then."""
+
+    def __init__(self, trainer: Any, evaluator: Any, every_steps: int, previous: list[dict] = (),
+                 on_workers: bool = False):
+        self.trainer, self.evaluator, self.every_steps, self.on_workers = trainer, evaluator, every_steps, on_workers
         self.pending: dict[str, float] = {}
-        self.results = [(r["step"], r[EVAL_ACCURACY]) for r in previous if r.get(EVAL_ACCURACY) is not None]
+        self.results = [(int(r.get(EVAL_VERSION, r["step"])), r[EVAL_ACCURACY]) for r in previous
+                        if r.get(EVAL_ACCURACY) is not None]
+        self.final: dict[str, float] | None = None  # on workers: the result that came back after the last record
 
     def _evaluate(self, step: int) -> None:
         if self.evaluator is None:
             return
+        t0 = time.perf_counter()
         with self.trainer.live_policy() as policy:
-            result = self.evaluator(policy)
+            result = {**self.evaluator(policy), EVAL_TIME_S: time.perf_counter() - t0}
         self.pending.update(result)
         self.results.append((step, result[EVAL_ACCURACY]))
 
@@ -146,8 +157,31 @@ class Evaluation(TrainerCallback):
             self.pending.clear()  # the step-0 accuracy lives in summary.json; records start at step 1
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.every_steps and (state.global_step % self.every_steps == 0 or state.global_step == state.max_steps):
+        if self.on_workers:
+            if state.is_world_process_zero:
+                self._received(self.trainer.rollout_source.evaluations())
+        elif eval_due(state.global_step, self.every_steps, state.max_steps):
             self._evaluate(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not (self.on_workers and state.is_world_process_zero):
+            return
+        try:
+            results = self.trainer.rollout_source.wait_for_evaluations()
+        except Exception as e:  # noqa: BLE001 - the run is done; its final save must not be lost for an evaluation
+            log.warning("the last evaluation on a worker did not come back: %s", e)
+            return
+        self._received(results)
+        self.final = dict(self.pending) or None
+        self.pending.clear()
+
+    def _received(self, results: list[dict]) -> None:
+        """Workers' results: the newest into ``pending`` (the next record), each into ``results``."""
+        for r in results:
+            self.pending.update({k: v for k, v in r.items() if k.startswith("eval/")})
+            self.results.append((int(r["version"]), r[EVAL_ACCURACY]))
+            log.info("eval on worker %s: accuracy %.3f at v%d (asked for %s), %.1f s", r["worker_id"],
+                     r[EVAL_ACCURACY], r["version"], ", ".join(f"v{v}" for v in r["requested"]), r[EVAL_TIME_S])
 
 
 class StepLog(TrainerCallback):
@@ -193,6 +227,7 @@ class StepLog(TrainerCallback):
             "reward_first": self.rewards[0] if self.rewards else None,
             "reward_last20_mean": sum(tail) / len(tail) if tail else None,
             "eval_accuracy_by_step": {str(s): a for s, a in self.evaluation.results},
+            **({"eval_final": self.evaluation.final} if self.evaluation.final else {}),
         }
         if self.sink is not None:
             self.sink.summary(out)

@@ -136,6 +136,14 @@ class ShardedSource:
             return {}  # logged by rank 0 only
         return {**self.source.metrics(), TRAIN_PUBLISH_S: self.publish_s}
 
+    def evaluations(self) -> list[dict[str, Any]]:
+        """Rank 0's source's finished worker evaluations (run.eval_on=workers; logged by rank 0 only)."""
+        return self.source.evaluations() if self.rank == 0 else []
+
+    def wait_for_evaluations(self) -> list[dict[str, Any]]:
+        """Rank 0 waits for the last evaluation; no collective (the other ranks go on to the end of the run)."""
+        return self.source.wait_for_evaluations() if self.rank == 0 else []
+
     def on_check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
         return self._share(lambda: self.source.on_check(stats))
 

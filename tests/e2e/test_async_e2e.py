@@ -18,14 +18,37 @@ from conftest import alive, balanced, delivered_by, descendants, slow_until, tra
 require_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="require_vllm: vllm not installed")
 
 
-def test_hf_workers_train_within_the_staleness_bound(tmp_path):
-    cfg, trainer, _, acc, records = train(tmp_path, ["pool.engine=hf", "rollout.staleness=2", "run.steps=40"])
+def test_hf_workers_train_within_the_staleness_bound_and_evaluate_for_the_learner(tmp_path):
+    """Also run.eval_on=workers: v0, v20 and v40 evaluated by a worker on the held-out rows, the learner never
+    evaluating; the last result (v40, waited for at the end) matches the learner's own greedy evaluation of its
+    final weights."""
+    from hydra.utils import instantiate
+
+    from echo2.learner.callbacks import Evaluation
+    from echo2.learner.evaluate import Evaluator
+    from echo2.models.generate import HFEngine
+    from echo2.models.tokenizer import stop_token_ids
+
+    cfg, trainer, _, acc, records = train(tmp_path, ["pool.engine=hf", "rollout.staleness=2", "run.steps=40",
+                                                     "run.eval_on=workers", "run.eval_every_steps=20"])
     assert len(records) == 40
     assert max(r["buffer/staleness_max"] for r in records) <= 2
     assert max(r["buffer/staleness_max"] for r in records) >= 1, "never off-policy: not asynchronous"
     assert acc["consumed"] == 40 * 16 * 8 and balanced(acc), acc
     rewards = [r["reward/mean"] for r in records]
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1
+    (evaluation,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, Evaluation)]
+    assert evaluation.evaluator is None, "the learner evaluated itself"
+    versions = [v for v, _ in evaluation.results]
+    # a worker evaluates the weights it holds when it takes the rows: v20's snapshot or one up to S newer
+    assert versions[0] == 0 and any(20 <= v <= 22 for v in versions) and versions[-1] == 40, evaluation.results
+    assert evaluation.final is not None and evaluation.final["eval/version"] == 40
+    tok = trainer.processing_class
+    engine = HFEngine(tok.pad_token_id, stop_token_ids(tok, instantiate(cfg.model.path)))
+    own = Evaluator(instantiate(cfg.task), tok, engine)(trainer.model)
+    # the same greedy decoding of the same weights; batching (200 rows at once on the worker, 64 here) may flip an
+    # argmax or two between near-equal logits
+    assert abs(own["eval/accuracy"] - evaluation.results[-1][1]) <= 0.02, (own, evaluation.results)
 
 
 def test_several_passes_per_batch_with_remote_workers(tmp_path):

@@ -19,6 +19,14 @@ def test_a_local_pool_that_starts_no_worker_is_refused():
     validate(compose(["pool.workers=0", "rollout=sync"]))  # the learner generates: no pool is used
 
 
+def test_evaluation_on_workers_needs_workers():
+    with pytest.raises(ConfigError, match=r"run.eval_on=workers: this rollout source generates in the learner"):
+        validate(compose(["run.eval_on=workers", "rollout=sync"]))
+    with pytest.raises(ConfigError, match=r"run.eval_on='gpu': expected learner or workers"):
+        validate(compose(["run.eval_on=gpu"]))
+    validate(compose(["run.eval_on=workers"]))  # rollout=async, the default
+
+
 def test_a_sweep_run_without_multirun_is_called_out():
     params = OmegaConf.load(CONF / "experiment" / "staleness_sweep.yaml").hydra.sweeper.params
     assert "rollout.staleness" in params

@@ -63,6 +63,21 @@ def assert_on_policy(engine, learner, label: str) -> None:
         assert n >= 12 and gap < 1e-4, f"{label}, T={temperature}: engine vs learner logprobs off by {gap}"
 
 
+def assert_greedy_as_learner(engine, learner) -> None:
+    """Temperature 0 (held-out rows a worker evaluates, run.eval_on=workers) is greedy decoding: the learner's own
+    greedy tokens, with logprobs a pushed result may carry (finite, <= 0)."""
+    from echo2.coordinator.results import parse_result
+
+    params = SamplingParams(n=1, max_tokens=8, temperature=0.0)
+    want = HFEngine(0, [1]).generate(learner, PROMPTS, params, greedy=True)
+    got = engine.generate(PROMPTS, params)
+    assert [g[0].token_ids for g in got] == [w[0].token_ids for w in want]
+    for prompt, (c,) in zip(PROMPTS, got, strict=True):
+        wire = {"version": 0, "completions": [{"token_ids": c.token_ids, "logprobs": c.logprobs,
+                                               "finish_reason": c.finish_reason}]}
+        parse_result(wire, prompt, 1, 8, 72)
+
+
 def perturb(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -85,6 +100,14 @@ def test_hf_engine_samples_the_full_softmax_whatever_the_models_generation_confi
     assert gap < 1e-4, f"behaviour logprobs are not the learner's full softmax at T={temperature}: off by {gap}"
     # with top-k 3 or top-p 0.5 a random 72-token model could not draw this many distinct first tokens
     assert len({g.token_ids[0] for group in groups for g in group}) > 3
+
+
+def test_the_hf_worker_engine_decodes_greedily_at_temperature_0(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = wide_model(tmp_path, tied=False)
+    assert_greedy_as_learner(HFWorkerEngine(path, pad_token_id=0, eos_token_ids=[1]),
+                             AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
 
 
 def test_truncated_sampling_is_refused_with_the_reason():
@@ -225,6 +248,7 @@ def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
                 agent._apply_pending()
                 assert agent.version == version
             assert_on_policy(engine, learner, f"v{version}")
+        assert_greedy_as_learner(engine, learner)
 
         # A snapshot that is not what its manifest says (its LM head / embeddings scaled): refused after 2 applies.
         probe = {"token_ids": ids, "logprobs": probe_logprobs(learner, ids), "dtype": "float32"}

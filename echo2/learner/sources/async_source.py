@@ -23,6 +23,11 @@ its prompts re-queued), republishes the current weights, and repeats the call; w
 error). A learner resumed from a checkpoint starts its coordinator from the journal length the checkpoint recorded
 (``resume``), with the data position of then.
 
+Evaluation on workers (``run.eval_on=workers``, parts.worker_eval_every_steps): each evaluated version is published
+(whatever κ says) and then asked of the coordinator, which hands the held-out rows to a worker of the operator's
+(echo2/coordinator/evaluation.py); ``evaluations`` collects what came back, every step, and ``wait_for_evaluations``
+the last one at the end. What was asked and not answered is asked again of a restarted coordinator.
+
 TLS (``tls``): ``auto`` turns it on when the coordinator or the learner's relay origin listens on a non-loopback
 address; the run's CA lives in ``<run dir>/tls`` (kept across coordinator restarts and learner resumes, so a
 worker's pinned fingerprint holds for the whole run), and the join command printed at start carries its
@@ -45,6 +50,7 @@ from echo2.models.identity import model_identity
 from echo2.models.probe import probe_tokens
 from echo2.net import rendezvous
 from echo2.records import RolloutGroup
+from echo2.learner.evaluate import eval_due
 from echo2.learner.sources.coordinator_process import CoordinatorDied, CoordinatorProcess
 from echo2.scoring import longest_prompt
 from echo2.tasks.base import Task
@@ -138,7 +144,11 @@ class AsyncRolloutSource:
             episode=task.episode_spec().as_dict() if task.episode_spec() is not None else None,
             # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
             epoch=os.urandom(8).hex(), version=self.version,
-            steps_per_batch=parts.steps_per_batch)  # a bad value fails here, not in the child
+            steps_per_batch=parts.steps_per_batch,  # a bad value fails here, not in the child
+            evaluate=parts.worker_eval_every_steps > 0)
+        self.eval_every, self.max_steps = parts.worker_eval_every_steps, parts.max_steps
+        self.eval_asked: set[int] = set()  # versions asked of the coordinator and not yet answered
+        self.eval_next: int | None = None  # the version to ask for once its snapshot is published
         self.check_every_steps = check_every_steps  # read by the learner (trainer._check)
         self.ca_hash, tls_dir = self._tls(tls, host)
         self.requires = run_needs(task, tokenizer, model_path, s.max_tokens)
@@ -152,6 +162,8 @@ class AsyncRolloutSource:
         self.pool.start(self.coordinator.url, token, model_path, run_dir, ca_hash=self.ca_hash)
         self.min_workers, self.wait_log_s = min_workers, wait_log_s
         self.stop_requested = False
+        if self.eval_every and not resume:  # the initial weights, which every worker holds from the start
+            self._ask_eval(0)
 
     def request_stop(self) -> None:
         """Called from the learner's signal handler: a wait for workers or rollouts ends (RunStopped) within
@@ -249,6 +261,8 @@ class AsyncRolloutSource:
         log.error("%s: starting a new one from the journal (restart %d)", e, self.restarts)
         self.coordinator.abandon()
         self.coordinator = self._spawn({"restart": True})
+        for version in sorted(self.eval_asked):  # answered by the weights republished below, or by a newer version
+            self.coordinator.request_eval(version)
         if self.weights is not None and self.weights.local:
             self.publish(self.version, self.weights)
         else:
@@ -277,6 +291,9 @@ class AsyncRolloutSource:
         catch a restarted coordinator's workers up)."""
         self.version = version
         self._retry(lambda c: c.set_version(version))
+        if self.eval_every and eval_due(version, self.eval_every, self.max_steps):
+            self.eval_next = version  # asked once published: a worker evaluates a snapshot it holds
+            return True
         return version % self.publish_interval == 0 or self.republish
 
     def on_resume(self, version: int, weights: Weights) -> None:
@@ -299,6 +316,35 @@ class AsyncRolloutSource:
         except CoordinatorDied as e:  # not retried here: a sharded write is a collective, done once per version
             self.weights = self.weights if weights.local else None
             self._restart(e)
+        if self.eval_next == version:
+            self.eval_next = None
+            self._ask_eval(version)
+
+    def _ask_eval(self, version: int) -> None:
+        self.eval_asked.add(version)
+        self._retry(lambda c: c.request_eval(version))
+
+    def evaluations(self) -> list[dict[str, Any]]:
+        """Workers' evaluations finished since the last call (each: ``eval/*`` metrics, the ``version`` measured and
+        the versions it answers, ``requested``), oldest first."""
+        if not self.eval_every:
+            return []
+        results = self._retry(CoordinatorProcess.evaluations)["results"]
+        for r in results:
+            self.eval_asked -= {v for v in self.eval_asked if v <= r["version"]}
+        return results
+
+    def wait_for_evaluations(self) -> list[dict[str, Any]]:
+        """At the end of training: the evaluations still to come (the last version's), waited for up to
+        take_timeout_s (TimeoutError, naming why, after that)."""
+        results = self.evaluations()
+        start = last_log = time.monotonic()
+        while self.eval_asked:
+            last_log = self._waited(f"a worker's evaluation of v{max(self.eval_asked)} (evaluations go to workers "
+                                    "that joined with the run secret only)", start, last_log)
+            time.sleep(0.5)
+            results += self.evaluations()
+        return results
 
     def on_check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
         """Per-worker sums (tokens, log-ratio, |log-ratio|) of the learner's logprobs against the workers' (rollout

@@ -10,6 +10,8 @@ learner's GIL or core (the child's side: echo2/coordinator/process.py).
        metrics   metrics()           request → reply  (also status(), for tests and tools)
        on_save   mark()              request → reply (the journal's length, fsynced: where a resume starts from)
        checks    check(stats)        request → reply (the workers whose groups in the batch are not trained on)
+       evaluate  request_eval(v)     one-way, after publish(v) (run.eval_on=workers)
+                 evaluations()       request → reply (workers' finished evaluations)
        close     close()             request → reply (the rollout accounting); then the process exits
 
 Each call sends the name of the method that serves it with its arguments: CoordinatorProcess.take sends
@@ -126,6 +128,12 @@ class CoordinatorProcess:
         """The learner's per-worker scores of behaviour logprobs (rollout checks); returns the workers whose groups
         in the checked batch must not be trained on."""
         return self._call(CoordinatorCalls.check, stats)
+
+    def request_eval(self, version: int) -> None:
+        self._send(CoordinatorCalls.request_eval, version)
+
+    def evaluations(self) -> dict[str, Any]:
+        return self._call(CoordinatorCalls.evaluations)
 
     def close(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """Stop serving and return the accounting (what was buffered or in flight counted as at the end)."""

@@ -38,7 +38,8 @@ class HFWorkerEngine:
         self.off_base = False  # a full snapshot was loaded: the layers no adapter touches are not the base's either
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        return self.engine.generate(self.model, prompt_ids, params)
+        """``params.temperature`` 0: greedy (held-out rows), as vLLM reads it."""
+        return self.engine.generate(self.model, prompt_ids, params, greedy=params.temperature == 0)
 
     def load_weights(self, version: int, blob) -> dict:
         from echo2.broadcast.adapter import spec_of
