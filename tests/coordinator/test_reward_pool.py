@@ -68,6 +68,9 @@ class SlowTask(Task):
     def reward_funcs(self):
         return [slow]
 
+    def is_correct(self, completion, row):
+        return slow([row["prompt"]], [completion]) == [1.0]
+
 
 def group(text: str, gid: str, log: str | None = None) -> RolloutGroup:
     rollouts = [Rollout([1], Completion([5], [-1.0], "stop"), 0, text=text) for _ in range(G)]
@@ -94,6 +97,14 @@ def test_a_bad_reward_costs_its_group_only(pool, text, reason):
     assert [r.reward for r in groups[0].rollouts + groups[2].rollouts] == [1.0] * 2 * G
     assert pool.score_many([group("ok", "g3")]) == [None]  # the pool goes on
     assert pool.counts[reason] >= 1
+
+
+def test_held_out_rows_are_judged_with_the_tasks_check_under_the_same_limit(pool):
+    """run.eval_on=workers: a worker's greedy completions judged in the pool (is_correct, not the rewards), one that
+    hangs timed out like a reward."""
+    groups = [group("ok", "e0"), group("slow", "e1"), group("sleep", "e2")]
+    assert pool.score_many(groups, principal="eval", judge=True) == [None, None, "reward_timeout"]
+    assert [r.rewards for r in groups[0].rollouts + groups[1].rollouts] == [{"correct": 1.0}] * G + [{"correct": 0.0}] * G
 
 
 def test_honest_groups_do_not_wait_behind_one_principals_slow_pushes(tmp_path):

@@ -1,7 +1,8 @@
 """A multi-turn task through the rollout plane, in this process: the coordinator sends the environment's spec when a
 worker registers and each group's row with its prompt; the agent runs the episodes around its engine (every turn
 in one batch: a snapshot that arrives meanwhile waits, so the episode's version is the one that made all of it);
-the coordinator reads each transcript back against its tokens, scores it, and refuses one that was tampered with."""
+the coordinator reads each transcript back against its tokens, scores it, and refuses one that was tampered with.
+Held-out rows evaluated on the worker (run.eval_on=workers) are greedy episodes, judged from their transcripts."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def plane(tmp_path, echo2_cache):
                                    long_poll_s=0.0, episode=task.episode_spec().as_dict(),
                                    sampling={"max_tokens": 300, "temperature": 1.0, "top_p": 1.0, "top_k": 0})
     coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, settings,
-                        encode=functools.partial(task.prompt_ids, tok)).start()
+                        encode=functools.partial(task.prompt_ids, tok),
+                        eval_rows=list(task.train_dataset())).start()  # held out here: the same rows
     yield coord, tok
     coord.close()
 
@@ -119,3 +121,19 @@ def test_a_tampered_episode_is_refused_as_invalid(plane, tamper, why):
     finally:
         agent.receiver.close()
     assert coord.accounting()["dropped"] == {"invalid": G}
+
+
+def test_held_out_episodes_run_on_the_worker_and_are_judged_from_their_transcripts(plane):
+    from echo2.metrics import EVAL_ACCURACY, EVAL_REWARD_MEAN, EVAL_UNSCORED
+
+    coord, tok = plane
+    agent = agent_for(coord, tok, ScriptedWorkerEngine(tok))
+    coord.request_eval(0)
+    try:
+        agent._step(SamplingParams(n=G, max_tokens=300))  # the pull hands out the held-out rows, not groups
+    finally:
+        agent.receiver.close()
+    (result,) = coord.evaluations()["results"]
+    # the scripted steps (2, 3) reach 5: the rows with target 5 are correct, those with 4 not
+    assert result[EVAL_ACCURACY] == 0.5 and result[EVAL_REWARD_MEAN] == 0.5 and result[EVAL_UNSCORED] == 0
+    assert agent.engine.turns == 3 and coord.accounting()["dispatched"] == 0  # no training group went out
