@@ -470,15 +470,16 @@ class HungRelay(HostileAgent):
 
 
 class SlowReward(HostileAgent):
-    """The honest loop, but every completion of a group is the model's unknown token twice: well-formed, and slow to
-    score (benchmarks/slow_task.py: ECHO2_SLOW_REWARD_S a completion, then 0)."""
+    """The honest loop, but every completion of a group is the model's end-of-sequence token twice: well-formed (no
+    honest engine makes it, as generation stops at the first), and slow to score (benchmarks/slow_task.py:
+    ECHO2_SLOW_REWARD_S a completion, then 0)."""
 
     def __init__(self, run: Run, args, stop: threading.Event):
         super().__init__(run, args, stop)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(run.declared["model"]["name"])
-        self.token = tok.unk_token_id if tok.unk_token_id is not None else tok.pad_token_id
+        self.token = tok.eos_token_id
 
     def fabricate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
         return [Completion([self.token] * 2, [-0.05, -0.05], "length") for _ in range(params.n)]

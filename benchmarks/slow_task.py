@@ -5,12 +5,14 @@ can make slow, so without this the soak could not exercise a slow-but-valid push
 
     python train.py task._target_=benchmarks.slow_task.SlowCopyTask ...   (with ECHO2_SLOW_REWARD_S=1.0)
 
-A group is slow when every one of its G completions is one special token twice (``<unk><unk>``, which decodes to
-nothing): an honest worker's group is never that (a completion that says nothing scores 0 and is trained away, and
-all G of them at once at random init is ~1e-20). A digit twice would not do: a copy model answers ``0=`` with ``00``,
-which reads as 0 and is right, so the model keeps it. Each such completion costs ECHO2_SLOW_REWARD_S seconds of a
-reward process (read when the task is built, in the learner, and pickled into the reward processes with it) and
-scores 0; every other group is scored as the copy task scores it.
+A group is slow when every one of its G completions is the end-of-sequence token twice (``trap_token_id``, the tiny
+model's ``<eos>``): no honest engine can make that, since generation ends at the first ``<eos>``. (``<unk><unk>`` did
+not do: the tiny copy model, trained in the soak, can collapse onto ``<unk>`` for a prompt, a group of G identical
+zero-reward completions that GRPO never trains away, and then every honest group of that prompt took the slow path,
+measured in the calm phase of 2 of 3 soaks on 2026-12-04. A digit twice would not do either: a copy model answers
+``0=`` with ``00``, which reads as 0 and is right.) Each such completion costs ECHO2_SLOW_REWARD_S seconds of a reward
+process (read when the task is built, in the learner, and pickled into the reward processes with it) and scores 0;
+every other group is scored as the copy task scores it.
 """
 
 from __future__ import annotations
@@ -23,17 +25,18 @@ from echo2.tasks.arith import ArithTask, leading_int
 
 
 class SlowCopyTask(ArithTask):
-    def __init__(self, **kwargs: Any):
+    def __init__(self, trap_token_id: int = 1, **kwargs: Any):
+        """``trap_token_id``: the end-of-sequence token (the tiny model's ``<eos>`` is 1: echo2/models/tiny.py)."""
         super().__init__(**kwargs)
         self.slow_s = float(os.environ.get("ECHO2_SLOW_REWARD_S", "1.0"))
+        self.trap = [trap_token_id] * 2
 
     def reward_funcs(self):
-        slow_s = self.slow_s
+        slow_s, trap = self.slow_s, self.trap
 
         def correct(prompts, completions, completion_ids=None, answer=None, **_):
             ids = completion_ids or []
-            if ids and all(len(c) >= 2 and len(set(c)) == 1 for c in ids) and len({tuple(c) for c in ids}) == 1 \
-                    and not any(str(c).strip() for c in completions):
+            if ids and all(list(c) == trap for c in ids):
                 time.sleep(slow_s * len(ids))  # one crafted completion after another, each to the limit
                 return [0.0] * len(ids)
             return [float(leading_int(c) == int(a)) for c, a in zip(completions, answer, strict=True)]

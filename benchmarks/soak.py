@@ -327,8 +327,9 @@ HOSTILE_KINDS = ("absurd", "hoarder", "invalid", "liar", "forger", "outsider", "
 OUTSIDERS = {"outsider": "127.0.0.2", "ca_bomb": "127.0.0.3", "ca_trickler": "127.0.0.4"}
 """The kinds with no credential, and the address each connects from: a host of its own, as the coordinator sees it
 (capped per address, unlike 127.0.0.1, the learner host itself)."""
-SLOW_REWARD = ("the learner runs benchmarks/slow_task.py (the copy task; a group whose every completion is one token "
-               "twice costs ECHO2_SLOW_REWARD_S a completion, then scores 0): the slow_reward kind sends only those")
+SLOW_REWARD = ("the learner runs benchmarks/slow_task.py (the copy task; a group whose every completion is <eos> twice, "
+               "which no honest engine makes, costs ECHO2_SLOW_REWARD_S a completion, then scores 0): the slow_reward "
+               "kind sends only those")
 JOINED = re.compile(r"worker (w\d+) joined \(.*?(?:, credential '([^']+)')?\)$")
 
 
