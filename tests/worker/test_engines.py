@@ -105,9 +105,16 @@ def test_hf_engine_samples_the_full_softmax_whatever_the_models_generation_confi
 def test_the_hf_worker_engine_decodes_greedily_at_temperature_0(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from echo2.worker.engines.hf import BATCH_SEQUENCES
+
     path = wide_model(tmp_path, tied=False)
-    assert_greedy_as_learner(HFWorkerEngine(path, pad_token_id=0, eos_token_ids=[1]),
-                             AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    engine = HFWorkerEngine(path, pad_token_id=0, eos_token_ids=[1])
+    assert_greedy_as_learner(engine, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    # held-out rows come by the hundred: generated in batches, in order, each as it is alone
+    many = PROMPTS * (BATCH_SEQUENCES // len(PROMPTS) + 2)
+    greedy = SamplingParams(n=1, max_tokens=8, temperature=0.0)
+    alone = [g[0].token_ids for g in engine.generate(PROMPTS, greedy)]
+    assert [g[0].token_ids for g in engine.generate(many, greedy)] == alone * (len(many) // len(PROMPTS))
 
 
 def test_truncated_sampling_is_refused_with_the_reason():

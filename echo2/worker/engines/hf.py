@@ -16,6 +16,12 @@ from echo2.models.probe import probe_logprobs
 from echo2.records import Completion, SamplingParams
 
 
+BATCH_SEQUENCES = 64
+"""Most sequences one ``generate`` call of transformers makes at once (the learner's evaluator batches alike): a
+pull of training groups is 32 by default, the held-out rows a worker evaluates (run.eval_on=workers) may be
+thousands."""
+
+
 class HFWorkerEngine:
     """A worker's own transformers model behind the worker-engine interface (no vLLM needed)."""
 
@@ -38,8 +44,12 @@ class HFWorkerEngine:
         self.off_base = False  # a full snapshot was loaded: the layers no adapter touches are not the base's either
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        """``params.temperature`` 0: greedy (held-out rows), as vLLM reads it."""
-        return self.engine.generate(self.model, prompt_ids, params, greedy=params.temperature == 0)
+        """``params.temperature`` 0: greedy (held-out rows), as vLLM reads it. In batches of at most BATCH_SEQUENCES
+        sequences (vLLM schedules its own; transformers would pad every held-out row into one batch)."""
+        greedy, n = params.temperature == 0, 1 if params.temperature == 0 else params.n
+        step = max(1, BATCH_SEQUENCES // n)
+        return [group for i in range(0, len(prompt_ids), step)
+                for group in self.engine.generate(self.model, prompt_ids[i:i + step], params, greedy=greedy)]
 
     def load_weights(self, version: int, blob) -> dict:
         from echo2.broadcast.adapter import spec_of
