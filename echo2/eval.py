@@ -29,7 +29,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -191,9 +194,6 @@ class VLLMEval:
         if base is not None:
             raise SystemExit(f"{path} is a LoRA adapter: engine=vllm scores full models (merge it first, or use "
                              "engine=hf)")
-        import os
-        import tempfile
-
         from vllm import LLM
 
         from echo2.worker.engines.vllm_server import cpu_build
@@ -221,9 +221,6 @@ class VLLMEval:
                             "stop" if c.finish_reason == "stop" else "length") for c in r.outputs] for r in results]
 
     def close(self) -> None:
-        import os
-        import shutil
-
         del self.llm
         if self.rpc_before is None:
             os.environ.pop("VLLM_RPC_BASE_PATH", None)

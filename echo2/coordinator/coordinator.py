@@ -314,10 +314,9 @@ class Coordinator:
             if req.version is None or req.version != worker.version or req.version < min(job.covers):
                 raise BadRequest(f"evaluation {job.job_id}: 'version' {req.version} is not the version this worker "
                                  f"holds (v{worker.version}), at least v{min(job.covers)}")
-            episodes = self.settings.episode is not None
             groups = evaluation.parse(job, self.evals.rows, self.evals.prompt_ids, req.results, req.version,
-                                      int(self.sampling["max_tokens"]), self.vocab_size, episodes)
-            reasons = evaluation.judge(self.scorer, groups, episodes)
+                                      int(self.sampling["max_tokens"]), self.vocab_size, self.evals.episodes)
+            reasons = evaluation.judge(self.scorer, groups, self.evals.episodes)
         except BaseException as e:
             with self.lock:
                 self.evals.give_back(job, "refused")

@@ -44,6 +44,7 @@ from echo2.net.http import BadRequest
 from echo2.records import RolloutGroup
 from echo2.tasks.environments.episode import TranscriptMismatch
 
+
 @dataclass
 class EvalJob:
     job_id: str
@@ -64,7 +65,7 @@ class WorkerEval:
     wanted: set[int] = field(default_factory=set)
     job: EvalJob | None = None
     results: list[dict[str, Any]] = field(default_factory=list)
-    counts: Counter = field(default_factory=Counter)  # handed_out, retries, results
+    counts: Counter = field(default_factory=Counter)  # retries, and retry_<why> for each reason
     seq: int = 0
 
     def __post_init__(self):
@@ -84,7 +85,6 @@ class WorkerEval:
         self.seq += 1
         covers = sorted(v for v in self.wanted if v <= version)
         self.job = EvalJob(f"eval-{self.seq}", worker_id, covers, now + deadline_s, now)
-        self.counts["handed_out"] += 1
         return {"job_id": self.job.job_id, "version": version, "prompt_ids": self.prompt_ids,
                 **({"rows": self.rows} if self.episodes else {})}
 
@@ -100,18 +100,17 @@ class WorkerEval:
                now: float) -> dict[str, Any]:
         """The judged rows of ``job``, measured on ``version``: its result, for the learner. A row whose judging
         failed (``reasons``: the reward pool's) counts as not correct, and as unscored."""
-        values = [g.rollouts[0].reward if why is None else math.nan for g, why in zip(groups, reasons, strict=True)]
-        correct = sum(bool(g.rollouts[0].rewards.get("correct")) for g, why in zip(groups, reasons) if why is None)
+        judged = [g.rollouts[0] for g, why in zip(groups, reasons, strict=True) if why is None]
+        correct = sum(bool(r.rewards.get("correct")) for r in judged)
         result = {"version": version, "requested": job.covers, "worker_id": job.worker_id,
                   EVAL_TIME_S: now - job.handed_out, EVAL_VERSION: float(version),
                   EVAL_ACCURACY: correct / len(groups), EVAL_EXAMPLES: float(len(groups)),
                   EVAL_UNSCORED: float(sum(why is not None for why in reasons))}
         if self.episodes:
-            scored = [v for v in values if v == v]
+            scored = [r.reward for r in judged if r.reward == r.reward]
             result[EVAL_REWARD_MEAN] = sum(scored) / len(scored) if scored else math.nan
         self.wanted -= {v for v in self.wanted if v <= version}
         self.results.append(result)
-        self.counts["results"] += 1
         self.job = None
         return result
 

@@ -326,8 +326,9 @@ class AsyncRolloutSource:
 
     def evaluations(self) -> list[dict[str, Any]]:
         """Workers' evaluations finished since the last call (each: ``eval/*`` metrics, the ``version`` measured and
-        the versions it answers, ``requested``), oldest first."""
-        if not self.eval_every:
+        the versions it answers, ``requested``), oldest first. Nothing asked and unanswered: no call to the
+        coordinator (this runs after every learner step)."""
+        if not self.eval_asked:
             return []
         results = self._retry(CoordinatorProcess.evaluations)["results"]
         for r in results:
