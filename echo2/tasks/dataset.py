@@ -74,7 +74,8 @@ class DatasetTask(Task):
                  chat_template_kwargs: dict[str, Any] | None = None, max_completion_length: int = 256, seed: int = 0,
                  environment: str | None = None, tools: list[str] | None = None,
                  environment_config: dict[str, Any] | None = None, max_turns: int | None = None,
-                 environment_timeout_s: float = 60.0, environment_reward: bool = True):
+                 max_turn_tokens: int | None = None, environment_timeout_s: float = 60.0,
+                 environment_reward: bool = True):
         self.data_files = _absolute(plain(data_files))
         if path is None and not self.data_files and type(self).source is DatasetTask.source:
             raise ValueError("task=dataset: set task.path (a hub id or a local folder) or task.data_files (local json, "
@@ -95,7 +96,7 @@ class DatasetTask(Task):
         self._splits: tuple[Dataset, Dataset | None] | None = None
         self._episodes: dict[int, Any] = {}  # per tokenizer (id): the runtime of the episodes
         self.spec = self._spec(environment, list(plain(tools) or []), plain(environment_config), max_turns,
-                               environment_timeout_s, environment_reward)
+                               max_turn_tokens, environment_timeout_s, environment_reward)
         # fail here, in the learner, on a reward function that does not import (not in the coordinator's processes)
         names = unique_names(self.reward_funcs())
         if not names and not (self.spec and self.spec.environment_reward):
@@ -111,20 +112,25 @@ class DatasetTask(Task):
             raise ValueError(f"task.eval_reward={eval_reward!r}: not one of the reward functions ({', '.join(names)})")
 
     def _spec(self, environment: str | None, tools: list[str], config: dict | None, max_turns: int | None,
-              timeout_s: float, environment_reward: bool) -> Any:
+              max_turn_tokens: int | None, timeout_s: float, environment_reward: bool) -> Any:
         """The episodes' spec (echo2/tasks/environments/), read here from the classes and functions named, so that an
         import path that does not import fails at once; None without an environment or tools."""
         if environment is None and not tools:
-            if config or max_turns is not None:
-                raise ValueError("task.environment_config / task.max_turns need task.environment or task.tools")
+            if config or max_turns is not None or max_turn_tokens is not None:
+                raise ValueError("task.environment_config / task.max_turns / task.max_turn_tokens need "
+                                 "task.environment or task.tools")
             return None
         from echo2.tasks.environments import spec_for
 
         if max_turns is not None and max_turns < 1:
             raise ValueError(f"task.max_turns={max_turns}: must be >= 1 (null: no limit)")
+        if max_turn_tokens is not None and max_turn_tokens < 1:
+            raise ValueError(f"task.max_turn_tokens={max_turn_tokens}: must be >= 1 (null: what is left of "
+                             "task.max_completion_length)")
         if not timeout_s > 0:
             raise ValueError(f"task.environment_timeout_s={timeout_s}: must be > 0")
-        spec = spec_for(environment, tools, self.max_completion_length, max_turns=max_turns, timeout_s=timeout_s,
+        spec = spec_for(environment, tools, self.max_completion_length, max_turns=max_turns,
+                        max_turn_tokens=max_turn_tokens, timeout_s=timeout_s,
                         environment_config=dict(config or {}), chat_template_kwargs=dict(self.chat_template_kwargs))
         return spec if environment_reward else replace(spec, environment_reward=None)
 

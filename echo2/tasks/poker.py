@@ -5,9 +5,12 @@ Each row is a hand: a seed (the deal and the opponent's mixed choices are drawn 
 prompt: the rules and the situation at the model's first decision (the cards it holds, what the opponent did). The
 environment (``PokerEnv``, SkyRL-gym's text contract: the model answers in words, which any chat template carries)
 plays each answer on OpenSpiel's game, then the opponent's moves and the public card, and tells the model what
-happened, until the hand is over. An answer is read as the first action word in it (pass/bet for Kuhn, fold/call/
-raise for Leduc; check, call and fold are understood where they mean one of these); an answer with none is a fold
-(or a check where nothing is to call), said so in the next message.
+happened, until the hand is over. An answer is read as the first action word in it; an answer with none is a fold
+(or a check where nothing is to call), said so in the next message. Kuhn asks a yes/no question ("Do you bet?", or
+"Do you call?" facing a bet; pass, bet, check, call and fold are understood too): SmolLM2-135M-Instruct answers yes
+or no to about 3 in 4 such questions at temperature 1, but names an action in fewer than 1 in 10 answers to "pass or
+bet?", and an answer that names nothing passes, so that the plays of one hand rarely differed and GRPO had nothing
+to compare. Leduc names its actions: fold, call (check), raise (bet).
 
 The reward is the chips won (Kuhn -2..2, Leduc -13..13), recomputed where rewards are scored (``chips_won``): the
 hand replayed on OpenSpiel from the row's seed and the model's answers in the transcript, with the same opponent. So
@@ -38,12 +41,12 @@ from echo2.tasks.kuhn import OPPONENT
 
 GAMES = ("kuhn_poker", "leduc_poker")
 RANKS = ("Jack", "Queen", "King")
-WORDS = {"kuhn_poker": {"pass": 0, "check": 0, "fold": 0, "bet": 1, "call": 1},
+WORDS = {"kuhn_poker": {"pass": 0, "check": 0, "fold": 0, "no": 0, "bet": 1, "call": 1, "yes": 1},
          "leduc_poker": {"fold": 0, "call": 1, "check": 1, "raise": 2, "bet": 2}}
 NAMES = {"kuhn_poker": ("pass", "bet"), "leduc_poker": ("fold", "call", "raise")}
 RULES = {  # short: a small model reads little of them, and every token of a prompt costs each step
-    "kuhn_poker": "Kuhn poker: cards Jack < Queen < King, one each, ante 1 chip. pass = check, or fold to a bet; "
-                  "bet = bet 1 chip, or call a bet. Higher card wins at showdown.",
+    "kuhn_poker": "Kuhn poker: cards Jack < Queen < King, one each, ante 1 chip. On your turn you bet 1 chip (or "
+                  "call a bet), or not (check, or fold to a bet). Higher card wins at showdown.",
     "leduc_poker": "Leduc hold'em: two Jacks, two Queens, two Kings; one private card each, ante 1 chip, one public "
                    "card after the first round. fold, call (or check), raise: 2 chips in round 1, 4 in round 2, two "
                    "raises a round at most. A pair with the public card wins, else the higher card.",
@@ -131,8 +134,12 @@ class Hand:
         parts = self.events + [f"You hold the {self._card(card)}."]
         if public >= 0:
             parts.append(f"The public card is a {self._card(public)}.")
-        words = [self._word(a) for a in s.legal_actions()]
-        parts.append(f"Your move: {' or '.join(words)}? Answer with one word.")
+        if self.game == "kuhn_poker":  # a yes/no question (module doc)
+            facing = "b" in s.information_state_string(self.seat)[1:]
+            parts.append(f"Do you {'call' if facing else 'bet'}? Answer yes or no.")
+        else:
+            words = [self._word(a) for a in s.legal_actions()]
+            parts.append(f"Your move: {' or '.join(words)}? Answer with one word.")
         self.events = []
         return " ".join(parts)
 
@@ -200,8 +207,9 @@ def chips_won(completions: list[list[dict]], game: list[str], seed: list[int], s
 
 class PokerTask(DatasetTask):
     def __init__(self, game: str = "kuhn_poker", train_size: int = 5000, eval_size: int = 200, seed: int = 0,
-                 max_completion_length: int = 128, max_turns: int = 8, system_prompt: str | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None, environment_timeout_s: float = 10.0):
+                 max_completion_length: int = 128, max_turns: int = 8, max_turn_tokens: int | None = None,
+                 system_prompt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                 environment_timeout_s: float = 10.0):
         if game not in GAMES:
             raise ValueError(f"task.game={game!r}: expected one of {GAMES}")
         self.game, self.train_size = game, train_size
@@ -209,6 +217,7 @@ class PokerTask(DatasetTask):
                          eval_size=eval_size, eval_split="test", system_prompt=system_prompt,
                          chat_template_kwargs=chat_template_kwargs, max_completion_length=max_completion_length,
                          seed=seed, environment="echo2.tasks.poker:PokerEnv", max_turns=max_turns,
+                         max_turn_tokens=max_turn_tokens,
                          environment_timeout_s=environment_timeout_s, environment_reward=False)
         self.name = f"poker:{game}"
 

@@ -83,6 +83,32 @@ def test_max_turns_is_trls_max_tool_calling_iterations_plus_one(tok):
     assert (t.turns, t.tool_calls, len(t.observations)) == (2, 1, 1)  # the last turn's call is not run
 
 
+def test_max_turn_tokens_caps_each_turn_and_the_episode_goes_on(tok):
+    asked = []
+
+    def ramble(ids, params):  # a model that never stops by itself: it runs to whatever it may have
+        asked.append(params.max_tokens)
+        text = tok(" seven" * 40, add_special_tokens=False)["input_ids"]
+        return [[Completion(text[:params.max_tokens], [-0.1] * min(len(text), params.max_tokens), "length")]
+                for _ in ids]
+
+    row = {"prompt": PROMPT, "reward_spec": {"ground_truth": "7"}}
+    ep = episodes(tok, env="own_envs:StepsEnv", max_turns=3, max_turn_tokens=5)
+    (t,) = ep.run(ramble, [row], SamplingParams(n=1, max_tokens=300), n=1)[0]
+    assert asked == [5, 5, 5] and t.turns == 3 and t.error is None
+    assert [len(tok(text, add_special_tokens=False)["input_ids"]) for m, text in segments(tok, t) if m == 1] == [5] * 3
+    assert t.finish_reason == "stop"  # cut per turn, not by the budget: not a truncated trajectory
+    asked.clear()
+    budget = t.mask.index(1, 5) + 3  # the first turn, its answer, and 3 tokens of the second turn
+    tight = episodes(tok, env="own_envs:StepsEnv", max_turns=3, max_turn_tokens=5, budget=budget)
+    (t,) = tight.run(ramble, [row], SamplingParams(n=1, max_tokens=budget), n=1)[0]
+    assert asked == [5, 3] and len(t.token_ids) == budget
+    assert t.finish_reason == "length"  # the budget still cuts a turn, and that is truncation
+    with pytest.raises(ValueError, match="max_turn_tokens=0: must be >= 1"):
+        DatasetTask(data_files="rows.jsonl", reward_funcs=["own_envs.add"], environment="own_envs:StepsEnv",
+                    max_turn_tokens=0)
+
+
 def test_plain_tools_without_an_environment(tok):
     ep = episodes(tok, env=None, tools=["own_envs.add"])
     (t,) = ep.run(ScriptedPolicy(tok, steps=(4,), tool="add").generate, [{"prompt": PROMPT}],

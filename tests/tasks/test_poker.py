@@ -36,8 +36,21 @@ def test_a_hand_is_the_same_hand_from_its_seed_and_a_cut_hand_is_a_fold():
     assert a.situation() == b.situation() and a.state.history() == b.state.history()
     assert replay("kuhn_poker", 3, 0, []) == -1.0  # no answer at all: the ante is lost (a fold, or checked down)
     hand = Hand("kuhn_poker", 1, 1)
-    note = hand.play("no idea")
+    note = hand.play("hmm, what now")
     assert note.startswith("(No action in your answer: you pass.)")
+
+
+def test_kuhn_asks_yes_or_no_and_reads_the_answer_as_the_action():
+    opens = Hand("kuhn_poker", 0, 0)  # player 1: nothing to call
+    assert opens.situation().endswith("Do you bet? Answer yes or no.")
+    opens.play("Yes.")
+    assert opens.state.history()[2] == 1  # after the two cards dealt, our bet
+    facing = next(h for h in (Hand("kuhn_poker", s, 1) for s in range(1, 40, 2)) if h.state.history()[-1] == 1)
+    question = facing.situation()
+    assert "The opponent bets." in question and question.endswith("Do you call? Answer yes or no.")
+    folded = Hand("kuhn_poker", facing.seed, 1)
+    folded.play("No, I fold")
+    assert folded.state.is_terminal() and folded.chips_won() == -1.0  # no: a fold facing the bet
 
 
 def test_the_kuhn_opponent_is_echo2s_closed_form_one():

@@ -57,6 +57,7 @@ class EpisodeSpec:
     tool_schemas: tuple[dict, ...]
     max_completion_length: int  # the token budget of a whole episode: model and environment tokens, all turns
     max_turns: int | None = None  # model turns per episode (TRL: max_tool_calling_iterations + 1); None: no limit
+    max_turn_tokens: int | None = None  # tokens one model turn may have (SkyRL: max_generate_length); None: the budget's
     timeout_s: float = 60.0  # each call into the environment or a tool
     environment_config: dict = field(default_factory=dict)  # SkyRL's env_config
     chat_template: str | None = None

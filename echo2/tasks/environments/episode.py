@@ -8,13 +8,15 @@ the learner's for rollout=sync), and the transcript the scorer reads back from t
            append the answer's tokens as the chat template renders them (mask 0, logprob 0.0): TRL's tool suffix
            (GRPOTrainer._get_tool_suffix_ids, called as is), SkyRL's fixed-base rendering of observations
     until: the environment is done, or max_turns model turns, or the budget (below) is spent
+    (each turn at most max_turn_tokens, where set: SkyRL's per-turn max_generate_length)
 
 Nothing is re-tokenized: each turn is generated from the token ids so far, and what an engine returned is kept as it
 returned it. The budget is TRL's: ``max_completion_length`` counts every token after the prompt, the model's and the
 environment's, over all turns; an answer that would not fit is not appended (the episode ends there, as TRL rolls
-it back), and a turn is cut to what is left. A trajectory is generated between two weight swaps (the worker applies
-snapshots between batches; rollout=sync generates inside one learner step), so its version is the one that made
-every token.
+it back), and a turn is cut to what is left. ``max_turn_tokens`` caps one turn on top (the answer cut there goes
+to the environment, and the episode goes on; only a cut by the budget marks the trajectory truncated). A trajectory
+is generated between two weight swaps (the worker applies snapshots between batches; rollout=sync generates inside
+one learner step), so its version is the one that made every token.
 
 ``transcript`` reads a trajectory back where rewards are scored: the model's segments parsed from its tokens (as TRL
 parses them), the environment's messages as the episode reported them, each checked against its tokens by rendering
@@ -190,11 +192,14 @@ class Episodes:
             self._finish(t)
         return episodes
 
-    def _room(self, t: Trajectory, context_tokens: int | None) -> int:
-        """Tokens the next turn may have: what is left of the budget, and of the engine's context."""
+    def _room(self, t: Trajectory, context_tokens: int | None, per_turn: bool = True) -> int:
+        """Tokens the next turn may have: what is left of the budget, and of the engine's context, and (``per_turn``)
+        at most ``max_turn_tokens``."""
         left = self.spec.max_completion_length - len(t.token_ids)
         if context_tokens is not None:
             left = min(left, context_tokens - len(t.prompt_ids) - len(t.token_ids))
+        if per_turn and self.spec.max_turn_tokens is not None:
+            left = min(left, self.spec.max_turn_tokens)
         return left
 
     def _start(self, env_cls: type | None, tools: list[Any], row: dict) -> Trajectory:
@@ -209,11 +214,13 @@ class Episodes:
     def _turn(self, t: Trajectory, turn: Completion, left: int, context_tokens: int | None) -> bool:
         """Append one model turn and the environment's answer; whether the episode goes on."""
         context = t.prompt_ids + t.token_ids
+        room = self._room(t, context_tokens, per_turn=False)
         ids, logprobs = turn.token_ids[:left], turn.logprobs[:left]
         cut = len(turn.token_ids) > left or turn.finish_reason == "length"
         t.add(ids, logprobs)
         t.turns += 1
-        t.finish_reason = "length" if cut else "stop"
+        # truncated only where the episode's budget (or the context) cut it; a turn cut at max_turn_tokens goes on
+        t.finish_reason = "length" if cut and len(ids) >= room else "stop"
         last = self.spec.max_turns is not None and t.turns >= self.spec.max_turns
         if last and self.spec.contract == "trl":
             return False  # TRL's max_tool_calling_iterations: the last turn's tool calls are not run
