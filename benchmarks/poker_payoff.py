@@ -4,7 +4,8 @@ Runs ``experiment=smollm2_poker`` (Kuhn poker, hand by hand against echo2/tasks/
 worker, S = 2) once per seed, each a fresh process with a final checkpoint, then plays the same held-out hands
 greedily with the initial weights and with each run's final weights (echo2's evaluator: every turn generated, the
 environment answering) and reports the mean chips won a hand (the payoff) and the share of hands won. For reference
-it also reports what always betting and always passing win against the same opponent on the same hands.
+it also reports what always betting and always passing win against the same opponent on the same hands, and (Kuhn)
+what the best response to that opponent wins.
 
     python benchmarks/poker_payoff.py                                   # 2 seeds x 30 steps (2-core CPU: ~25 min each)
     python benchmarks/poker_payoff.py --seeds 0 --steps 2 --hands 16    # a quick check that it runs
@@ -78,8 +79,23 @@ def fixed_policies(game: str, hands: int) -> dict[str, float]:
     from echo2.tasks.poker import replay
 
     rows = list(experiment_task(game, hands).eval_dataset())
-    return {policy: statistics.mean(replay(game, r["seed"], r["seat"], [policy] * 8) for r in rows)
-            for policy in (("bet", "pass") if game == "kuhn_poker" else ("raise", "call", "fold"))}
+    out = {policy: statistics.mean(replay(game, r["seed"], r["seat"], [policy] * 8) for r in rows)
+           for policy in (("bet", "pass") if game == "kuhn_poker" else ("raise", "call", "fold"))}
+    if game == "kuhn_poker":
+        out["best response"] = statistics.mean(replay(game, r["seed"], r["seat"], best_response(r)) for r in rows)
+    return out
+
+
+def best_response(row: dict) -> list[str]:
+    """Kuhn: the best response to the fixed opponent (echo2/tasks/kuhn.py's closed form, from what the model sees at
+    its first decision), as the answers the model would give."""
+    from echo2.tasks.kuhn import best_plans
+    from echo2.tasks.poker import Hand
+
+    hand = Hand("kuhn_poker", row["seed"], row["seat"])
+    info = hand.state.information_state_string(row["seat"])
+    plan = best_plans(int(info[0]), row["seat"] + 1, tuple(1 if c == "b" else 0 for c in info[1:]))[0]
+    return ["yes" if a else "no" for a in plan]
 
 
 def main() -> None:
@@ -107,7 +123,8 @@ def main() -> None:
         print(f"[seed {seed}] after {args.steps} steps ({wall_s:.0f} s): {final}", flush=True)
     (out / "payoff.json").write_text(json.dumps(results, indent=2) + "\n")
     print(f"\n{args.game}, {args.hands} held-out hands; chips won a hand (hands won)")
-    print(f"  fixed policies: " + ", ".join(f"always {k} {v:+.3f}" for k, v in results["fixed_policies"].items()))
+    print("  fixed policies: " + ", ".join(f"{k if k == 'best response' else 'always ' + k} {v:+.3f}"
+                                         for k, v in results["fixed_policies"].items()))
     print(f"  start (every seed): {initial['chips_won']:+.3f} ({initial['hands_won']:.0%})")
     for seed, run in results["runs"].items():
         f = run["final"]

@@ -508,6 +508,7 @@ class HostileSoak:
             return
         self.samples.append({"t": time.time(), "phase": phase, "latency_s": time.perf_counter() - t0,
                              "held": st["held"], "benched": st["benched"], "by_worker": st["by_worker"],
+                             "waited_s": st.get("waited_s", {}),
                              "workers": len(st["workers"]), "rss": rss})
 
     def run(self) -> dict:
@@ -721,6 +722,7 @@ def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list
             held[name] = max(held[name], n)
     latency = {ph: sorted(s["latency_s"] for s in samples if s["phase"] == ph and "latency_s" in s)
                for ph in ("calm", "hostile")}
+    honest_waited = idle_share(samples, {w for w, n in names.items() if n.startswith("honest")})
     peak = {ph: max((s["rss"] for s in samples if s["phase"] == ph and s.get("rss")), default=None)
             for ph in ("calm", "hostile")}
     goal_mib = getattr(args, "memory_goal_mib", 64.0)
@@ -747,9 +749,28 @@ def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list
             "coordinator_memory": memory,
             "kinds": kinds, "slow_reward": SLOW_REWARD, "books": books, "honest": honest, "honest_verdict": honest_ok,
             "status_latency_s": {ph: {"p50": v[len(v) // 2], "max": v[-1]} if v else {} for ph, v in latency.items()},
+            "honest_waited_share": honest_waited,
             "coordinator": {k: metrics.get(k) for k in sorted(metrics) if k.startswith(("rollout/", "broadcast/"))
                             and "/throughput/" not in k and "/check_" not in k},
             "accounting": acc, "ok": ok}
+
+
+def idle_share(samples: list[dict], workers: set[str]) -> dict[str, dict[str, float]]:
+    """Per phase, the share of its time the ``workers``' pulls waited with nothing handed out, by why (the coordinator's
+    ``waited_s`` in GET /status: ``window``, ``share``, ...), summed over the workers, from the phase's first and last
+    sample."""
+    out = {}
+    for ph in ("calm", "hostile"):
+        seen = [s for s in samples if s["phase"] == ph and "waited_s" in s]
+        if len(seen) < 2 or seen[-1]["t"] <= seen[0]["t"]:
+            continue
+        first, last, span = seen[0]["waited_s"], seen[-1]["waited_s"], seen[-1]["t"] - seen[0]["t"]
+        why = Counter()
+        for w in workers:
+            for k, v in last.get(w, {}).items():
+                why[k] += (v - first.get(w, {}).get(k, 0.0)) / span
+        out[ph] = {k: round(v, 3) for k, v in sorted(why.items())}
+    return out
 
 
 def hostile_verdicts(kinds: dict, metrics: dict, acc: dict, names: dict, log: str, t_go: float, args) -> dict:
@@ -879,6 +900,8 @@ def hostile_table(r: dict) -> str:
               f"calm windows / calm: {p['calm'].get('window_ratios')}",
               f"cores used (calm, hostile): {r.get('cpu_cores')}", "", f"slow reward: {r['slow_reward']}", "",
               f"books: {r['books']}", f"GET /status latency: {r['status_latency_s']}",
+              f"honest workers' pulls waiting with nothing handed out, share of the time by why: "
+              f"{r.get('honest_waited_share')}",
               f"processes left behind: {r['left_behind'] or 'none'}", f"all properties held: {r['ok']}"]
     return "\n".join(lines)
 

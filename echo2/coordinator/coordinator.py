@@ -282,8 +282,11 @@ class Coordinator:
                 # A newer snapshot reached the worker: answer now so that it applies it and asks again.
                 if work or job or self.closed or remaining <= 0 or worker.delivered_version > worker.version:
                     break
+                t0 = time.monotonic()
                 self.lock.wait(timeout=remaining)
                 worker.last_seen = time.monotonic()
+                why = worker.why_idle or "other"
+                worker.waited_s[why] = worker.waited_s.get(why, 0.0) + worker.last_seen - t0
             fresh_snapshot = worker.delivered_version > worker.version
         if job is not None:
             log.info("worker %s evaluates v%d on %d held-out rows (%s)", worker.worker_id, job["version"],
@@ -336,16 +339,20 @@ class Coordinator:
         work: list[dict] = []
         if not self.activation.is_active(worker.worker_id) or worker.version < 0 or worker.worker_id not in \
                 self.reg.workers:
-            return work  # deactivated (until a re-plan turns it on), or it holds no weights it may generate with
+            # deactivated (until a re-plan turns it on), or it holds no weights it may generate with
+            worker.why_idle = "no_weights" if worker.version < 0 else "inactive"
+            return work
         principal = self.reg.principals[worker.principal]
         room = self.reg.limit(principal, (self.staleness + 1) * self.P, self.groups_per_pull, self.activation.is_active)
         room -= principal.held
+        worker.why_idle = "share"
         while len(work) < min(want, room) and not self.closed:
             # every group dispatched and not yet consumed, dropped or lost: in flight, being scored (out of flight,
             # not yet buffered) or buffered; the ledger's open groups are exactly those
             ahead = len(self.ledger.open)
             if not worth_dispatching(max(self.version, self.next_take), worker.version, ahead, self.P, self.staleness,
                                      self.steps_per_batch):
+                worker.why_idle = "window"
                 break
             gid, index = self.ledger.draw()
             try:

@@ -24,6 +24,8 @@ def status(coord: Any, name: str | None = None) -> dict[str, Any]:
            "workers": sorted(w.worker_id for w in workers),
            "by_worker": {wid: n for wid, n in coord.ledger.by_worker.items() if mine(wid)},
            "held": {w.worker_id: w.held for w in workers if w.held},
+           # seconds each worker's pulls waited with nothing handed out, by why (registry.WorkerInfo.waited_s)
+           "waited_s": {w.worker_id: {k: round(v, 3) for k, v in w.waited_s.items()} for w in workers if w.waited_s},
            "benched": sorted(w.worker_id for w in workers if reg.benched(w))}
     if name is None:
         out["registered"] = coord.registered

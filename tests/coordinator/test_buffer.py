@@ -113,3 +113,33 @@ def test_staleness_invariant_under_random_worker_delays(tiny_model_dir, S, n_wor
     total = acc["consumed"] + sum(acc["dropped"].values()) + sum(acc["lost"].values()) + acc["in_flight"] + acc["buffered"]
     assert acc["dispatched"] == total
     assert acc["consumed"] == steps * P * G
+
+
+def test_a_pull_says_why_it_waited(tiny_model_dir):
+    """A worker whose pulls wait with nothing handed out is told apart by why, in GET /status: the staleness window
+    full (more would be stale before the learner reached it) or its credential's share held."""
+    from echo2.coordinator.coordinator import Coordinator
+    from echo2.scoring import Scorer
+    from echo2.settings import CoordinatorSettings
+    from echo2.tasks.arith import ArithTask
+    from transformers import AutoTokenizer
+
+    task = ArithTask(level="copy", train_size=50)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    c = Coordinator(task.train_dataset(), Scorer(task, tok), tok, CoordinatorSettings(
+        token="t", staleness=0, prompts_per_step=2, group_size=2, vocab_size=len(tok), long_poll_s=0.05,
+        sampling={"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
+    try:
+        a = c._register({"engine": "sim"}, ADMIN)["worker_id"]
+        work = c._pull({"worker_id": a, "version": 0, "max_groups": 8}, ADMIN)["work"]
+        assert len(work) == 2  # S = 0: one step's groups, and its share of them is held
+        assert c._pull({"worker_id": a, "version": 0, "max_groups": 8}, ADMIN)["work"] == []
+        assert set(c.status()["waited_s"][a]) == {"share"}
+        done = [{"token_ids": [5, 1], "logprobs": [-1.0, -0.5], "finish_reason": "stop"}] * 2
+        c._push({"worker_id": a, "results": [{"group_id": g["group_id"], "version": 0, "completions": done}
+                                             for g in work]}, ADMIN)
+        assert c._pull({"worker_id": a, "version": 0, "max_groups": 8}, ADMIN)["work"] == []  # buffered, not taken
+        waited = c.status()["waited_s"][a]
+        assert set(waited) == {"share", "window"} and waited["window"] >= 0.04
+    finally:
+        c.close()
