@@ -28,9 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def train(seed: int, steps: int, game: str, run_dir: Path) -> float:
+def train(seed: int, steps: int, game: str, run_dir: Path, opponent: str) -> float:
     """One training run; returns its wall-clock seconds."""
-    cmd = [sys.executable, "train.py", "experiment=smollm2_poker", f"task.game={game}", f"seed={seed}",
+    cmd = [sys.executable, "train.py", "experiment=smollm2_poker", f"task.game={game}", f"task.opponent={opponent}",
+           f"seed={seed}",
            f"run.steps={steps}", f"run.save_every_steps={steps}", "run.keep_checkpoints=1", "run.progress=false",
            "run.wandb=disabled", "run.eval_every_steps=0", f"hydra.run.dir={run_dir}"]
     print(f"[seed {seed}] {' '.join(cmd[1:])}", flush=True)
@@ -42,7 +43,7 @@ def train(seed: int, steps: int, game: str, run_dir: Path) -> float:
     return time.perf_counter() - t0
 
 
-def experiment_task(game: str, hands: int):
+def experiment_task(game: str, hands: int, opponent: str):
     """The experiment's task (its budget and turn limit, composed from its config: nothing can drift apart), with
     ``hands`` held-out hands."""
     from hydra import compose, initialize_config_dir
@@ -53,11 +54,12 @@ def experiment_task(game: str, hands: int):
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["experiment=smollm2_poker", f"task.game={game}",
+                                                       f"task.opponent={opponent}",
                                                        f"task.eval_size={hands}", "task.train_size=1"])
     return instantiate(cfg.task)
 
 
-def payoff(model_path: str, game: str, hands: int) -> dict[str, float]:
+def payoff(model_path: str, game: str, hands: int, opponent: str) -> dict[str, float]:
     """The greedy policy of ``model_path`` on ``hands`` held-out hands: chips won a hand, and hands won."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -69,33 +71,44 @@ def payoff(model_path: str, game: str, hands: int) -> dict[str, float]:
 
     tok = load_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    task = experiment_task(game, hands)
+    task = experiment_task(game, hands, opponent)
     out = Evaluator(task, tok, HFEngine(tok.pad_token_id, stop_token_ids(tok, model_path)))(model)
     return {"chips_won": out[EVAL_REWARD_MEAN], "hands_won": out[EVAL_ACCURACY]}
 
 
-def fixed_policies(game: str, hands: int) -> dict[str, float]:
+def fixed_policies(game: str, hands: int, opponent: str) -> dict[str, float]:
     """What always betting (calling, raising) and always passing (checking, folding) win on the same hands."""
     from echo2.tasks.poker import replay
 
-    rows = list(experiment_task(game, hands).eval_dataset())
-    out = {policy: statistics.mean(replay(game, r["seed"], r["seat"], [policy] * 8) for r in rows)
+    rows = list(experiment_task(game, hands, opponent).eval_dataset())
+    out = {policy: statistics.mean(replay(game, r["seed"], r["seat"], [policy] * 8, opponent) for r in rows)
            for policy in (("bet", "pass") if game == "kuhn_poker" else ("raise", "call", "fold"))}
     if game == "kuhn_poker":
-        out["best response"] = statistics.mean(replay(game, r["seed"], r["seat"], best_response(r)) for r in rows)
+        out["best response"] = best_response(rows, opponent)
     return out
 
 
-def best_response(row: dict) -> list[str]:
-    """Kuhn: the best response to the fixed opponent (echo2/tasks/kuhn.py's closed form, from what the model sees at
-    its first decision), as the answers the model would give."""
-    from echo2.tasks.kuhn import best_plans
+def best_response(rows: list[dict], opponent: str) -> float:
+    """Kuhn: what the best deterministic policy against the opponent wins on ``rows`` (every policy of each seat tried:
+    a yes or a no for each card and each history the model can face, 2^6 a seat), an upper reference."""
+    import itertools
+
     from echo2.tasks.poker import Hand
 
-    hand = Hand("kuhn_poker", row["seed"], row["seat"])
-    info = hand.state.information_state_string(row["seat"])
-    plan = best_plans(int(info[0]), row["seat"] + 1, tuple(1 if c == "b" else 0 for c in info[1:]))[0]
-    return ["yes" if a else "no" for a in plan]
+    def play(row: dict, policy: dict) -> float:
+        hand = Hand("kuhn_poker", row["seed"], row["seat"], opponent)
+        while not hand.state.is_terminal():
+            info = hand.state.information_state_string(row["seat"])
+            hand.play("yes" if policy[info[0], info[1:]] else "no")
+        return hand.chips_won()
+
+    won = 0.0
+    for seat, histories in ((0, ("", "pb")), (1, ("p", "b"))):
+        mine = [r for r in rows if r["seat"] == seat]
+        spots = [(str(card), h) for card in range(3) for h in histories]
+        won += max(sum(play(r, dict(zip(spots, acts, strict=True))) for r in mine)
+                   for acts in itertools.product((0, 1), repeat=len(spots)))
+    return won / len(rows)
 
 
 def main() -> None:
@@ -104,6 +117,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--hands", type=int, default=200, help="held-out hands each policy plays")
     p.add_argument("--game", default="kuhn_poker", choices=["kuhn_poker", "leduc_poker"])
+    p.add_argument("--opponent", default="station", choices=["mixed", "station"], help="task.opponent")
     p.add_argument("--out", default=str(ROOT / "outputs" / "poker_payoff"))
     args = p.parse_args()
     out = Path(args.out)
@@ -111,14 +125,15 @@ def main() -> None:
 
     from echo2.models.packaged import from_gguf_wheel
 
-    initial = payoff(from_gguf_wheel(), args.game, args.hands)
+    initial = payoff(from_gguf_wheel(), args.game, args.hands, args.opponent)
     print(f"initial weights: {initial}", flush=True)
     results = {"game": args.game, "hands": args.hands, "steps": args.steps, "initial": initial,
-               "fixed_policies": fixed_policies(args.game, args.hands), "runs": {}}
+               "opponent": args.opponent,
+               "fixed_policies": fixed_policies(args.game, args.hands, args.opponent), "runs": {}}
     for seed in args.seeds:
         run_dir = out / f"seed{seed}"
-        wall_s = train(seed, args.steps, args.game, run_dir)
-        final = payoff(str(run_dir / "trainer" / f"checkpoint-{args.steps}"), args.game, args.hands)
+        wall_s = train(seed, args.steps, args.game, run_dir, args.opponent)
+        final = payoff(str(run_dir / "trainer" / f"checkpoint-{args.steps}"), args.game, args.hands, args.opponent)
         results["runs"][seed] = {"final": final, "wall_s": wall_s}
         print(f"[seed {seed}] after {args.steps} steps ({wall_s:.0f} s): {final}", flush=True)
     (out / "payoff.json").write_text(json.dumps(results, indent=2) + "\n")

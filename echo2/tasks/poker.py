@@ -17,9 +17,13 @@ hand replayed on OpenSpiel from the row's seed and the model's answers in the tr
 it is a function of the transcript and the row, never the worker's claim (the environment's own step rewards are left
 out: ``environment_reward`` is off). A hand cut short (the token budget, ``max_turns``) is scored as a fold there.
 
-The opponent is fixed and exploitable. Kuhn: echo2/tasks/kuhn.py's (bet or call with the King, never bet the Queen
-and call with it half the time, bluff the Jack a third of the time and never call with it). Leduc: raise with a pair or
-a King, call with a Queen, fold a Jack facing a raise two times in three, and bluff-raise a Jack one time in four.
+The opponent is fixed and exploitable (``task.opponent``). ``mixed``: Kuhn, echo2/tasks/kuhn.py's (bet or call with
+the King, never bet the Queen and call with it half the time, bluff the Jack a third of the time and never call with
+it); Leduc, raise with a pair or a King, call with a Queen, fold a Jack facing a raise two times in three, and
+bluff-raise a Jack one time in four. ``station``, a calling station: it calls every bet and never folds, and bets
+(raises) only its best hand (Kuhn: the King; Leduc: a pair), so that every decision of the model changes what it
+wins in most hands (against ``mixed``, a Kuhn bet or a pass often ends with the same chips: few of a hand's plays
+differ in reward, and GRPO learns from those that do).
 
 The single-shot Kuhn (``task=kuhn``: the whole plan in one answer) stays the tiny model's task.
 
@@ -40,6 +44,7 @@ from echo2.tasks.dataset import DatasetTask
 from echo2.tasks.kuhn import OPPONENT
 
 GAMES = ("kuhn_poker", "leduc_poker")
+OPPONENTS = ("mixed", "station")
 RANKS = ("Jack", "Queen", "King")
 WORDS = {"kuhn_poker": {"pass": 0, "check": 0, "fold": 0, "no": 0, "bet": 1, "call": 1, "yes": 1},
          "leduc_poker": {"fold": 0, "call": 1, "check": 1, "raise": 2, "bet": 2}}
@@ -58,10 +63,17 @@ def _rng(seed: int, *key: Any) -> random.Random:
     return random.Random(int.from_bytes(hashlib.sha256(repr((seed, *key)).encode()).digest()[:8], "big"))
 
 
-def opponent_action(state: Any, game: str, seed: int) -> int:
+def opponent_action(state: Any, game: str, seed: int, opponent: str = "mixed") -> int:
     """The fixed opponent's action at ``state`` (module doc), drawn from the hand's seed and history."""
     player, legal = state.current_player(), state.legal_actions()
     rng = _rng(seed, "opponent", tuple(state.history()))
+    if opponent == "station":  # calls every bet, bets (raises) only its best hands
+        if game == "kuhn_poker":
+            facing = state.information_state_string(player).endswith("b")
+            return 1 if facing or int(state.information_state_string(player)[0]) == 2 else 0
+        public = state.public_card()
+        pair = public >= 0 and public // 2 == state.private_card(player) // 2
+        return 2 if pair and 2 in legal else 1
     if game == "kuhn_poker":
         info = state.information_state_string(player)
         card, history = int(info[0]), info[1:]
@@ -84,12 +96,14 @@ class Hand:
     """One hand of ``game`` from ``seed``, the model in ``seat`` (0 or 1): chance and the opponent are played out to
     the model's turn, each step's events kept as text."""
 
-    def __init__(self, game: str, seed: int, seat: int):
+    def __init__(self, game: str, seed: int, seat: int, opponent: str = "mixed"):
         import pyspiel
 
         if game not in GAMES:
             raise ValueError(f"task.game={game!r}: expected one of {GAMES}")
-        self.game, self.seed, self.seat = game, seed, seat
+        if opponent not in OPPONENTS:
+            raise ValueError(f"task.opponent={opponent!r}: expected one of {OPPONENTS}")
+        self.game, self.seed, self.seat, self.opponent = game, seed, seat, opponent
         self.state = pyspiel.load_game(game).new_initial_state()
         self.events: list[str] = []
         self.advance()
@@ -110,7 +124,7 @@ class Hand:
                 if dealt:
                     self.events.append(f"The public card is a {self._card(action)}.")
             else:
-                action = opponent_action(s, self.game, self.seed)
+                action = opponent_action(s, self.game, self.seed, self.opponent)
                 self.events.append(f"The opponent {self._verb(action)}.")
                 s.apply_action(action)
 
@@ -170,7 +184,8 @@ class PokerEnv(BaseTextEnv):
 
     def __init__(self, env_config: Any = None, extras: dict[str, Any] = {}):  # noqa: B006 (SkyRL's signature)
         super().__init__()
-        self.hand = Hand(str(extras["game"]), int(extras["seed"]), int(extras["seat"]))
+        self.hand = Hand(str(extras["game"]), int(extras["seed"]), int(extras["seat"]),
+                         str(extras.get("opponent") or "mixed"))
         self.max_turns = int(extras.get("max_turns") or 100)
 
     def init(self, prompt: list[dict]) -> tuple[list[dict], dict]:
@@ -185,9 +200,9 @@ class PokerEnv(BaseTextEnv):
         return BaseTextEnvStepOutput(observations=observations, reward=reward, done=done, metadata={})
 
 
-def replay(game: str, seed: int, seat: int, answers: list[str]) -> float:
+def replay(game: str, seed: int, seat: int, answers: list[str], opponent: str = "mixed") -> float:
     """The chips the model won with ``answers`` (its turns, in order) in the hand of ``seed``."""
-    hand = Hand(game, seed, seat)
+    hand = Hand(game, seed, seat, opponent)
     for text in answers:
         if hand.state.is_terminal():
             break
@@ -196,12 +211,13 @@ def replay(game: str, seed: int, seat: int, answers: list[str]) -> float:
 
 
 def chips_won(completions: list[list[dict]], game: list[str], seed: list[int], seat: list[int],
-              **kwargs: Any) -> list[float]:
+              opponent: list[str] | None = None, **kwargs: Any) -> list[float]:
     """The reward: each hand replayed from its row and the model's answers in the transcript (module doc)."""
     out = []
-    for messages, g, s, p in zip(completions, game, seed, seat, strict=True):
+    for messages, g, s, p, o in zip(completions, game, seed, seat, opponent or ["mixed"] * len(completions),
+                                    strict=True):
         answers = [m.get("content") or "" for m in messages if m.get("role") == "assistant"]
-        out.append(replay(g, int(s), int(p), [a if isinstance(a, str) else "" for a in answers]))
+        out.append(replay(g, int(s), int(p), [a if isinstance(a, str) else "" for a in answers], o))
     return out
 
 
@@ -209,24 +225,26 @@ class PokerTask(DatasetTask):
     def __init__(self, game: str = "kuhn_poker", train_size: int = 5000, eval_size: int = 200, seed: int = 0,
                  max_completion_length: int = 128, max_turns: int = 8, max_turn_tokens: int | None = None,
                  system_prompt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                 environment_timeout_s: float = 10.0):
+                 environment_timeout_s: float = 10.0, opponent: str = "mixed"):
         if game not in GAMES:
             raise ValueError(f"task.game={game!r}: expected one of {GAMES}")
-        self.game, self.train_size = game, train_size
+        if opponent not in OPPONENTS:
+            raise ValueError(f"task.opponent={opponent!r}: expected one of {OPPONENTS}")
+        self.game, self.train_size, self.opponent = game, train_size, opponent
         super().__init__(reward_funcs=["echo2.tasks.poker.chips_won"], eval_reward="chips_won", eval_threshold=1e-9,
                          eval_size=eval_size, eval_split="test", system_prompt=system_prompt,
                          chat_template_kwargs=chat_template_kwargs, max_completion_length=max_completion_length,
                          seed=seed, environment="echo2.tasks.poker:PokerEnv", max_turns=max_turns,
                          max_turn_tokens=max_turn_tokens,
                          environment_timeout_s=environment_timeout_s, environment_reward=False)
-        self.name = f"poker:{game}"
+        self.name = f"poker:{game}" + ("" if opponent == "mixed" else f":{opponent}")
 
     def _row(self, hand_seed: int) -> dict[str, Any]:
         seat = hand_seed % 2
-        hand = Hand(self.game, hand_seed, seat)
+        hand = Hand(self.game, hand_seed, seat, self.opponent)
         return {"prompt": [{"role": "user", "content": f"{RULES[self.game]} You are player {seat + 1}. "
                                                        f"{hand.situation()}"}],
-                "game": self.game, "seed": hand_seed, "seat": seat}
+                "game": self.game, "seed": hand_seed, "seat": seat, "opponent": self.opponent}
 
     def source(self) -> Any:
         from datasets import Dataset, DatasetDict

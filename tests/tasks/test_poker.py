@@ -14,20 +14,22 @@ from echo2.tasks.poker import Hand, PokerEnv, PokerTask, chips_won, replay
 WORDS = ["pass", "bet", "fold", "call", "raise", "check", "hmm", "I bet!", "Raise it"]
 
 
+@pytest.mark.parametrize("opponent", ["mixed", "station"])
 @pytest.mark.parametrize("game", ["kuhn_poker", "leduc_poker"])
-def test_the_environment_and_the_replay_of_its_transcript_agree(game):
+def test_the_environment_and_the_replay_of_its_transcript_agree(game, opponent):
     rng = random.Random(0)
     for seed in range(60):
         seat = seed % 2
-        env = PokerEnv(extras={"game": game, "seed": seed, "seat": seat})
+        env = PokerEnv(extras={"game": game, "seed": seed, "seat": seat, "opponent": opponent})
         messages, done, reward = [], False, None
         while not done:
             answer = rng.choice(WORDS)
             out = env.step(answer)
             messages += [{"role": "assistant", "content": answer}, *out["observations"]]
             done, reward = out["done"], out["reward"]
-        assert replay(game, seed, seat, [m["content"] for m in messages if m["role"] == "assistant"]) == reward
-        assert chips_won([messages], [game], [seed], [seat]) == [reward]
+        assert replay(game, seed, seat, [m["content"] for m in messages if m["role"] == "assistant"],
+                      opponent) == reward
+        assert chips_won([messages], [game], [seed], [seat], [opponent]) == [reward]
         assert -13 <= reward <= 13 and (game != "kuhn_poker" or -2 <= reward <= 2)
 
 
@@ -80,3 +82,21 @@ def test_rows_show_the_first_decision_and_held_out_hands_are_apart():
     assert task.correct_when() == ("chips_won", 1e-9)
     with pytest.raises(ValueError, match="task.game='go'"):
         PokerTask(game="go")
+
+
+@pytest.mark.parametrize("game", ["kuhn_poker", "leduc_poker"])
+def test_the_calling_station_calls_every_bet_and_bets_only_its_best_hand(game):
+    for seed in range(200):
+        hand = Hand(game, seed, seed % 2, "station")
+        while not hand.state.is_terminal():
+            hand.play("bet" if game == "kuhn_poker" else "raise")  # the model bets (raises) whenever it may
+        opp = 1 - seed % 2
+        acts = [a.action for a in hand.state.full_history() if a.player == opp]
+        if game == "kuhn_poker":
+            assert abs(hand.state.returns()[opp]) == 2  # every bet called: to the showdown
+            if opp == 0:  # it acted first: a bet with the King only
+                assert acts[0] == (1 if hand.state.history()[opp] == 2 else 0)
+        else:
+            assert 0 not in acts  # never a fold
+    with pytest.raises(ValueError, match="task.opponent='shark'"):
+        PokerTask(opponent="shark")
