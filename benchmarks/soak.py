@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -692,6 +693,31 @@ def snapshot_applies(log: Path, t_go: float) -> dict:
     return {"calm": len(times) - len(after), "hostile": len(after), "max_gap_s": max(gaps, default=None)}
 
 
+def loop_time(log: Path, t_go: float, t_end: float) -> dict[str, dict[str, float]]:
+    """Where an honest worker's loop spent its time in each phase, as shares of the phase (its agent logs its time so
+    far, by what, every 30 s: the calm phase is from its first such line to the last before ``t_go``, the hostile
+    one from there to the last before ``t_end``)."""
+    import datetime
+
+    marks = []
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if "time so far, s: " in line:
+            try:
+                t = datetime.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                continue
+            parts = (p.rsplit(" ", 1) for p in line.split("time so far, s: ", 1)[1].split(", ") if " " in p)
+            marks.append((t, {k: float(v) for k, v in parts}))
+    out = {}
+    for phase, lo, hi in (("calm", -math.inf, t_go), ("hostile", t_go, t_end)):
+        before = [m for m in marks if m[0] <= lo] if phase == "hostile" else marks[:1]
+        upto = [m for m in marks if lo < m[0] <= hi]
+        if before and upto and upto[-1][0] > before[-1][0]:
+            (t0, a), (t1, b) = before[-1], upto[-1]
+            out[phase] = {k: round((b[k] - a.get(k, 0.0)) / (t1 - t0), 3) for k in sorted(b)}
+    return out
+
+
 def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list[dict], args) -> dict:
     """Everything the soak reports (see the module doc), with one verdict per kind."""
     summary_path = out / "summary.json"
@@ -737,7 +763,8 @@ def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list
     for k, v in verdicts.items():
         kinds[k]["verdict"] = v
     honest = {n: {"trained": trained.get(n, {}), "coordinator": dict(story.get(n, {})),
-                  "snapshots": snapshot_applies(out / f"{n}.log", t_go)}
+                  "snapshots": snapshot_applies(out / f"{n}.log", t_go),
+                  "loop_time_share": loop_time(out / f"{n}.log", t_go, max((x["t"] for x in samples), default=t_go))}
               for n in sorted({n for n in names.values() if n.startswith("honest")})}
     honest_ok = honest_verdict(story, names, {names.get(w, w) for s in samples for w in s.get("benched", [])})
     pace_goal = getattr(args, "pace_goal", 0.8)

@@ -49,6 +49,7 @@ requeued learner job that comes back on another node writes its new address ther
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import os
@@ -56,6 +57,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -66,6 +68,10 @@ from echo2.net.tls import (LEARNER_NAME, PEER_CERT_LIFETIME_S, Trust, fingerprin
                            load_certificate)
 
 log = logging.getLogger("echo2.worker")
+
+TIME_LOG_S = 30.0
+"""How often the loop logs where its time went (pull, generate, push, apply, idle: seconds so far), so that a slow
+worker can be told apart: waiting on the coordinator (pull, push), on its engine (generate), or on snapshots."""
 
 
 class ApplyFailed(RuntimeError):
@@ -116,6 +122,10 @@ class Agent:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.reconnects = 0
         self.trust = trust
+        # where the loop's time goes, s so far (pull: its round trip, long poll included; idle: told to wait; apply:
+        # snapshots, probe included), logged every TIME_LOG_S
+        self.time_s: Counter = Counter()
+        self.time_logged = time.monotonic()
         self.receiver = SnapshotReceiver(None, self._received, listen_host, advertise_host,
                                          control_port=snapshot_port, relay_port=relay_port, trust=trust)
 
@@ -302,26 +312,44 @@ class Agent:
                 log.info("registered as %s", self.worker_id)
 
     def _step(self, params: SamplingParams) -> None:
-        self._apply_pending()
+        if time.monotonic() - self.time_logged >= TIME_LOG_S:
+            self.time_logged = time.monotonic()
+            log.info("time so far, s: %s", ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.time_s.items())))
+        with self._timed("apply"):
+            self._apply_pending()
         if self.stale:
-            self.stop.wait(0.2)
+            with self._timed("idle"):
+                self.stop.wait(0.2)
             return
-        reply = self.client.post("/pull", {"worker_id": self.worker_id, "version": self.version,
-                                           "max_groups": self.max_groups})
+        with self._timed("pull"):
+            reply = self.client.post("/pull", {"worker_id": self.worker_id, "version": self.version,
+                                               "max_groups": self.max_groups})
         if reply.get("eval"):
-            self._evaluate(reply["eval"], params)
+            with self._timed("evaluate"):
+                self._evaluate(reply["eval"], params)
             return
         if not reply["work"]:
-            self.stop.wait(reply["wait_s"])
+            with self._timed("idle"):
+                self.stop.wait(reply["wait_s"])
             return
         work = reply["work"]
         t0 = time.perf_counter()
-        groups = self._or_hand_back(work, "generate_failed", lambda: self._generate(work, params))
+        with self._timed("generate"):
+            groups = self._or_hand_back(work, "generate_failed", lambda: self._generate(work, params))
         rate = len(groups) * params.n / max(time.perf_counter() - t0, 1e-9)
         results = [{"group_id": w["group_id"], "version": self.version, "completions": [_wire(c) for c in g]}
                    for w, g in zip(work, groups, strict=True)]
-        self._or_hand_back(work, "push_failed", lambda: self.client.post(
-            "/push", {"worker_id": self.worker_id, "results": results, "rollouts_per_s": rate}))
+        with self._timed("push"):
+            self._or_hand_back(work, "push_failed", lambda: self.client.post(
+                "/push", {"worker_id": self.worker_id, "results": results, "rollouts_per_s": rate}))
+
+    @contextlib.contextmanager
+    def _timed(self, what: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.time_s[what] += time.perf_counter() - t0
 
     def _evaluate(self, job: dict, params: SamplingParams) -> None:
         """The held-out rows the coordinator handed out (echo2/coordinator/evaluation.py): one greedy completion each

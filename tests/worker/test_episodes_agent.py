@@ -80,6 +80,8 @@ def test_episodes_run_on_the_worker_and_are_scored_from_their_transcripts(plane)
     try:
         agent._step(SamplingParams(n=G, max_tokens=300))
         assert agent.engine.turns == 3 and snapshots == [0] and agent.pending is not None  # still pending
+        assert set(agent.time_s) == {"apply", "pull", "generate", "push"}  # where the step's time went
+        assert all(t > 0 for t in agent.time_s.values())
         (g1, g2) = coord.take(2, timeout_s=5)
         for group in (g1, g2):
             assert group.version == 0  # the version that made every turn
