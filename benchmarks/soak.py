@@ -676,18 +676,24 @@ def coordinator_story(log: str, names: dict[str, str]) -> dict[str, Counter]:
     return story
 
 
-def snapshot_applies(log: Path, t_go: float) -> dict:
-    """An honest worker's snapshot applies before and after the hostile phase began, and the longest gap after."""
+def log_lines(log: Path, marker: str) -> list[tuple[float, str]]:
+    """The lines of an echo2 log holding ``marker``, each with its time stamp (epoch seconds); unstamped lines are
+    skipped."""
     import datetime
 
-    times = []
+    out = []
     for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
-        if "applied snapshot v" in line:
-            stamp = line[1:24]
+        if marker in line:
             try:
-                times.append(datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp())
+                out.append((datetime.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp(), line))
             except ValueError:
-                pass
+                continue
+    return out
+
+
+def snapshot_applies(log: Path, t_go: float) -> dict:
+    """An honest worker's snapshot applies before and after the hostile phase began, and the longest gap after."""
+    times = [t for t, _ in log_lines(log, "applied snapshot v")]
     after = [t for t in times if t >= t_go]
     gaps = [b - a for a, b in zip(after, after[1:])]
     return {"calm": len(times) - len(after), "hostile": len(after), "max_gap_s": max(gaps, default=None)}
@@ -697,17 +703,10 @@ def loop_time(log: Path, t_go: float, t_end: float) -> dict[str, dict[str, float
     """Where an honest worker's loop spent its time in each phase, as shares of the phase (its agent logs its time so
     far, by what, every 30 s: the calm phase is from its first such line to the last before ``t_go``, the hostile
     one from there to the last before ``t_end``)."""
-    import datetime
-
     marks = []
-    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
-        if "time so far, s: " in line:
-            try:
-                t = datetime.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            except ValueError:
-                continue
-            parts = (p.rsplit(" ", 1) for p in line.split("time so far, s: ", 1)[1].split(", ") if " " in p)
-            marks.append((t, {k: float(v) for k, v in parts}))
+    for t, line in log_lines(log, "time so far, s: "):
+        parts = (p.rsplit(" ", 1) for p in line.split("time so far, s: ", 1)[1].split(", ") if " " in p)
+        marks.append((t, {k: float(v) for k, v in parts}))
     out = {}
     for phase, lo, hi in (("calm", -math.inf, t_go), ("hostile", t_go, t_end)):
         before = [m for m in marks if m[0] <= lo] if phase == "hostile" else marks[:1]

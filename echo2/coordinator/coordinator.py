@@ -277,7 +277,7 @@ class Coordinator:
             want = min(req.max_groups or self.groups_per_pull, self.groups_per_pull)
             while True:
                 job = self._eval_job(worker)
-                work = self._dispatch(worker, want) if job is None else []
+                work, why = self._dispatch(worker, want) if job is None else ([], "")
                 remaining = deadline - time.monotonic()
                 # A newer snapshot reached the worker: answer now so that it applies it and asks again.
                 if work or job or self.closed or remaining <= 0 or worker.delivered_version > worker.version:
@@ -285,7 +285,6 @@ class Coordinator:
                 t0 = time.monotonic()
                 self.lock.wait(timeout=remaining)
                 worker.last_seen = time.monotonic()
-                why = worker.why_idle or "other"
                 worker.waited_s[why] = worker.waited_s.get(why, 0.0) + worker.last_seen - t0
             fresh_snapshot = worker.delivered_version > worker.version
         if job is not None:
@@ -333,26 +332,26 @@ class Coordinator:
                  result[EVAL_UNSCORED], result[EVAL_TIME_S])
         return {"accepted": True, "version": self.version}
 
-    def _dispatch(self, worker: WorkerInfo, want: int) -> list[dict]:
-        """New groups for ``worker``, while worth it (buffer.worth_dispatching) and within its credential's share.
-        Holds the lock. A group whose prompt cannot be built is lost (``dispatch_failed``), not half-dispatched."""
+    def _dispatch(self, worker: WorkerInfo, want: int) -> tuple[list[dict], str]:
+        """New groups for ``worker``, while worth it (buffer.worth_dispatching) and within its credential's share, and
+        why it got no more (registry.WorkerInfo.waited_s names the reasons). Holds the lock. A group whose prompt
+        cannot be built is lost (``dispatch_failed``), not half-dispatched."""
         work: list[dict] = []
         if not self.activation.is_active(worker.worker_id) or worker.version < 0 or worker.worker_id not in \
                 self.reg.workers:
             # deactivated (until a re-plan turns it on), or it holds no weights it may generate with
-            worker.why_idle = "no_weights" if worker.version < 0 else "inactive"
-            return work
+            return work, "no_weights" if worker.version < 0 else "inactive"
         principal = self.reg.principals[worker.principal]
         room = self.reg.limit(principal, (self.staleness + 1) * self.P, self.groups_per_pull, self.activation.is_active)
         room -= principal.held
-        worker.why_idle = "share"
+        why = "share"
         while len(work) < min(want, room) and not self.closed:
             # every group dispatched and not yet consumed, dropped or lost: in flight, being scored (out of flight,
             # not yet buffered) or buffered; the ledger's open groups are exactly those
             ahead = len(self.ledger.open)
             if not worth_dispatching(max(self.version, self.next_take), worker.version, ahead, self.P, self.staleness,
                                      self.steps_per_batch):
-                worker.why_idle = "window"
+                why = "window"
                 break
             gid, index = self.ledger.draw()
             try:
@@ -372,7 +371,7 @@ class Coordinator:
             due = time.monotonic() + self.liveness.deadline_s(rate, worker.held, self.G)
             for w in work:
                 self.reg.in_flight[w["group_id"]].deadline = due
-        return work
+        return work, why
 
     def _push(self, body: dict, headers) -> dict:
         """Claim the results' groups (lock), parse and score them (no lock), settle each (lock): intake.py. Every

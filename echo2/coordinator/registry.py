@@ -65,7 +65,6 @@ class WorkerInfo:
     # seconds its pulls waited with nothing handed out, by why (coordinator._dispatch): "window" (anything more would
     # be stale before the learner reached it), "share" (its credential's share is held), "inactive", "no_weights"
     waited_s: dict = field(default_factory=dict)
-    why_idle: str = ""  # why the last dispatch to it handed out nothing more
 
     def may_hold(self, version: int) -> bool:
         """Whether it may hold ``version``: delivered, initial, or ordered to it."""

@@ -67,21 +67,18 @@ def opponent_action(state: Any, game: str, seed: int, opponent: str = "mixed") -
     """The fixed opponent's action at ``state`` (module doc), drawn from the hand's seed and history."""
     player, legal = state.current_player(), state.legal_actions()
     rng = _rng(seed, "opponent", tuple(state.history()))
-    if opponent == "station":  # calls every bet, bets (raises) only its best hands
-        if game == "kuhn_poker":
-            facing = state.information_state_string(player).endswith("b")
-            return 1 if facing or int(state.information_state_string(player)[0]) == 2 else 0
-        public = state.public_card()
-        pair = public >= 0 and public // 2 == state.private_card(player) // 2
-        return 2 if pair and 2 in legal else 1
     if game == "kuhn_poker":
         info = state.information_state_string(player)
         card, history = int(info[0]), info[1:]
+        if opponent == "station":  # calls every bet, bets only the King
+            return 1 if history.endswith("b") or card == 2 else 0
         spot = "facing_bet" if history.endswith("b") else ("after_pass" if history else "open")
         return 1 if rng.random() < OPPONENT[spot][card] else 0
     rank = state.private_card(player) // 2
     public = state.public_card()
     pair = public >= 0 and public // 2 == rank
+    if opponent == "station":  # calls (checks) every time, raises only a pair
+        return 2 if pair and 2 in legal else 1
     facing = 0 in legal  # fold is legal only facing a raise
     if pair or rank == 2:
         return 2 if 2 in legal else 1
