@@ -6,6 +6,8 @@
     verifies every TLS link against it from then on; its own snapshot and relay servers get a certificate from it)
 
     loop:  apply the newest verified snapshot, if any  ->  pull groups  ->  generate G each  ->  push
+           (in the background: batch n's push, scored at the coordinator, overlaps the pull and generation of batch
+           n+1; one push at a time, and one that failed is raised at the top of the next step, with no batch in hand)
            (or, for a worker that joined with the run secret, a pull may hand out the held-out rows instead:
            generate one greedy completion each -> POST /eval; run.eval_on=workers)
     waits for: work from the coordinator (pull answers "wait" when the in-flight cap is reached)
@@ -126,6 +128,7 @@ class Agent:
         # snapshots, probe included), logged every TIME_LOG_S
         self.time_s: Counter = Counter()
         self.time_logged = time.monotonic()
+        self.pusher = _Background()
         self.receiver = SnapshotReceiver(None, self._received, listen_host, advertise_host,
                                          control_port=snapshot_port, relay_port=relay_port, trust=trust)
 
@@ -305,8 +308,12 @@ class Agent:
             except RemoteError as e:
                 if e.status != 400 or "register first" not in str(e):
                     raise
-                # The coordinator declared us dead (we were stalled or cut off) or restarted: join again.
+                # The coordinator declared us dead (we were stalled or cut off) or restarted: join again. A push
+                # still on its way is the old id's: its answer (the same "register first") must not re-register twice.
                 log.warning("coordinator forgot us (%s); registering again", e)
+                self.pusher.wait()
+                if (e2 := self.pusher.take_error()) is not None:
+                    log.warning("the old id's last push: %s", e2)
                 self.worker_id = self._register()["worker_id"]
                 self.reconnects += 1
                 log.info("registered as %s", self.worker_id)
@@ -315,6 +322,8 @@ class Agent:
         if time.monotonic() - self.time_logged >= TIME_LOG_S:
             self.time_logged = time.monotonic()
             log.info("time so far, s: %s", ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.time_s.items())))
+        if (e := self.pusher.take_error()) is not None:  # the last batch's push failed (its groups handed back)
+            raise e
         with self._timed("apply"):
             self._apply_pending()
         if self.stale:
@@ -339,9 +348,16 @@ class Agent:
         rate = len(groups) * params.n / max(time.perf_counter() - t0, 1e-9)
         results = [{"group_id": w["group_id"], "version": self.version, "completions": [_wire(c) for c in g]}
                    for w, g in zip(work, groups, strict=True)]
-        with self._timed("push"):
-            self._or_hand_back(work, "push_failed", lambda: self.client.post(
-                "/push", {"worker_id": self.worker_id, "results": results, "rollouts_per_s": rate}))
+        body = {"worker_id": self.worker_id, "results": results, "rollouts_per_s": rate}
+        with self._timed("push"):  # waiting for the previous batch's push to land, if it has not
+            self.pusher.wait()
+            self.pusher.start(lambda: self._or_hand_back(work, "push_failed", lambda: self.client.post("/push", body)))
+
+    def flush(self) -> None:
+        """Wait for the push on its way, if any; raise what it failed with."""
+        self.pusher.wait()
+        if (e := self.pusher.take_error()) is not None:
+            raise e
 
     @contextlib.contextmanager
     def _timed(self, what: str):
@@ -412,6 +428,7 @@ class Agent:
 
     def shutdown(self) -> None:
         self.stop.set()
+        self.pusher.wait(timeout_s=30.0)  # the last batch lands before the leave (which would count it lost)
         if self.worker_id is not None:
             try:
                 self.client.post("/leave", {"worker_id": self.worker_id}, timeout_s=5)
@@ -419,6 +436,37 @@ class Agent:
                 pass
         self.receiver.close()
         self.engine.close()
+
+
+class _Background:
+    """One call at a time on a thread of its own: the agent's push, so that the coordinator's scoring of one batch
+    overlaps the generation of the next. Its error is kept for the loop to raise where it holds no batch."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, call) -> None:
+        self.wait()
+        self.thread = threading.Thread(target=self._run, args=(call,), name="push", daemon=True)
+        self.thread.start()
+
+    def _run(self, call) -> None:
+        try:
+            call()
+        except BaseException as e:  # raised in the loop (take_error), not lost with this thread
+            self.error = e
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+    def take_error(self) -> BaseException | None:
+        """The error of the call that ended, if it failed (once)."""
+        if self.thread is not None and self.thread.is_alive():
+            return None
+        e, self.error = self.error, None
+        return e
 
 
 def _wire(c: Any) -> dict:

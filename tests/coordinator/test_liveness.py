@@ -187,10 +187,56 @@ def test_the_agent_hands_back_its_groups_when_its_push_fails(tiny_model_dir):
     try:
         agent.worker_id = agent.client.post("/register", {})["worker_id"]
         agent.client.post = dropped_push
+        agent._step(SamplingParams(n=G, max_tokens=3))  # the push goes in the background
+        agent.pusher.wait()
+        # the failure is raised at the top of the next step, before it pulls: with no batch in hand
+        pulls = []
+        agent.client.post = lambda path, body, **kw: pulls.append(path) or dropped_push(path, body, **kw)
         with pytest.raises(ConnectionError, match="reset by peer"):
             agent._step(SamplingParams(n=G, max_tokens=3))
+        assert pulls == []
         acc = coord.accounting()  # a lone worker may hold the whole cap, (S+1)·P = 4 groups
         assert acc["lost"] == {"push_failed": 4 * G} and acc["in_flight"] == 0 and acc["received"] == 0, acc
+    finally:
+        agent.receiver.close()
+        coord.close()
+
+
+def test_the_agent_generates_the_next_batch_while_its_push_is_scored(tiny_model_dir):
+    """The push of batch n runs in the background: the agent pulls and generates batch n+1 before batch n's push has
+    been answered, then waits for it before pushing n+1 (one push at a time); every rollout lands."""
+    from echo2.worker.agent import Agent
+    from echo2.records import SamplingParams
+
+    coord = _coord(tiny_model_dir)
+    engine = _Engine()
+    agent = Agent(coord.url, "secret", engine, max_groups=1)
+    post, release, order = agent.client.post, threading.Event(), []
+
+    def slow_push(path, body, **kw):
+        if path == "/push":
+            order.append("push " + body["results"][0]["group_id"])
+            assert release.wait(10)
+        return post(path, body, **kw)
+
+    generate = engine.generate
+    engine.generate = lambda prompts, params: order.append("generate") or generate(prompts, params)
+    try:
+        agent.worker_id = agent.client.post("/register", {})["worker_id"]
+        agent.client.post = slow_push
+        agent._step(SamplingParams(n=G, max_tokens=3))
+        wait_until(lambda: len(order) == 2, timeout_s=5)  # batch 1 generated, its push on its way
+        second = threading.Thread(target=agent._step, args=(SamplingParams(n=G, max_tokens=3),))
+        second.start()
+        wait_until(lambda: len(order) == 3, timeout_s=5)
+        assert order[:3] == ["generate", order[1], "generate"]  # batch 2 generated while push 1 is unanswered
+        assert second.is_alive()  # and its own push waits for push 1
+        release.set()
+        second.join(10)
+        agent.flush()
+        assert len(order) == 4 and order[1] != order[3]
+        acc = coord.accounting()
+        assert acc["received"] == 2 * G and acc["lost"] == {} and acc["in_flight"] == 0, acc
     finally:
         agent.receiver.close()
         coord.close()

@@ -79,6 +79,7 @@ def test_episodes_run_on_the_worker_and_are_scored_from_their_transcripts(plane)
         agent._received(1, b"", {"epoch": None}), snapshots.append(agent.version)))
     try:
         agent._step(SamplingParams(n=G, max_tokens=300))
+        agent.flush()
         assert agent.engine.turns == 3 and snapshots == [0] and agent.pending is not None  # still pending
         assert set(agent.time_s) == {"apply", "pull", "generate", "push"}  # where the step's time went
         assert all(t > 0 for t in agent.time_s.values())

@@ -117,6 +117,10 @@ class VLLMServerEngine:
         # removed with it; each is named <base>/<uuid4>, and a Unix socket name ends at 107 bytes: keep a margin
         if len(str(self.workdir)) + len("/") + 36 < 99:
             env.setdefault("VLLM_RPC_BASE_PATH", str(self.workdir))
+        # and the file torch.distributed rendezvouses through (vllm_dist_<uuid> in the temp folder, also left behind):
+        # the server's temp folder is the workdir; torch's compiled-kernel cache stays where it was, kept across runs
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{_user()}"))
+        env["TMPDIR"] = str(self.workdir)
         self.log_path = log_path or str(self.workdir / "vllm.log")
         self._log = open(self.log_path, "ab")
         t0 = time.perf_counter()
@@ -235,3 +239,13 @@ class VLLMServerEngine:
         self._log.close()
         self.session.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _user() -> str:
+    """The user name torch's inductor names its default cache after (torch._inductor.runtime.cache_dir_utils)."""
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
