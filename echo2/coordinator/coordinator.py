@@ -362,6 +362,7 @@ class Coordinator:
             except Exception:
                 log.exception("group %s: the prompt of row %d could not be built", gid, index)
                 self.ledger.lose(gid, "dispatch_failed", requeue=False)
+                why = "dispatch_failed"
                 break
             self.reg.fly(gid, InFlight(worker.worker_id, worker.principal, row, ids, index))
             # a multi-turn task's environment is reset from the row (TRL's reset(**row), SkyRL's extras)

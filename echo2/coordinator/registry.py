@@ -63,7 +63,8 @@ class WorkerInfo:
     rtt_ms: float = 0.0
     held: int = 0  # groups in flight at it
     # seconds its pulls waited with nothing handed out, by why (coordinator._dispatch): "window" (anything more would
-    # be stale before the learner reached it), "share" (its credential's share is held), "inactive", "no_weights"
+    # be stale before the learner reached it), "share" (its credential's share is held), "inactive", "no_weights",
+    # "dispatch_failed" (a row's prompt could not be built)
     waited_s: dict = field(default_factory=dict)
 
     def may_hold(self, version: int) -> bool:

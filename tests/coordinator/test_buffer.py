@@ -143,3 +143,32 @@ def test_a_pull_says_why_it_waited(tiny_model_dir):
         assert set(waited) == {"share", "window"} and waited["window"] >= 0.04
     finally:
         c.close()
+
+
+def test_a_pull_that_waited_because_a_prompt_could_not_be_built_says_so(tiny_model_dir):
+    """A dataset row whose prompt cannot be built is lost (dispatch_failed, not re-queued), and the pull that got
+    nothing because of it is booked under that reason, not as a held share."""
+    from echo2.coordinator.coordinator import Coordinator
+    from echo2.scoring import Scorer
+    from echo2.settings import CoordinatorSettings
+    from echo2.tasks.arith import ArithTask
+    from transformers import AutoTokenizer
+
+    task = ArithTask(level="copy", train_size=50)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    c = Coordinator(task.train_dataset(), Scorer(task, tok), tok, CoordinatorSettings(
+        token="t", staleness=0, prompts_per_step=2, group_size=2, vocab_size=len(tok), long_poll_s=0.05,
+        sampling={"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
+
+    def broken(row):
+        raise ValueError("no prompt in this row")
+
+    try:
+        a = c._register({"engine": "sim"}, ADMIN)["worker_id"]
+        c.encode = broken
+        assert c._pull({"worker_id": a, "version": 0, "max_groups": 8}, ADMIN)["work"] == []
+        assert set(c.status()["waited_s"][a]) == {"dispatch_failed"}
+        lost = c.accounting()["lost"]  # a group (G = 2) each time the long poll tried again
+        assert set(lost) == {"dispatch_failed"} and lost["dispatch_failed"] >= 2 and lost["dispatch_failed"] % 2 == 0
+    finally:
+        c.close()
