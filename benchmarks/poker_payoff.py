@@ -10,6 +10,7 @@ what the best response to that opponent wins.
     python benchmarks/poker_payoff.py                                   # 2 seeds x 30 steps (2-core CPU: ~25 min each)
     python benchmarks/poker_payoff.py --seeds 0 --steps 2 --hands 16    # a quick check that it runs
     python benchmarks/poker_payoff.py --game leduc_poker
+    python benchmarks/poker_payoff.py --seeds 0 -- learner.learning_rate=3e-5   # Hydra overrides for the runs
 
 Writes ``<out>/payoff.json`` and prints a table.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -27,13 +29,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from echo2.models.generate import HFEngine  # noqa: E402
 
-def train(seed: int, steps: int, game: str, run_dir: Path, opponent: str) -> float:
-    """One training run; returns its wall-clock seconds."""
+
+def train(seed: int, steps: int, game: str, run_dir: Path, opponent: str, overrides: list[str]) -> float:
+    """One training run (``overrides``: more Hydra overrides, e.g. a learning rate); returns its wall-clock seconds."""
     cmd = [sys.executable, "train.py", "experiment=smollm2_poker", f"task.game={game}", f"task.opponent={opponent}",
            f"seed={seed}",
            f"run.steps={steps}", f"run.save_every_steps={steps}", "run.keep_checkpoints=1", "run.progress=false",
-           "run.wandb=disabled", "run.eval_every_steps=0", f"hydra.run.dir={run_dir}"]
+           "run.wandb=disabled", "run.eval_every_steps=0", f"hydra.run.dir={run_dir}", *overrides]
     print(f"[seed {seed}] {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
     with open(run_dir.with_suffix(".log"), "w") as log:
@@ -59,21 +63,54 @@ def experiment_task(game: str, hands: int, opponent: str):
     return instantiate(cfg.task)
 
 
-def payoff(model_path: str, game: str, hands: int, opponent: str) -> dict[str, float]:
-    """The greedy policy of ``model_path`` on ``hands`` held-out hands: chips won a hand, and hands won."""
+def payoff(model_path: str, game: str, hands: int, opponent: str) -> dict:
+    """The greedy policy of ``model_path`` on ``hands`` held-out hands: chips won a hand, and hands won; for Kuhn also
+    how likely the model is to answer yes at each decision it met, by its card and the question (a greedy policy can
+    say the same word for every card while the odds already differ by card)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from echo2.learner.evaluate import Evaluator
     from echo2.metrics import EVAL_ACCURACY, EVAL_REWARD_MEAN
-    from echo2.models.generate import HFEngine
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
 
     tok = load_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     task = experiment_task(game, hands, opponent)
-    out = Evaluator(task, tok, HFEngine(tok.pad_token_id, stop_token_ids(tok, model_path)))(model)
-    return {"chips_won": out[EVAL_REWARD_MEAN], "hands_won": out[EVAL_ACCURACY]}
+    stop = stop_token_ids(tok, model_path)
+    engine = YesOdds(tok, tok.pad_token_id, stop) if game == "kuhn_poker" else HFEngine(tok.pad_token_id, stop)
+    out = Evaluator(task, tok, engine)(model)
+    result = {"chips_won": out[EVAL_REWARD_MEAN], "hands_won": out[EVAL_ACCURACY]}
+    if game == "kuhn_poker":
+        result["p_yes"] = {spot: round(statistics.mean(ps), 3) for spot, ps in sorted(engine.p_yes.items())}
+        result["decisions"] = {spot: len(ps) for spot, ps in sorted(engine.p_yes.items())}
+    return result
+
+
+class YesOdds(HFEngine):
+    """An HFEngine that also records, before each greedy turn of a Kuhn hand, P(yes | yes or no) for the first answer
+    token (every vocabulary token that reads "yes" or "no", any case, any punctuation around it), keyed by the card
+    the prompt's last "You hold the ..." names and the question asked (bet or call). One prompt at a time, unpadded."""
+
+    def __init__(self, tokenizer, pad_token_id: int, eos_token_ids):
+        super().__init__(pad_token_id, eos_token_ids)
+        self.tokenizer, self.p_yes = tokenizer, {}
+        said = [re.sub(r"[^a-z]", "", tokenizer.decode([i]).lower()) for i in range(len(tokenizer))]
+        self.yes = [i for i, w in enumerate(said) if w == "yes"]
+        self.no = [i for i, w in enumerate(said) if w == "no"]
+
+    def generate(self, policy, prompt_ids, params, greedy=False):
+        import torch
+
+        with torch.no_grad():
+            for ids in prompt_ids:
+                text = self.tokenizer.decode(ids[-80:])
+                card, question = re.findall(r"You hold the (\w+)\.", text), re.findall(r"Do you (bet|call)\?", text)
+                if card and question:
+                    probs = policy(torch.tensor([list(ids)])).logits[0, -1].float().softmax(-1)
+                    p_yes, p_no = probs[self.yes].sum().item(), probs[self.no].sum().item()
+                    self.p_yes.setdefault(f"{card[-1]}, {question[-1]}", []).append(p_yes / max(p_yes + p_no, 1e-12))
+        return super().generate(policy, prompt_ids, params, greedy=greedy)
 
 
 def fixed_policies(game: str, hands: int, opponent: str) -> dict[str, float]:
@@ -119,6 +156,8 @@ def main() -> None:
     p.add_argument("--game", default="kuhn_poker", choices=["kuhn_poker", "leduc_poker"])
     p.add_argument("--opponent", default="station", choices=["mixed", "station"], help="task.opponent")
     p.add_argument("--out", default=str(ROOT / "outputs" / "poker_payoff"))
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --), e.g. "
+                                                "learner.learning_rate=3e-5")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -128,11 +167,11 @@ def main() -> None:
     initial = payoff(from_gguf_wheel(), args.game, args.hands, args.opponent)
     print(f"initial weights: {initial}", flush=True)
     results = {"game": args.game, "hands": args.hands, "steps": args.steps, "initial": initial,
-               "opponent": args.opponent,
+               "opponent": args.opponent, "overrides": args.overrides,
                "fixed_policies": fixed_policies(args.game, args.hands, args.opponent), "runs": {}}
     for seed in args.seeds:
         run_dir = out / f"seed{seed}"
-        wall_s = train(seed, args.steps, args.game, run_dir, args.opponent)
+        wall_s = train(seed, args.steps, args.game, run_dir, args.opponent, args.overrides)
         final = payoff(str(run_dir / "trainer" / f"checkpoint-{args.steps}"), args.game, args.hands, args.opponent)
         results["runs"][seed] = {"final": final, "wall_s": wall_s}
         print(f"[seed {seed}] after {args.steps} steps ({wall_s:.0f} s): {final}", flush=True)
@@ -140,11 +179,13 @@ def main() -> None:
     print(f"\n{args.game}, {args.hands} held-out hands; chips won a hand (hands won)")
     print("  fixed policies: " + ", ".join(f"{k if k == 'best response' else 'always ' + k} {v:+.3f}"
                                          for k, v in results["fixed_policies"].items()))
-    print(f"  start (every seed): {initial['chips_won']:+.3f} ({initial['hands_won']:.0%})")
+    print(f"  start (every seed): {initial['chips_won']:+.3f} ({initial['hands_won']:.0%})"
+          + (f"; P(yes) by card and question: {initial['p_yes']}" if "p_yes" in initial else ""))
     for seed, run in results["runs"].items():
         f = run["final"]
         print(f"  seed {seed}, end:      {f['chips_won']:+.3f} ({f['hands_won']:.0%}), "
-              f"{f['chips_won'] - initial['chips_won']:+.3f} in {run['wall_s'] / 60:.1f} min")
+              f"{f['chips_won'] - initial['chips_won']:+.3f} in {run['wall_s'] / 60:.1f} min"
+              + (f"; P(yes): {f['p_yes']}" if "p_yes" in f else ""))
     print(f"wrote {out / 'payoff.json'}")
 
 

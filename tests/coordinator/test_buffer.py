@@ -115,9 +115,8 @@ def test_staleness_invariant_under_random_worker_delays(tiny_model_dir, S, n_wor
     assert acc["consumed"] == steps * P * G
 
 
-def test_a_pull_says_why_it_waited(tiny_model_dir):
-    """A worker whose pulls wait with nothing handed out is told apart by why, in GET /status: the staleness window
-    full (more would be stale before the learner reached it) or its credential's share held."""
+def _waiting_coordinator(tiny_model_dir):
+    """A coordinator at S = 0, P = 2, G = 2 whose long poll gives up after 50 ms."""
     from echo2.coordinator.coordinator import Coordinator
     from echo2.scoring import Scorer
     from echo2.settings import CoordinatorSettings
@@ -126,9 +125,15 @@ def test_a_pull_says_why_it_waited(tiny_model_dir):
 
     task = ArithTask(level="copy", train_size=50)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    c = Coordinator(task.train_dataset(), Scorer(task, tok), tok, CoordinatorSettings(
+    return Coordinator(task.train_dataset(), Scorer(task, tok), tok, CoordinatorSettings(
         token="t", staleness=0, prompts_per_step=2, group_size=2, vocab_size=len(tok), long_poll_s=0.05,
         sampling={"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
+
+
+def test_a_pull_says_why_it_waited(tiny_model_dir):
+    """A worker whose pulls wait with nothing handed out is told apart by why, in GET /status: the staleness window
+    full (more would be stale before the learner reached it) or its credential's share held."""
+    c = _waiting_coordinator(tiny_model_dir)
     try:
         a = c._register({"engine": "sim"}, ADMIN)["worker_id"]
         work = c._pull({"worker_id": a, "version": 0, "max_groups": 8}, ADMIN)["work"]
@@ -148,17 +153,7 @@ def test_a_pull_says_why_it_waited(tiny_model_dir):
 def test_a_pull_that_waited_because_a_prompt_could_not_be_built_says_so(tiny_model_dir):
     """A dataset row whose prompt cannot be built is lost (dispatch_failed, not re-queued), and the pull that got
     nothing because of it is booked under that reason, not as a held share."""
-    from echo2.coordinator.coordinator import Coordinator
-    from echo2.scoring import Scorer
-    from echo2.settings import CoordinatorSettings
-    from echo2.tasks.arith import ArithTask
-    from transformers import AutoTokenizer
-
-    task = ArithTask(level="copy", train_size=50)
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    c = Coordinator(task.train_dataset(), Scorer(task, tok), tok, CoordinatorSettings(
-        token="t", staleness=0, prompts_per_step=2, group_size=2, vocab_size=len(tok), long_poll_s=0.05,
-        sampling={"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0}))
+    c = _waiting_coordinator(tiny_model_dir)
 
     def broken(row):
         raise ValueError("no prompt in this row")
