@@ -11,6 +11,7 @@ what the best response to that opponent wins.
     python benchmarks/poker_payoff.py --seeds 0 --steps 2 --hands 16    # a quick check that it runs
     python benchmarks/poker_payoff.py --game leduc_poker
     python benchmarks/poker_payoff.py --seeds 0 -- learner.learning_rate=3e-5   # Hydra overrides for the runs
+    python benchmarks/poker_payoff.py --evaluate initial OUT/seed0/trainer/checkpoint-30   # only play, no training
 
 Writes ``<out>/payoff.json`` and prints a table.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections import Counter
 import statistics
 import subprocess
 import sys
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from echo2.models.generate import HFEngine  # noqa: E402
+from echo2.tasks.poker import WORDS  # noqa: E402
 
 
 def train(seed: int, steps: int, game: str, run_dir: Path, opponent: str, overrides: list[str]) -> float:
@@ -84,17 +87,20 @@ def payoff(model_path: str, game: str, hands: int, opponent: str) -> dict:
     if game == "kuhn_poker":
         result["p_yes"] = {spot: round(statistics.mean(ps), 3) for spot, ps in sorted(engine.p_yes.items())}
         result["decisions"] = {spot: len(ps) for spot, ps in sorted(engine.p_yes.items())}
+        # the greedy answers' plays: yes (bet, call), no (pass, fold), none (no action word: played as no)
+        result["greedy_plays"] = {spot: dict(c) for spot, c in sorted(engine.plays.items())}
     return result
 
 
 class YesOdds(HFEngine):
     """An HFEngine that also records, before each greedy turn of a Kuhn hand, P(yes | yes or no) for the first answer
     token (every vocabulary token that reads "yes" or "no", any case, any punctuation around it), keyed by the card
-    the prompt's last "You hold the ..." names and the question asked (bet or call). One prompt at a time, unpadded."""
+    the prompt's last "You hold the ..." names and the question asked (bet or call), and what each greedy answer
+    played. The odds are scored one prompt at a time, unpadded."""
 
     def __init__(self, tokenizer, pad_token_id: int, eos_token_ids):
         super().__init__(pad_token_id, eos_token_ids)
-        self.tokenizer, self.p_yes = tokenizer, {}
+        self.tokenizer, self.p_yes, self.plays = tokenizer, {}, {}
         said = [re.sub(r"[^a-z]", "", tokenizer.decode([i]).lower()) for i in range(len(tokenizer))]
         self.yes = [i for i, w in enumerate(said) if w == "yes"]
         self.no = [i for i, w in enumerate(said) if w == "no"]
@@ -110,7 +116,17 @@ class YesOdds(HFEngine):
                     probs = policy(torch.tensor([list(ids)])).logits[0, -1].float().softmax(-1)
                     p_yes, p_no = probs[self.yes].sum().item(), probs[self.no].sum().item()
                     self.p_yes.setdefault(f"{card[-1]}, {question[-1]}", []).append(p_yes / max(p_yes + p_no, 1e-12))
-        return super().generate(policy, prompt_ids, params, greedy=greedy)
+        outs = super().generate(policy, prompt_ids, params, greedy=greedy)
+        for ids, group in zip(prompt_ids, outs, strict=True):  # what the greedy answer plays (PokerEnv.play's rule)
+            text = self.tokenizer.decode(ids[-80:])
+            card, question = re.findall(r"You hold the (\w+)\.", text), re.findall(r"Do you (bet|call)\?", text)
+            if card and question:
+                words = [WORDS["kuhn_poker"].get(w) for w in re.findall(r"[a-z]+", self.tokenizer.decode(
+                    group[0].token_ids).lower())]
+                played = next((w for w in words if w is not None), None)
+                self.plays.setdefault(f"{card[-1]}, {question[-1]}", Counter())[
+                    {1: "yes", 0: "no", None: "none"}[played]] += 1
+        return outs
 
 
 def fixed_policies(game: str, hands: int, opponent: str) -> dict[str, float]:
@@ -156,6 +172,8 @@ def main() -> None:
     p.add_argument("--game", default="kuhn_poker", choices=["kuhn_poker", "leduc_poker"])
     p.add_argument("--opponent", default="station", choices=["mixed", "station"], help="task.opponent")
     p.add_argument("--out", default=str(ROOT / "outputs" / "poker_payoff"))
+    p.add_argument("--evaluate", nargs="+", metavar="MODEL", help="only play the held-out hands with these weights "
+                                                                  "(a checkpoint, or 'initial'), no training")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --), e.g. "
                                                 "learner.learning_rate=3e-5")
     args = p.parse_args()
@@ -164,6 +182,11 @@ def main() -> None:
 
     from echo2.models.packaged import from_gguf_wheel
 
+    if args.evaluate:
+        for path in args.evaluate:
+            found = payoff(from_gguf_wheel() if path == "initial" else path, args.game, args.hands, args.opponent)
+            print(f"{path}: {json.dumps(found)}", flush=True)
+        return
     initial = payoff(from_gguf_wheel(), args.game, args.hands, args.opponent)
     print(f"initial weights: {initial}", flush=True)
     results = {"game": args.game, "hands": args.hands, "steps": args.steps, "initial": initial,
