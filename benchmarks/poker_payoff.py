@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from echo2.models.generate import HFEngine  # noqa: E402
-from echo2.tasks.poker import WORDS  # noqa: E402
+from echo2.tasks.poker import first_action  # noqa: E402
 
 
 def train(seed: int, steps: int, game: str, run_dir: Path, opponent: str, overrides: list[str]) -> float:
@@ -108,25 +108,25 @@ class YesOdds(HFEngine):
     def generate(self, policy, prompt_ids, params, greedy=False):
         import torch
 
+        spots = [self._spot(ids) for ids in prompt_ids]
         with torch.no_grad():
-            for ids in prompt_ids:
-                text = self.tokenizer.decode(ids[-80:])
-                card, question = re.findall(r"You hold the (\w+)\.", text), re.findall(r"Do you (bet|call)\?", text)
-                if card and question:
+            for ids, spot in zip(prompt_ids, spots, strict=True):
+                if spot is not None:
                     probs = policy(torch.tensor([list(ids)])).logits[0, -1].float().softmax(-1)
                     p_yes, p_no = probs[self.yes].sum().item(), probs[self.no].sum().item()
-                    self.p_yes.setdefault(f"{card[-1]}, {question[-1]}", []).append(p_yes / max(p_yes + p_no, 1e-12))
+                    self.p_yes.setdefault(spot, []).append(p_yes / max(p_yes + p_no, 1e-12))
         outs = super().generate(policy, prompt_ids, params, greedy=greedy)
-        for ids, group in zip(prompt_ids, outs, strict=True):  # what the greedy answer plays (PokerEnv.play's rule)
-            text = self.tokenizer.decode(ids[-80:])
-            card, question = re.findall(r"You hold the (\w+)\.", text), re.findall(r"Do you (bet|call)\?", text)
-            if card and question:
-                words = [WORDS["kuhn_poker"].get(w) for w in re.findall(r"[a-z]+", self.tokenizer.decode(
-                    group[0].token_ids).lower())]
-                played = next((w for w in words if w is not None), None)
-                self.plays.setdefault(f"{card[-1]}, {question[-1]}", Counter())[
-                    {1: "yes", 0: "no", None: "none"}[played]] += 1
+        for spot, group in zip(spots, outs, strict=True):  # what the greedy answer plays (the environment's rule)
+            if spot is not None:
+                played = first_action("kuhn_poker", self.tokenizer.decode(group[0].token_ids), (0, 1))
+                self.plays.setdefault(spot, Counter())[{1: "yes", 0: "no", None: "none"}[played]] += 1
         return outs
+
+    def _spot(self, ids) -> str | None:
+        """"<card>, <bet or call>" from the end of a Kuhn turn's prompt; None for a prompt that asks neither."""
+        text = self.tokenizer.decode(ids[-80:])
+        card, question = re.findall(r"You hold the (\w+)\.", text), re.findall(r"Do you (bet|call)\?", text)
+        return f"{card[-1]}, {question[-1]}" if card and question else None
 
 
 def fixed_policies(game: str, hands: int, opponent: str) -> dict[str, float]:

@@ -58,6 +58,13 @@ RULES = {  # short: a small model reads little of them, and every token of a pro
 }
 
 
+def first_action(game: str, text: str, legal) -> int | None:
+    """The action the first action word of ``text`` names among ``legal`` (Kuhn's yes means bet or call, no means
+    pass or fold), or None when it names none."""
+    return next((WORDS[game][w] for w in re.findall(r"[a-z]+", text.lower())
+                 if w in WORDS[game] and WORDS[game][w] in legal), None)
+
+
 def _rng(seed: int, *key: Any) -> random.Random:
     """A random stream of its own for each decision of a hand, so that replaying the hand draws the same."""
     return random.Random(int.from_bytes(hashlib.sha256(repr((seed, *key)).encode()).digest()[:8], "big"))
@@ -158,8 +165,7 @@ class Hand:
         """Play the model's answer (the first action word in it; none: fold, or check); returns a note when the
         answer was not an action."""
         legal = self.state.legal_actions()
-        action = next((WORDS[self.game][w] for w in re.findall(r"[a-z]+", text.lower())
-                       if w in WORDS[self.game] and WORDS[self.game][w] in legal), None)
+        action = first_action(self.game, text, legal)
         note = ""
         if action is None:
             action = 0 if 0 in legal else 1

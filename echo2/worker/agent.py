@@ -349,8 +349,7 @@ class Agent:
         results = [{"group_id": w["group_id"], "version": self.version, "completions": [_wire(c) for c in g]}
                    for w, g in zip(work, groups, strict=True)]
         body = {"worker_id": self.worker_id, "results": results, "rollouts_per_s": rate}
-        with self._timed("push"):  # waiting for the previous batch's push to land, if it has not
-            self.pusher.wait()
+        with self._timed("push"):  # start() waits for the previous batch's push to land, if it has not
             self.pusher.start(lambda: self._or_hand_back(work, "push_failed", lambda: self.client.post("/push", body)))
 
     def flush(self) -> None:

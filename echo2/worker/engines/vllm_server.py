@@ -242,10 +242,13 @@ class VLLMServerEngine:
 
 
 def _user() -> str:
-    """The user name torch's inductor names its default cache after (torch._inductor.runtime.cache_dir_utils)."""
+    """The user part of torch's default inductor cache name (torch._inductor.runtime.cache_dir_utils
+    .default_cache_dir, mirrored: importing it would import torch into the agent)."""
     import getpass
+    import re
 
     try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
+        name = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        name = f"uid_{os.getuid()}" if callable(getattr(os, "getuid", None)) else "unknown_user"
+    return re.sub(r'[\\/:*?"<>|]', "_", name)
