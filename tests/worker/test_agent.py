@@ -49,3 +49,49 @@ def test_a_plain_http_worker_stays_on_http(tmp_path):
         assert not agent._learner_moved() and agent.client.base_url == "http://127.0.0.1:9000"
     finally:
         agent.client.close()
+
+
+class _Engine:
+    name = "stub"
+
+    def __init__(self):
+        self.loaded = []
+
+    def load_weights(self, version, blob):
+        self.loaded.append(version)
+
+    def generate(self, prompts, params):
+        from echo2.records import Completion
+
+        return [[Completion(token_ids=[5, 1], logprobs=[-1.0, -0.2], finish_reason="stop")] * params.n
+                for _ in prompts]
+
+
+def test_held_out_rows_pulled_ahead_are_generated_by_the_version_they_were_taken_at():
+    """The pull made while the last batch was generated handed out held-out rows for the version held then: a
+    snapshot that arrived meanwhile is applied only after they are answered, so the answer's version is the job's
+    (the coordinator reports it as the version evaluated)."""
+    from echo2.records import SamplingParams
+
+    engine, posted = _Engine(), []
+    agent = Agent("http://127.0.0.1:9", "t0k", engine=engine)
+
+    def post(path, body, **kw):
+        posted.append((path, body))
+        return {"work": [], "version": 1, "wait_s": 0.0} if path == "/pull" else {}
+
+    try:
+        agent.client.post, agent.worker_id = post, "w1"
+        job = {"job_id": "e1", "version": 0, "prompt_ids": [[1, 2], [3]], "rows": None}
+        agent.puller.start(lambda: {"work": [], "eval": job, "version": 0, "wait_s": 0.0})
+        agent.pending = (1, b"v1", {})
+        params = SamplingParams(n=4, max_tokens=3)
+        agent._step(params)
+        assert engine.loaded == [] and [p for p, _ in posted] == ["/eval"]
+        assert posted[0][1]["version"] == 0 and {r["version"] for r in posted[0][1]["results"]} == {0}
+        agent._step(params)  # nothing pulled ahead: the snapshot is applied, then a pull at its version
+        assert engine.loaded == [1] and agent.version == 1
+        assert posted[1] == ("/pull", {"worker_id": "w1", "version": 1, "max_groups": agent.max_groups})
+    finally:
+        agent.receiver.close()
+        agent.client.close()
