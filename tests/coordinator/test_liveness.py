@@ -204,7 +204,8 @@ def test_the_agent_hands_back_its_groups_when_its_push_fails(tiny_model_dir):
 
 def test_the_agent_generates_the_next_batch_while_its_push_is_scored(tiny_model_dir):
     """The push of batch n runs in the background: the agent pulls and generates batch n+1 before batch n's push has
-    been answered, then waits for it before pushing n+1 (one push at a time); every rollout lands."""
+    been answered, then waits for it before pushing n+1 (one push at a time, on one thread for the agent's life);
+    every rollout lands."""
     from echo2.worker.agent import Agent
     from echo2.records import SamplingParams
 
@@ -225,6 +226,7 @@ def test_the_agent_generates_the_next_batch_while_its_push_is_scored(tiny_model_
         agent.worker_id = agent.client.post("/register", {})["worker_id"]
         agent.client.post = slow_push
         agent._step(SamplingParams(n=G, max_tokens=3))
+        pusher = agent.pusher.thread
         wait_until(lambda: len(order) == 2, timeout_s=5)  # batch 1 generated, its push on its way
         second = threading.Thread(target=agent._step, args=(SamplingParams(n=G, max_tokens=3),))
         second.start()
@@ -235,6 +237,7 @@ def test_the_agent_generates_the_next_batch_while_its_push_is_scored(tiny_model_
         second.join(10)
         agent.flush()
         assert len(order) == 4 and order[1] != order[3]
+        assert agent.pusher.thread is pusher and pusher.is_alive()  # one thread for every push, not one a batch
         acc = coord.accounting()
         assert acc["received"] == 2 * G and acc["lost"] == {} and acc["in_flight"] == 0, acc
     finally:
