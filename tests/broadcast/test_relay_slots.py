@@ -135,23 +135,32 @@ class Hammer:
             t.join(5)
 
 
-def honest_fetches(server: RelayServer, blob: bytes, n: int) -> int:
+def honest_fetches(server: RelayServer, blob: bytes, n: int, tries: int = 1) -> int:
+    """How many of ``n`` honest fetchers got the snapshot, each trying up to ``tries`` times."""
     ok = 0
     for i in range(n):
-        f = Fetcher(Store(), TOKEN, manifest_key=KEY, connect_timeout_s=2, answer_timeout_s=2)
-        try:
-            ok += bytes(f.fetch(1, [server.addr], ticket=relay_ticket(SIGNER, f"w{i}", 1, FULL, 1)).buf) == blob
-        except (OSError, ConnectionError):
-            pass
-        finally:
-            f.close()
+        for _ in range(tries):
+            f = Fetcher(Store(), TOKEN, manifest_key=KEY, connect_timeout_s=2, answer_timeout_s=2)
+            try:
+                got = bytes(f.fetch(1, [server.addr], ticket=relay_ticket(SIGNER, f"w{i}", 1, FULL, 1)).buf) == blob
+            except (OSError, ConnectionError):
+                got = False
+            finally:
+                f.close()
+            if got:
+                ok += 1
+                break
     return ok
 
 
 def test_honest_fetches_get_through_while_strangers_and_insiders_hammer_the_cap():
     """max_conns 4, request timeout 2 s: outsiders from four addresses hold every slot they can and reconnect the
     moment one is closed, insiders (the relay key, no ticket) park connections with one valid request each. Every
-    honest fetch, showing its order's ticket, succeeds (before: with the cap taken, every one failed)."""
+    honest fetch, showing its order's ticket, succeeds (before: with the cap taken, every one failed), within two
+    tries: a fetcher is evictable until its first request is read, and while the suite loads both cores that can
+    take longer than the ~100 ms in which these 40 strangers a second (5 addresses at the rate limit) fill the 4
+    slots (relay_slots' module doc); a worker's fetcher then tries its next source, or its next order. Seen once in
+    CI: 9 of 10 at the first try."""
     blob = os.urandom(16 * CHUNK)
     server = server_with(blob, max_conns=4, request_timeout_s=2.0)
     outsiders = Hammer(server.addr, [f"127.0.0.{i}" for i in range(2, 6)], per_source=3)
@@ -159,7 +168,7 @@ def test_honest_fetches_get_through_while_strangers_and_insiders_hammer_the_cap(
     try:
         assert holds_within(lambda: outsiders.opened >= 4 and insiders.opened >= 3, 10)
         assert holds_within(lambda: len(server.conns) == 4, 5)  # the cap is taken
-        assert honest_fetches(server, blob, 10) == 10
+        assert honest_fetches(server, blob, 10, tries=2) == 10
     finally:
         outsiders.close()
         insiders.close()
