@@ -123,7 +123,7 @@ class YesOdds(HFEngine):
         return outs
 
     def _spot(self, ids) -> str | None:
-        """"<card>, <bet or call>" from the end of a Kuhn turn's prompt; None for a prompt that asks neither."""
+        """The spot a Kuhn turn's prompt ends on, as "<card>, <bet or call>"; None for a prompt that asks neither."""
         text = self.tokenizer.decode(ids[-80:])
         card, question = re.findall(r"You hold the (\w+)\.", text), re.findall(r"Do you (bet|call)\?", text)
         return f"{card[-1]}, {question[-1]}" if card and question else None

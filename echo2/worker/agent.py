@@ -447,8 +447,7 @@ class _Background:
     lock (encoding the push) until the loop gets it back at the switch interval. In a model of this loop (a 20 ms
     batch, a push with 4 ms of Python work) that was 2.3 ms a batch; handing the call to a live thread, 0.02 ms."""
 
-    def __init__(self, name: str = "push"):
-        self.name = name
+    def __init__(self):
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.idle = threading.Event()  # no call queued or running
         self.idle.set()
@@ -458,7 +457,7 @@ class _Background:
     def start(self, call) -> None:
         self.wait()
         if self.thread is None:
-            self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self.thread = threading.Thread(target=self._loop, name="push", daemon=True)
             self.thread.start()
         self.idle.clear()
         self.calls.put(call)
