@@ -164,7 +164,9 @@ def test_the_learners_grpo_config_states_precision_and_checkpointing(tmp_path, o
     lc = cfg.learner
     assert (args.bf16, args.fp16, args.gradient_checkpointing) == (bool(lc.bf16), False, lc.gradient_checkpointing)
     assert (args.epsilon, args.epsilon_high, args.learning_rate) == (lc.epsilon, lc.epsilon_high, lc.learning_rate)
-    assert args.model_init_kwargs == {"dtype": master_dtype(cfg)}
+    # the experiment's own from_pretrained arguments (eager attention) merged with the precision echo2 decides
+    assert args.model_init_kwargs == {**lc.trl.model_init_kwargs, "dtype": master_dtype(cfg)}
+    assert args.model_init_kwargs["attn_implementation"] == "eager"
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_generations) == (
         cfg.rollout.group_size * cfg.rollout.prompts_per_step, 1, cfg.rollout.group_size)
     assert "grpo_config(cfg, run_dir, world_size=1)" in (ROOT / "benchmarks" / "real_model.py").read_text()
