@@ -1,15 +1,16 @@
 """Where a learner step's time goes on this CPU: a LoRA adapter against full fine-tuning, SDPA against eager attention.
 
-The learner is built as ``train.py`` builds it (``experiment=smollm2_arith`` or ``smollm2_arith_lora``, bf16 autocast
-with fp32 master weights, one thread), with the sync source; its first batch is generated once and then trained on
-at every step (the source replays it), so a step here is only the learner's own work: TRL's loss (its fused,
-chunked LM head), PEFT's layers, the backward, gradient clipping and HF's optimizer. Each step is split into forward
+The learner is built as ``train.py`` builds it (``--experiment``, default ``smollm2_arith``; the LoRA variants add
+``experiment=smollm2_arith_lora``'s rank 8 and 1e-4; bf16 autocast with fp32 master weights, one thread), with the
+sync source; its first batch is generated once and then trained on at every step (the source replays it), so a step
+here is only the learner's own work: TRL's loss (its fused, chunked LM head), PEFT's layers, the backward, gradient
+clipping and HF's optimizer. Each step is split into forward
 (``compute_loss``), backward (``accelerator.backward``) and the rest (optimizer step, clipping, bookkeeping).
 Variants alternate round by round, each round a fresh learner, so that the machine's drift spreads over all of
 them; the first ``--warmup`` steps of each round are not counted.
 
     python benchmarks/lora_step.py                          # smollm2_arith's batch: 16 sequences of ~57 tokens
-    python benchmarks/lora_step.py --experiment smollm2_poker --json out.json     # poker's (~190 tokens)
+    python benchmarks/lora_step.py --experiment smollm2_poker --json out.json     # poker's (~110 tokens)
 
 Run it pinned to one core (``taskset -c 0``), as the real-model benchmark pins its learner.
 """
