@@ -65,7 +65,7 @@ from echo2.coordinator.reward_faults import RewardFaults
 from echo2.scoring import encode_prompt
 from echo2.coordinator.trust import Checks
 from echo2.records import RolloutGroup
-from echo2.net.http import BadRequest, JsonServer, TooManyRequests, Unauthorized
+from echo2.net.http import BadRequest, JsonServer, Revoked, TooManyRequests, Unauthorized
 from echo2.net.tls import is_loopback
 
 log = logging.getLogger(__name__)
@@ -211,6 +211,8 @@ class Coordinator:
         url = req.snapshot_url and schemas.snapshot_url(req.snapshot_url, tls=self.tls, exposed=exposed, client=client)
         relay = req.relay and schemas.relay_address(req.relay, exposed=exposed, client=client)
         with self.lock:
+            if caller is not None and caller in self.gate.revoked:  # admitted before its revocation, read after it
+                raise Revoked(f"the credential of worker {caller!r} was revoked")
             known = self.reg.principals.get(caller) if caller is not None else None
             if known is not None and self.liveness.benched(known.misses):
                 raise CannotServe(f"the credential {caller!r} was benched after {known.misses} misses (deadlines "
@@ -238,21 +240,38 @@ class Coordinator:
                 with self.lock:
                     self._retire(worker.worker_id, "register_failed")
                 raise
+            self._unless_revoked_meanwhile(worker)
         log.info("worker %s joined (%s engine, snapshots at %s%s)", worker.worker_id, worker.engine,
                  worker.snapshot_url, f", credential {caller!r}" if caller else "")
         return {"worker_id": worker.worker_id, "version": self.version, "epoch": self.epoch, "group_size": self.G,
                 "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4, "requires": self.requires,
                 "episode": self.settings.episode}
 
+    def _unless_revoked_meanwhile(self, worker: WorkerInfo) -> None:
+        """A revocation of the worker's credential that ran between its registration and ``add_peer`` (which hands
+        the relay key, outside the lock) found no peer to drop, and may have keyed it with the new relay key: drop
+        it now and key the relay again, so that a revoked credential never holds a live relay key."""
+        with self.lock:
+            revoked = worker.name is not None and worker.name in self.gate.revoked
+            if revoked:
+                self._retire(worker.worker_id, "revoked")
+        if revoked:
+            self.broadcaster.remove_peer(worker.worker_id)
+            self.broadcaster.rekey()
+            raise Revoked(f"the credential of worker {worker.name!r} was revoked")
+
     def _revoke(self, body: dict, _headers) -> dict:
-        """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its workers are
-        retired (their in-flight groups lost: revoked, prompts re-queued) and dropped from the broadcast. All or
+        """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its buffered groups
+        dropped (revoked, prompts re-queued), its workers retired (their in-flight groups lost: revoked, prompts
+        re-queued) and dropped from the broadcast. All or
         nothing: written down first (gate.revoke); a revocation that cannot be (a full disk) changes nothing (507)."""
         name = schemas.parse(schemas.Revoke, body).name
         with self.lock:
             self.gate.revoke(name)  # raises before anything changes when it cannot be written down
             principal = self.reg.principals.get(name)
             retired = sorted(principal.ids) if principal is not None else []
+            if principal is not None:  # what it pushed and the learner has not taken is not trained on
+                verdicts.drop_buffered(self, principal.key, "revoked")
             for wid in retired:
                 self._retire(wid, "revoked")
             if self.broadcaster is not None:

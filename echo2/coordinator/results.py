@@ -3,7 +3,7 @@ wrong (the rest of each request body is checked by schemas.py). A worker is not 
 scored or counted before these pass. One bad result costs its own group (dropped: invalid), not the push.
 
     push result ──parse_result──► [Rollout] × G   (token ids inside the vocabulary, 1..max_tokens of them, one
-                                                   logprob each, finite and <= 0, a known finish reason)
+                                                   logprob each, in [LOGPROB_FLOOR, 0], a known finish reason)
 
 Rewards are never taken from a worker (the coordinator scores with the task's own functions), and a version
 from the future, or one the worker was never delivered, is refused when the group is settled (intake.py).
@@ -19,6 +19,12 @@ import math
 
 from echo2.records import Completion, Rollout
 from echo2.net.http import BadRequest
+
+
+LOGPROB_FLOOR = -1e4
+"""The lowest behaviour logprob a result may claim, in nats. A sampled token is never that unlikely, and the bound
+keeps what a worker claims finite in the learner's float32: -1e300 passes a finiteness check and becomes -inf there,
+and -inf times a mask of 0 is NaN in the rollout checks' sums."""
 
 
 def parse_result(res: dict, prompt_ids: list[int], group_size: int, max_tokens: int,
@@ -40,8 +46,8 @@ def parse_result(res: dict, prompt_ids: list[int], group_size: int, max_tokens: 
             raise BadRequest("token_ids and logprobs differ in length")
         if not all(type(t) is int and 0 <= t < vocab_size for t in ids):
             raise BadRequest(f"token id outside the vocabulary [0, {vocab_size})")
-        if not all(isinstance(x, (int, float)) and math.isfinite(x) and x <= 1e-4 for x in lps):
-            raise BadRequest("logprobs must be finite and <= 0")
+        if not all(isinstance(x, (int, float)) and LOGPROB_FLOOR <= x <= 1e-4 for x in lps):
+            raise BadRequest(f"logprobs must be in [{LOGPROB_FLOOR:g}, 0]")
         finish = c.get("finish_reason")
         if finish not in ("stop", "length"):
             raise BadRequest(f"finish_reason {finish!r}")

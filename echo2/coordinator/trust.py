@@ -31,9 +31,13 @@ them up per principal and applies the verdict.
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 
 from echo2.settings import CheckSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,12 @@ class Checks:
         flagged, retire, reject = [], [], []
         for who, (n, total, total_abs) in stats.items():
             n, total, total_abs = int(n), float(total), float(total_abs)
+            if not (math.isfinite(total) and math.isfinite(total_abs)):
+                # unscorable: not trained on, and its evidence kept (max(0.0, e + NaN) is 0.0: it would be wiped)
+                log.warning("rollout checks: non-finite scores for %s (%s, %s): its groups in this batch are not "
+                            "trained on; its evidence is kept", who, total, total_abs)
+                reject.append(who)
+                continue
             self.tokens[who] = self.tokens.get(who, 0) + n
             self.sums[who] = self.sums.get(who, 0.0) + total
             self.abs_sums[who] = self.abs_sums.get(who, 0.0) + total_abs

@@ -42,6 +42,18 @@ def _ids(coord: Any, key: str) -> set[str]:
     return set(principal.ids) if principal is not None else set()
 
 
+def drop_buffered(coord: Any, key: str, reason: str) -> None:
+    """Drop the groups of principal ``key`` waiting in the buffer (booked as dropped with ``reason``, their prompts
+    re-queued): a credential found cheating or revoked is not trained on, whatever it pushed before."""
+    keep = deque()
+    for x, group in coord.buffer.groups:
+        if coord.reg.owner(group.worker_id) == key:
+            coord.ledger.drop(group.group_id, reason, requeue=True)
+        else:
+            keep.append((x, group))
+    coord.buffer.groups = keep
+
+
 def distrust(coord: Any, key: str) -> None:
     """Retire a principal as untrusted: revoke its credential, drop its buffered groups, retire its ids."""
     principal = coord.reg.principals.get(key)
@@ -49,13 +61,7 @@ def distrust(coord: Any, key: str) -> None:
     if principal is not None and principal.name is not None:
         # else it would come back under a new id; in effect even if the disk is full (then logged and counted)
         coord.gate.revoke(principal.name, verdict=True)
-    keep = deque()
-    for x, group in coord.buffer.groups:
-        if coord.reg.owner(group.worker_id) == key:
-            coord.ledger.drop(group.group_id, "untrusted", requeue=True)
-        else:
-            keep.append((x, group))
-    coord.buffer.groups = keep
+    drop_buffered(coord, key, "untrusted")
     for wid in sorted(ids):
         coord._retire(wid, "untrusted")
         log.warning("worker %s retired as untrusted (credential %s: mean |log-ratio| %.2f over %d tokens)", wid, key,

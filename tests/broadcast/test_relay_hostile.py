@@ -319,6 +319,49 @@ def test_a_revoked_worker_can_neither_fetch_from_nor_serve_its_peers(tiny_model_
             p.close()
 
 
+def test_a_registration_read_after_its_credentials_revocation_gets_no_id_and_no_relay_key(tiny_model_dir):
+    """Who sent a request is settled when its headers arrive, so a /register admitted before ``POST /revoke`` (its
+    body held back) can finish after it. Before the fix it got a worker id, and its add_peer handed it the relay key
+    the revocation had just replaced. Both orders: revoked before the registration takes the lock (refused, nothing
+    added), and revoked between the registration and its add_peer (dropped, and the relay keyed again)."""
+    from types import SimpleNamespace
+
+    from echo2.coordinator.gate import Caller
+    from echo2.net.http import Revoked
+
+    got: dict[str, list[int]] = {}
+    bc = RelayBroadcaster(SECRET, topology="chain", chunk_mb=CHUNK / (1 << 20))
+    coord = small_coordinator(tiny_model_dir, broadcaster=bc)
+    peers = receivers(got, "a", "r")
+    a, r = peers["a"], peers["r"]
+    try:
+        Client(coord.url, worker_credential(SECRET, "a")).post("/register", {
+            "engine": "test", "snapshot_url": a.url, "relay": a.relay_addr})
+        body = {"engine": "test", "snapshot_url": r.url, "relay": r.relay_addr}
+        admitted_as_r = SimpleNamespace(identity=Caller("r"), client=None)
+        add_peer = bc.add_peer
+
+        def revoked_midway(peer_id, url, relay_addr=None):
+            if url == r.url:
+                coord._revoke({"name": "r"}, None)
+            add_peer(peer_id, url, relay_addr)
+
+        bc.add_peer = revoked_midway
+        with pytest.raises(Revoked):
+            coord._register(body, admitted_as_r)
+        assert holds_within(lambda: a.token == bc.token, timeout=10)
+        assert r.token != bc.token and list(bc.peers) == [coord.status()["workers"][0]]
+        bc.add_peer = add_peer
+        with pytest.raises(Revoked):  # revoked before: refused under the lock, no id
+            coord._register(body, admitted_as_r)
+        assert len(coord.status()["workers"]) == 1 and r.token != bc.token
+    finally:
+        bc.close()
+        coord.close()
+        for p in peers.values():
+            p.close()
+
+
 def test_peer_certificates_are_short_lived_and_the_agent_renews_its_own(tmp_path):
     from cryptography import x509
 

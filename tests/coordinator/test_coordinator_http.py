@@ -45,8 +45,9 @@ def test_malformed_and_oversized_bodies_get_clear_errors(coord):
 
 @pytest.mark.parametrize("bad, reason", [
     (completion(ids=(5, 999)), "outside the vocabulary"),
-    (completion(lps=(-1.0, float("nan"))), "finite"),
-    (completion(lps=(-1.0, 0.5)), "<= 0"),
+    (completion(lps=(-1.0, float("nan"))), "in [-10000, 0]"),
+    (completion(lps=(-1.0, -1e300)), "in [-10000, 0]"),  # finite here, -inf in the learner's float32
+    (completion(lps=(-1.0, 0.5)), "in [-10000, 0]"),
     (completion(ids=(5,), lps=(-1.0, -1.0)), "differ in length"),
     (completion(ids=(5, 5, 5, 5), lps=(-1.0,) * 4), "lists of 1..3"),
     (completion(finish="because"), "finish_reason"),

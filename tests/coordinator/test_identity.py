@@ -168,6 +168,27 @@ def test_a_revocation_on_a_full_disk_changes_nothing_and_says_so(tiny_model_dir,
         coord.close()
 
 
+def test_an_operators_revocation_drops_what_the_credential_pushed_and_was_not_yet_trained_on(tiny_model_dir):
+    """A credential the operator revokes is no longer trusted: the groups it pushed that wait in the buffer are
+    dropped (revoked, their prompts re-queued), as a forger's are when the checks retire it; before, they were still
+    handed to the learner after the revocation."""
+    coord = small_coordinator(tiny_model_dir, group_size=G)
+    try:
+        box = Client(coord.url, worker_credential("secret", "box"))
+        wid = box.post("/register", {})["worker_id"]
+        work = box.post("/pull", {"worker_id": wid, "version": 0, "max_groups": 2})["work"]
+        assert len(box.post("/push", {"worker_id": wid, "results": results(work)})["accepted"]) == len(work) == 2
+        assert coord.accounting()["buffered"] == 2 * G
+        assert Client(coord.url, "secret").post("/revoke", {"name": "box"})["retired"] == [wid]
+        acc = coord.accounting()
+        assert acc["buffered"] == 0 and acc["dropped"] == {"revoked": 2 * G}
+        with pytest.raises(TimeoutError):
+            coord.take(1, timeout_s=0.5)
+    finally:
+        coord.close()
+    assert balanced(coord.accounting())
+
+
 def test_a_forgers_verdict_on_a_full_disk_still_retires_it_and_is_reported(tiny_model_dir, tmp_path, monkeypatch):
     """The rollout checks catch a forger while the disk is full: its credential is refused, its ids retired and its
     buffered groups dropped all the same (in this coordinator's memory), the failure is logged and counted

@@ -41,6 +41,30 @@ def test_honest_history_banks_no_credit_for_cheating_later():
     assert checks.mean_abs("w0") < 1.0  # its mean over the whole run is still honest-looking
 
 
+def test_a_non_finite_score_is_rejected_and_never_clears_the_evidence():
+    """A NaN in a checked batch's sums (before the fix: a claimed logprob of -1e300 became -inf in float32, and -inf
+    times a truncated completion's mask of 0 is NaN) reset the forger's evidence to 0 and passed its batch."""
+    checks = Checks(CheckSettings(max_abs_log_ratio=1.0, evidence_nats=32.0))
+    assert checks.update({"w0": (20, 0.0, 30.0)}) == Verdict(["w0"], [], ["w0"])  # 10 nats of evidence
+    assert checks.update({"w0": (4, float("nan"), float("nan"))}) == Verdict([], [], ["w0"])
+    assert checks.evidence["w0"] == 10.0
+    assert checks.update({"w0": (16, 0.0, 40.0)}).retire == ["w0"]  # 24 more: 34 >= 32
+
+
+def test_a_claimed_logprob_too_small_for_float32_is_refused():
+    """-1e300 is finite in Python and -inf in the learner's float32: refused at intake with the bound named."""
+    from echo2.coordinator.results import parse_result
+    from echo2.net.http import BadRequest
+
+    def result(lps):
+        return {"version": 0, "completions": [{"token_ids": [5, 1], "logprobs": lps, "finish_reason": "length"}]}
+
+    assert parse_result(result([-1e4, -0.5]), [1, 2], 1, 8, 72)[0].completion.logprobs == [-1e4, -0.5]
+    for bad in (-1e300, -1e5, float("-inf"), float("nan")):
+        with pytest.raises(BadRequest, match=r"logprobs must be in \[-10000, 0\]"):
+            parse_result(result([bad, -0.5]), [1, 2], 1, 8, 72)
+
+
 def _forge(client, wid, work, lps=(-0.01, -0.01)):
     comp = {"token_ids": [5, 1], "logprobs": list(lps), "finish_reason": "stop"}
     return client.post("/push", {"worker_id": wid, "results": [
