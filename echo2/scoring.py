@@ -229,5 +229,5 @@ def longest_prompt(tokenizer: Any, prompts: list[Any]) -> int:
     """Tokens in the longest of ``prompts`` (as encode_prompt counts them): what a worker's context must hold before
     the completion. Plain strings are tokenized in one batch."""
     text = [p for p in prompts if isinstance(p, str)]
-    longest = max(map(len, tokenizer(text, add_special_tokens=False)["input_ids"]), default=0) if text else 0
+    longest = max(map(len, tokenizer(text)["input_ids"]), default=0) if text else 0
     return max([longest, *(len(encode_prompt(tokenizer, p)) for p in prompts if not isinstance(p, str))])

@@ -58,6 +58,51 @@ class FlakyEnv(CounterEnv):
         return super().increment(step)
 
 
+class LedgerEnv(CounterEnv):
+    """A TRL environment that keeps its state in a sqlite3 connection opened in __init__, as environments over a
+    database do: sqlite3 refuses a connection used from another thread than the one that made it, so this runs only
+    where every call into one instance is on one thread (TRL's trainer thread)."""
+
+    def __init__(self):
+        import sqlite3
+
+        self.db = sqlite3.connect(":memory:")
+        self.db.execute("create table steps (step integer)")
+
+    def increment(self, step: int) -> str:
+        """Add a step to the running total.
+
+        Args:
+            step: How much to add to the total.
+        """
+        self.db.execute("insert into steps values (?)", (step,))
+        self.total = self.db.execute("select sum(step) from steps").fetchone()[0]
+        self.history.append(step)
+        return f"total={self.total}"
+
+
+LOOPS: list[int] = []  # the event loop each async call ran on (a client bound to one loop needs it to be the same)
+
+
+class AsyncCounterEnv(CounterEnv):
+    """A TRL environment with an async tool beside a sync one: TRL answers a turn's sync calls first, then gathers
+    the async ones on its one event loop."""
+
+    async def double(self) -> str:
+        """Double the running total."""
+        import asyncio
+
+        LOOPS.append(id(asyncio.get_running_loop()))
+        await asyncio.sleep(0)
+        self.total *= 2
+        return f"total={self.total}"
+
+
+def make_counter() -> CounterEnv:
+    """An environment_factory that is not a class (TRL takes any callable)."""
+    return CounterEnv()
+
+
 def add(a: int, b: int) -> int:
     """Add two integers.
 

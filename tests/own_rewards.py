@@ -24,6 +24,29 @@ def schedule(completions, trainer_state, log_metric, log_extra, difficulty=None,
     return [float(trainer_state.global_step)] * len(completions)
 
 
+class _Client:
+    """A client made at import time that, like httpx.AsyncClient or AsyncOpenAI's pool, is bound to the first event
+    loop it runs on and fails on any other."""
+
+    loop = None
+
+    async def ask(self, text: str) -> float:
+        loop = asyncio.get_running_loop()
+        if self.loop is not None and self.loop is not loop:
+            raise RuntimeError("Event loop is closed")  # what a pooled connection of the first loop says
+        self.loop = loop
+        await asyncio.sleep(0)
+        return float(len(text))
+
+
+CLIENT = _Client()
+
+
+async def llm_judge(completions, **kwargs):
+    """An LLM judge as TRL users write one: a module-level async client, called once per batch."""
+    return [await CLIENT.ask(c) for c in completions]
+
+
 async def judge(completions, **kwargs):
     """An async reward (a judge over the network, say)."""
     await asyncio.sleep(0)

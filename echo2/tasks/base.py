@@ -24,9 +24,10 @@ RewardFunc = Callable[..., list[float | None]]
 
 def encode_prompt(tokenizer: Any, prompt: Any, **chat_template_kwargs: Any) -> list[int]:
     """Token ids of a prompt: chat messages go through the chat template (with ``chat_template_kwargs``, e.g.
-    ``enable_thinking=False``, and ``tools=`` schemas), strings are encoded as is."""
+    ``enable_thinking=False``, and ``tools=`` schemas), strings as TRL encodes a standard-format prompt
+    (``processing_class(text=prompts)``: the tokenizer's own special tokens, a Llama tokenizer's BOS)."""
     if isinstance(prompt, str):
-        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return tokenizer(prompt)["input_ids"]
     ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **chat_template_kwargs)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 

@@ -35,6 +35,7 @@ import functools
 import inspect
 import logging
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -143,6 +144,31 @@ def _loggable(value: Any) -> Any:
     return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_thread: threading.Thread | None = None
+_loop_lock = threading.Lock()
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The process's event loop for reward and environment coroutines, running forever on a daemon thread (TRL's
+    ``start_event_loop_in_daemon``); started on first use, and again in a forked child."""
+    global _loop, _loop_thread
+    with _loop_lock:
+        if _loop is None or _loop_thread is None or not _loop_thread.is_alive():  # a forked child has no thread
+            loop, ready = asyncio.new_event_loop(), threading.Event()
+
+            def run():
+                asyncio.set_event_loop(loop)
+                ready.set()
+                loop.run_forever()
+
+            _loop_thread = threading.Thread(target=run, name="echo2-async-loop", daemon=True)
+            _loop_thread.start()
+            ready.wait()
+            _loop = loop
+        return _loop
+
+
 def call_rewards(funcs: list[Callable], names: list[str], n: int, kwargs: dict[str, Any],
                  logs: RewardLog) -> dict[str, list[float]]:
     """Call every reward function on one group's ``n`` completions with TRL's keyword arguments (``kwargs`` holds
@@ -164,7 +190,10 @@ def call_rewards(funcs: list[Callable], names: list[str], n: int, kwargs: dict[s
         async def gather():
             return await asyncio.gather(*(f(**kwargs) for f, _ in pending), return_exceptions=True)
 
-        for (f, name), result in zip(pending, asyncio.run(gather()), strict=True):
+        # on the process's one loop, as TRL awaits them on its daemon thread's loop: a client made at import time
+        # (an AsyncOpenAI judge) is bound to the first loop it ran on, and asyncio.run makes a new one each call
+        results = asyncio.run_coroutine_threadsafe(gather(), event_loop()).result()
+        for (f, name), result in zip(pending, results, strict=True):
             try:
                 if isinstance(result, BaseException):
                     raise result

@@ -123,6 +123,15 @@ def test_trl_extras_state_metrics_extra_columns_and_async():
     assert scorer.state.max_steps == 50 and scorer.state.epoch == 7 / 4
 
 
+def test_async_rewards_run_on_one_event_loop_as_trl_runs_them():
+    """A module-level async client (an LLM judge) works from one scored group to the next: TRL awaits async rewards
+    on one loop of its own; before, each group ran asyncio.run, a new loop, and the judge failed from the second."""
+    scorer = Scorer(task(reward_funcs=["own_rewards.llm_judge"]), Chars())
+    for texts in (["12", "5"], ["123", "4"]):
+        g = scorer.score(group({"prompt": "2+3=", "answer": "5"}, texts))
+        assert [r.reward for r in g.rollouts] == [float(len(t)) for t in texts] and g.reward_logs["errors"] == {}
+
+
 def test_a_failing_reward_function_abstains_and_is_booked_with_its_reason():
     scorer = Scorer(task(reward_funcs=["own_rewards.exact", "own_rewards.broken", "own_rewards.too_few"]), Chars())
     g = scorer.score(group({"prompt": "2+3=", "answer": "5"}, ["5", "6"]))
@@ -144,3 +153,17 @@ def test_what_counts_as_correct_is_the_eval_reward_at_its_threshold():
     assert task(reward_funcs=["own_rewards.judge"], eval_threshold=2.0).is_correct("12", row)
     with pytest.raises(ValueError, match="task.eval_reward='nope'"):
         task(eval_reward="nope")
+
+
+def test_a_standard_prompt_is_encoded_as_trl_encodes_it():
+    """TRL encodes a standard-format (string) prompt with ``processing_class(text=prompts)``: the tokenizer's own
+    special tokens included (a Llama tokenizer's BOS); echo2 encoded it without them, and counted it so."""
+    from echo2.scoring import encode_prompt, longest_prompt
+
+    class BosTokenizer:  # a tokenizer that puts BOS (id 1) first unless told not to, as Llama's does
+        def __call__(self, text, add_special_tokens=True):
+            one = lambda t: ([1] if add_special_tokens else []) + [ord(c) for c in t]  # noqa: E731
+            return {"input_ids": [one(t) for t in text] if isinstance(text, list) else one(text)}
+
+    assert encode_prompt(BosTokenizer(), "2+3=") == [1, 50, 43, 51, 61]
+    assert longest_prompt(BosTokenizer(), ["2+3=", "10+1="]) == 6

@@ -4,6 +4,7 @@ with their reason, and the transcript read back (and checked) where rewards are 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -125,6 +126,67 @@ def test_failures_end_the_trajectory_with_their_reason_and_a_raising_tool_is_ans
     assert reset_failed.token_ids == [tok.eos_token_id] and reset_failed.mask == [0]  # a stand-in, never trained on
     assert hung.observations[0] == [{"role": "tool", "name": "increment", "content": "{'error': 'step 7 is not allowed'}"}]
     assert hung.tool_errors == 1 and hung.error.startswith("tool increment did not return within 0.5 s")
+
+
+def test_one_environment_is_called_on_one_thread_as_trl_calls_it(tok):
+    """A sqlite3 connection made in __init__ and used by the tools and get_reward: before, each call ran on a thread
+    of its own and sqlite3 refused the connection there (every tool answered with an error)."""
+    ep = episodes(tok, env="own_envs:LedgerEnv")
+    (t,) = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, [{"prompt": PROMPT, "target": 5}],
+                  SamplingParams(n=1, max_tokens=300), n=1)[0]
+    assert (t.tool_errors, t.reward, t.error) == (0, 1.0, None) and t.state["total"] == 5
+
+
+def test_async_tools_run_after_the_sync_ones_on_one_event_loop(tok):
+    """TRL's order inside a turn (sync results first, then the async ones, gathered) and its one event loop: a client
+    bound to a loop works from one episode to the next."""
+    from own_envs import LOOPS
+
+    calls = [{"name": "double", "arguments": {}}, {"name": "increment", "arguments": {"step": 3}}]
+    turn = "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls) + "<|im_end|>"
+
+    def gen(prompts, params):  # both calls in the first turn, then done
+        out = []
+        for ids in prompts:
+            text = turn if "<tool_response>" not in tok.decode(ids) else "done<|im_end|>"
+            new = tok(text, add_special_tokens=False)["input_ids"]
+            out.append([Completion(new, [-0.5] * len(new), "stop")])
+        return out
+
+    LOOPS.clear()
+    ep = episodes(tok, env="own_envs:AsyncCounterEnv")
+    for _ in range(2):
+        (t,) = ep.run(gen, [{"prompt": PROMPT, "target": 6}], SamplingParams(n=1, max_tokens=300), n=1)[0]
+        assert t.observations[0] == [{"role": "tool", "name": "increment", "content": "total=3"},
+                                     {"role": "tool", "name": "double", "content": "total=6"}]
+        assert (t.tool_calls, t.tool_errors, t.reward) == (2, 0, 1.0)
+    assert len(LOOPS) == 2 and len(set(LOOPS)) == 1
+
+
+def test_an_environment_factory_need_not_be_a_class(tok):
+    """TRL takes any callable as environment_factory (it probes one instance for its tools); before, a factory
+    function was refused as neither contract."""
+    ep = episodes(tok, env="own_envs:make_counter")
+    assert ep.spec.contract == "trl" and ep.spec.environment_reward == "CounterEnv"
+    assert any(s["function"]["name"] == "increment" for s in ep.spec.tool_schemas)
+    (t,) = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, [{"prompt": PROMPT, "target": 5}],
+                  SamplingParams(n=1, max_tokens=300), n=1)[0]
+    assert (t.turns, t.reward, t.error) == (3, 1.0, None)
+
+
+def test_a_reset_that_adds_content_blocks_reads_back_as_trl_builds_it():
+    """TRL appends a list observation as content blocks (the text made a text block first); the prompt reported back
+    is checked against the row's by the same rule (before, only text was accepted, and the group was dropped)."""
+    from echo2.tasks.environments.episode import _extends
+
+    row = [{"role": "system", "content": "s"}, {"role": "user", "content": "Count."}]
+    text = [*row[:-1], {"role": "user", "content": "Count. Reach 5."}]
+    blocks = [*row[:-1], {"role": "user", "content": [{"type": "text", "text": "Count."},
+                                                      {"type": "text", "text": " Reach 5."}]}]
+    assert _extends(text, row) and _extends(blocks, row)
+    assert _extends(blocks, blocks[:-1] + [{"role": "user", "content": blocks[-1]["content"][:1]}])
+    assert not _extends([*row[:-1], {"role": "user", "content": [{"type": "text", "text": "Other."}]}], row)
+    assert not _extends([{"role": "system", "content": "t"}, text[-1]], row)
 
 
 def test_skyrl_environments_run_unchanged_constructed_as_skyrl_does(tok):

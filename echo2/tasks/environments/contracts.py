@@ -1,6 +1,7 @@
 """The two environment contracts, each driven as its own trainer drives it, and the plain-data spec a run ships.
 
-* TRL's (``GRPOTrainer(environment_factory=...)``): a class constructed with no argument, one instance per rollout;
+* TRL's (``GRPOTrainer(environment_factory=...)``): a class, or any factory, called with no argument, one instance per
+  rollout (a factory that is not a class is probed once, as TRL probes it, to read its instances' class);
   ``reset(**row)`` returns ``None`` or text appended to the prompt's last message; every public method (not ``reset``,
   not ``get_reward``, not ``_private``) is a tool, its schema read from its type hints and docstring; an optional
   ``get_reward()`` is the environment's own reward, read once the episode is over. Plain ``tools`` (functions) work
@@ -12,9 +13,10 @@
 They are told apart by the class: a ``skyrl_gym`` ``BaseTextEnv`` subclass (or any class with ``init`` and ``step``
 and no ``reset``) is SkyRL's; one with ``reset`` is TRL's.
 
-Every call into an environment runs with a time limit (``timeout_s``) in a thread of its own: one that raises or
-overruns ends its trajectory with the reason (``EnvironmentFailed``); a thread that never returns is abandoned
-(Python cannot stop it), and so is its environment.
+Every call into an environment runs with a time limit (``timeout_s``) on the environment's own thread (``Calls``:
+one thread an environment, as TRL calls an environment on one thread), its coroutines on the process's one event
+loop: a call that raises or overruns ends its trajectory with the reason (``EnvironmentFailed``); a thread that never
+returns is abandoned (Python cannot stop it), and so is its environment.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import queue
 import threading
+import time
 import types
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from echo2.tasks.rewards import import_object
+from echo2.tasks.rewards import event_loop, import_object
 
 MAX_STATE_VALUE_CHARS = 4096
 """An environment attribute longer than this (as JSON) is not reported to the reward functions."""
@@ -116,6 +120,15 @@ def spec_for(environment: str | None, tools: list[str], max_completion_length: i
     contract, reward = "trl", None
     if environment is not None:
         cls = import_object(environment)
+        if not isinstance(cls, type) and callable(cls):  # TRL takes any factory: probe one instance, as TRL does
+            probe = Calls("factory")
+            try:
+                cls = type(probe.call(f"{environment}()", options.get("timeout_s", EpisodeSpec.timeout_s), cls))
+            finally:
+                probe.close()
+            if contract_of(cls) != "trl":
+                raise TypeError(f"{environment} made a {cls.__qualname__}: a factory function is TRL's contract (a "
+                                "SkyRL-gym environment is named by its class, which echo2 constructs as SkyRL does)")
         contract = contract_of(cls)
         if contract == "trl":
             schemas += [tool_schema(getattr(cls, name)) for name in tool_names(cls)]
@@ -131,27 +144,72 @@ def spec_for(environment: str | None, tools: list[str], max_completion_length: i
 # ---------------------------------------------------------------------- calls with a time limit
 
 
-def call_with_limit(what: str, timeout_s: float, func: Any, *args: Any, **kwargs: Any) -> Any:
-    """``func(*args, **kwargs)`` (awaited if it is a coroutine function) in a thread of its own, within ``timeout_s``;
-    EnvironmentFailed naming ``what`` if it raises or overruns."""
-    out: dict[str, Any] = {}
+class Calls:
+    """Every call into one rollout's environment and tools, on one thread of its own, each within its time limit.
 
-    def run():
+    One thread per environment, not one per call: TRL calls an environment's constructor, ``reset`` and tools on one
+    thread (the trainer's), so what an environment makes in ``__init__`` and uses in its tools (a sqlite3 connection,
+    thread-local state) must keep working. Coroutines (async tools, an async ``get_reward``) run on the process's one
+    event loop (``event_loop``), as TRL runs them on its daemon thread's loop, so that a client bound to that loop works
+    from one call to the next. A call that overruns leaves the thread in it (Python cannot stop a thread): the
+    environment is abandoned, and every later call into it fails at once."""
+
+    def __init__(self, name: str):
+        self.name, self.jobs, self.stuck = name, None, None
+        self.thread: threading.Thread | None = None
+
+    def call(self, what: str, timeout_s: float, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """``func(*args, **kwargs)`` on the environment's thread (awaited on the event loop if it returns a coroutine),
+        within ``timeout_s``; EnvironmentFailed naming ``what`` if it raises or overruns."""
+        if self.stuck is not None:
+            raise EnvironmentFailed(f"{what} not called: {self.stuck} is still running past its time limit")
+        if self.thread is None:
+            self.jobs = queue.SimpleQueue()
+            self.thread = threading.Thread(target=self._serve, name=f"env:{self.name}", daemon=True)
+            self.thread.start()
+        done, out = threading.Event(), {}
+        deadline = time.monotonic() + timeout_s
+        self.jobs.put((func, args, kwargs, out, done))
+        if not done.wait(timeout_s):
+            self.stuck = what
+            raise Overran(f"{what} did not return within {timeout_s:g} s (task.environment_timeout_s)")
+        if "error" in out:
+            e = out["error"]
+            raise EnvironmentFailed(f"{what} raised {type(e).__name__}: {e}") from e
+        value = out.get("value")
+        if inspect.iscoroutine(value):
+            return self.gather(what, max(deadline - time.monotonic(), 0.0), [value])[0]
+        return value
+
+    def gather(self, what: str, timeout_s: float, coroutines: list[Any]) -> list[Any]:
+        """Await ``coroutines`` together on the event loop (TRL's ``asyncio.gather`` for one turn's async tools),
+        within ``timeout_s``; each result, or the exception it raised (``return_exceptions``)."""
+        async def together():
+            return await asyncio.gather(*coroutines, return_exceptions=True)
+
+        future = asyncio.run_coroutine_threadsafe(together(), event_loop())
         try:
-            result = func(*args, **kwargs)
-            out["value"] = asyncio.run(result) if inspect.iscoroutine(result) else result
-        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread, with its reason)
-            out["error"] = e
+            results = future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise Overran(f"{what} did not return within {timeout_s:g} s (task.environment_timeout_s)") from None
+        if len(coroutines) == 1 and isinstance(results[0], BaseException):
+            raise EnvironmentFailed(f"{what} raised {type(results[0]).__name__}: {results[0]}") from results[0]
+        return results
 
-    worker = threading.Thread(target=run, name=f"env:{what}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise Overran(f"{what} did not return within {timeout_s:g} s (task.environment_timeout_s)")
-    if "error" in out:
-        e = out["error"]
-        raise EnvironmentFailed(f"{what} raised {type(e).__name__}: {e}") from e
-    return out.get("value")
+    def close(self) -> None:
+        """End the thread once it is idle (an episode's last call made)."""
+        if self.thread is not None and self.stuck is None:
+            self.jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            func, args, kwargs, out, done = job
+            try:
+                out["value"] = func(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread, with its reason)
+                out["error"] = e
+            done.set()
 
 
 def public_state(env: Any) -> dict[str, Any]:

@@ -203,11 +203,14 @@ class Episodes:
         return left
 
     def _start(self, env_cls: type | None, tools: list[Any], row: dict) -> Trajectory:
+        session = None
         try:
             session = open_session(self.spec, env_cls, tools, row)
             prompt = session.start(row)
             t = Trajectory(prompt=prompt, prompt_ids=self.prompt_ids(prompt), session=session)
         except EnvironmentFailed as e:
+            if session is not None:
+                session.calls.close()
             t = Trajectory(prompt=row["prompt"], prompt_ids=self.prompt_ids(row["prompt"]), error=str(e))
         return t
 
@@ -297,8 +300,13 @@ class Episodes:
 
 
 def _extends(prompt: list[dict], row_prompt: Any) -> bool:
-    """Whether ``prompt`` is ``row_prompt`` with text appended to its last message (what TRL's reset may do)."""
+    """Whether ``prompt`` is ``row_prompt`` with an observation appended to its last message (what TRL's reset may
+    do: text to text, or content blocks, the text made a text block first)."""
     if not isinstance(row_prompt, list) or len(prompt) != len(row_prompt) or prompt[:-1] != row_prompt[:-1]:
         return False
     before, after = row_prompt[-1].get("content"), prompt[-1].get("content")
-    return isinstance(before, str) and isinstance(after, str) and after.startswith(before)
+    if isinstance(before, str) and isinstance(after, str):
+        return after.startswith(before)
+    if isinstance(before, str):  # a list observation turns the text into a text block first
+        before = [{"type": "text", "text": before}]
+    return isinstance(before, list) and isinstance(after, list) and after[:len(before)] == before

@@ -5,8 +5,8 @@ model turn with observation messages (or ending the episode), and giving its rew
     act(turn)  -> observation messages, or None when the episode is over (turn: the model's parsed message and text)
     finish()   -> the environment's own reward (None: none), then its public state; closes it
 
-Each call into the environment goes through ``call_with_limit`` (its time limit); an ``EnvironmentFailed`` out of
-any of them ends the trajectory.
+Each call into the environment goes through the session's ``Calls`` (the environment's own thread, its time limit);
+an ``EnvironmentFailed`` out of any of them ends the trajectory. ``finish`` ends the thread.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import copy
 import logging
 from typing import Any
 
-from echo2.tasks.environments.contracts import (EnvironmentFailed, EpisodeSpec, Overran, call_with_limit,
-                                                public_state, tool_names)
+from echo2.tasks.environments.contracts import (Calls, EnvironmentFailed, EpisodeSpec, Overran, public_state,
+                                                tool_names)
+from echo2.tasks.rewards import is_async
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,13 @@ class TrlSession:
 
     def __init__(self, spec: EpisodeSpec, env_cls: type | None, tools: list[Any]):
         self.spec = spec
-        self.env = call_with_limit(f"{env_cls.__name__}()", spec.timeout_s, env_cls) if env_cls else None
-        methods = [getattr(self.env, name) for name in tool_names(env_cls)] if env_cls else []
+        self.calls = Calls(getattr(env_cls, "__name__", "tools"))
+        try:
+            self.env = self.calls.call(f"{_name(env_cls)}()", spec.timeout_s, env_cls) if env_cls else None
+        except EnvironmentFailed:
+            self.calls.close()
+            raise
+        methods = [getattr(self.env, name) for name in tool_names(type(self.env))] if env_cls else []
         self.tools = {t.__name__: t for t in [*tools, *methods]}
         self.tool_calls = self.tool_errors = 0
 
@@ -36,7 +42,7 @@ class TrlSession:
         prompt = copy.deepcopy(row["prompt"])
         if self.env is None:
             return prompt
-        observation = call_with_limit("reset", self.spec.timeout_s, self.env.reset, **row)
+        observation = self.calls.call("reset", self.spec.timeout_s, self.env.reset, **row)
         if observation is not None:
             content = prompt[-1]["content"]
             if isinstance(observation, list) and isinstance(content, str):
@@ -47,12 +53,13 @@ class TrlSession:
         return prompt
 
     def act(self, message: dict, text: str) -> list[dict] | None:
-        """Run the turn's tool calls: one tool message each (TRL's ``{"error": ...}`` for an unknown tool, an
-        unsupported call or a tool that raised); None when the turn called no tool (the episode is over)."""
+        """Run the turn's tool calls as TRL runs them: sync tools one after another, then the async ones together;
+        one tool message each, the sync tools' first (TRL's order), ``{"error": ...}`` for an unknown tool, an
+        unsupported call or a tool that raised; None when the turn called no tool (the episode is over)."""
         calls = message.get("tool_calls")
         if not calls:
             return None
-        out = []
+        out, pending = [], []
         for call in calls:
             self.tool_calls += 1
             if call.get("type") != "function":
@@ -64,21 +71,40 @@ class TrlSession:
             try:
                 if name not in self.tools:
                     raise ValueError(f"Tool {name} not found.")
-                result = call_with_limit(f"tool {name}", self.spec.timeout_s, self.tools[name], **args)
+                if is_async(self.tools[name]):
+                    pending.append((name, self.tools[name](**args)))  # a coroutine: nothing runs yet
+                    continue
+                result = self.calls.call(f"tool {name}", self.spec.timeout_s, self.tools[name], **args)
             except Overran:
                 raise
             except (EnvironmentFailed, ValueError, TypeError) as e:
                 self.tool_errors += 1
                 result = {"error": str(e.__cause__ if isinstance(e, EnvironmentFailed) and e.__cause__ else e)}
             out.append(_tool_message(name, result))
+        if pending:
+            names = ", ".join(name for name, _ in pending)
+            results = self.calls.gather(f"tools {names}", self.spec.timeout_s, [c for _, c in pending])
+            for (name, _), result in zip(pending, results, strict=True):
+                if isinstance(result, Exception):
+                    self.tool_errors += 1
+                    result = {"error": str(result)}
+                out.append(_tool_message(name, result))
         return out
 
     def finish(self) -> tuple[float | None, dict]:
         reward = None
-        if self.env is not None and callable(getattr(self.env, "get_reward", None)):
-            value = call_with_limit("get_reward", self.spec.timeout_s, self.env.get_reward)
-            reward = None if value is None else float(value)
+        try:
+            if self.env is not None and callable(getattr(self.env, "get_reward", None)):
+                value = self.calls.call("get_reward", self.spec.timeout_s, self.env.get_reward)
+                reward = None if value is None else float(value)
+        finally:
+            self.calls.close()
         return reward, public_state(self.env) if self.env is not None else {}
+
+
+def _name(factory: Any) -> str:
+    """An environment factory's name in messages: a class's name, or a function's (a factory of TRL's kind)."""
+    return getattr(factory, "__qualname__", None) or getattr(factory, "__name__", None) or repr(factory)
 
 
 def _tool_message(name: str, result: Any) -> dict:
@@ -99,18 +125,23 @@ class SkyrlSession:
         if spec.max_turns is not None:
             extras["max_turns"] = spec.max_turns  # SkyRL's generator hands its max_turns the same way
         config = OmegaConf.create(dict(spec.environment_config))
-        self.env = call_with_limit(f"{env_cls.__name__}(env_config, extras)", spec.timeout_s, env_cls,
-                                   env_config=config, extras=extras)
+        self.calls = Calls(env_cls.__name__)
+        try:
+            self.env = self.calls.call(f"{env_cls.__name__}(env_config, extras)", spec.timeout_s, env_cls,
+                                       env_config=config, extras=extras)
+        except EnvironmentFailed:
+            self.calls.close()
+            raise
         self.rewards: list[float] = []
         self.metadata: dict = {}
         self.tool_calls = self.tool_errors = 0
 
     def start(self, row: dict[str, Any]) -> list[dict]:
-        conversation, _ = call_with_limit("init", self.spec.timeout_s, self.env.init, copy.deepcopy(row["prompt"]))
+        conversation, _ = self.calls.call("init", self.spec.timeout_s, self.env.init, copy.deepcopy(row["prompt"]))
         return conversation
 
     def act(self, message: dict, text: str) -> list[dict] | None:
-        out = call_with_limit("step", self.spec.timeout_s, self.env.step, text)
+        out = self.calls.call("step", self.spec.timeout_s, self.env.step, text)
         if out.get("reward") is not None:
             self.rewards.append(float(out["reward"]))
         self.metadata = dict(out.get("metadata") or {})
@@ -122,9 +153,11 @@ class SkyrlSession:
 
     def finish(self) -> tuple[float | None, dict]:
         try:
-            call_with_limit("close", self.spec.timeout_s, self.env.close)
+            self.calls.call("close", self.spec.timeout_s, self.env.close)
         except EnvironmentFailed as e:  # the episode is over: its reward stands
             log.warning("%s", e)
+        finally:
+            self.calls.close()
         state = public_state(self.env)
         state.pop("tool_groups", None), state.pop("tool_to_toolgroup", None)
         return (sum(self.rewards) if self.rewards else None), state
