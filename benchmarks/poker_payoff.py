@@ -12,6 +12,7 @@ what the best response to that opponent wins.
     python benchmarks/poker_payoff.py --game leduc_poker
     python benchmarks/poker_payoff.py --seeds 0 -- learner.learning_rate=3e-5   # Hydra overrides for the runs
     python benchmarks/poker_payoff.py --evaluate initial OUT/seed0/trainer/checkpoint-30   # only play, no training
+    python benchmarks/poker_payoff.py --seeds 0 -- learner.lora.rank=8 learner.learning_rate=3e-4   # a LoRA adapter
 
 Writes ``<out>/payoff.json`` and prints a table.
 """
@@ -48,6 +49,16 @@ def train(seed: int, steps: int, game: str, run_dir: Path, opponent: str, overri
     if code:
         raise SystemExit(f"run of seed {seed} failed ({code}): see {run_dir.with_suffix('.log')}")
     return time.perf_counter() - t0
+
+
+def playable(checkpoint: Path) -> str:
+    """A checkpoint as a model transformers loads: a LoRA run's adapter (``learner.lora``) merged into its base
+    (``python -m echo2.export``, beside the checkpoint as ``<checkpoint>-merged``); full fine-tuning's as it is."""
+    if not (checkpoint / "adapter_config.json").is_file():
+        return str(checkpoint)
+    from echo2.export import export
+
+    return str(export(str(checkpoint), f"{checkpoint}-merged"))
 
 
 def experiment_task(game: str, hands: int, opponent: str):
@@ -184,7 +195,8 @@ def main() -> None:
 
     if args.evaluate:
         for path in args.evaluate:
-            found = payoff(from_gguf_wheel() if path == "initial" else path, args.game, args.hands, args.opponent)
+            found = payoff(from_gguf_wheel() if path == "initial" else playable(Path(path)), args.game, args.hands,
+                           args.opponent)
             print(f"{path}: {json.dumps(found)}", flush=True)
         return
     initial = payoff(from_gguf_wheel(), args.game, args.hands, args.opponent)
@@ -195,7 +207,8 @@ def main() -> None:
     for seed in args.seeds:
         run_dir = out / f"seed{seed}"
         wall_s = train(seed, args.steps, args.game, run_dir, args.opponent, args.overrides)
-        final = payoff(str(run_dir / "trainer" / f"checkpoint-{args.steps}"), args.game, args.hands, args.opponent)
+        final = payoff(playable(run_dir / "trainer" / f"checkpoint-{args.steps}"), args.game, args.hands,
+                       args.opponent)
         results["runs"][seed] = {"final": final, "wall_s": wall_s}
         print(f"[seed {seed}] after {args.steps} steps ({wall_s:.0f} s): {final}", flush=True)
     (out / "payoff.json").write_text(json.dumps(results, indent=2) + "\n")
