@@ -7,7 +7,8 @@ credential over time. Pure numbers in, decisions out; the coordinator applies th
   worker may hold more), each G completions of at most ``max_tokens`` tokens, each token an id and a logprob as JSON
   writes them (``BYTES_PER_TOKEN``, half again over the longest form: ``"151935, -1.2345678901234567e-05, "``); a
   release names at most that many group ids; every other body is a few fields (``SMALL_BYTES``). A stranger with a
-  credential can then make the coordinator read and parse no more than one honest push at a time per connection.
+  credential can then make the coordinator read and parse no more than one honest push at a time per connection, and
+  no more than two of the largest at a time over all its connections (``principal_body_bytes``).
 * **Registrations.** Each ``/register`` costs a worker id, a journal line and a place in the books; a credential
   that registers and leaves in a loop would grow them without bound. Each worker credential has a token bucket:
   ``REGISTER_BURST`` at once (a SLURM array starting together), then one every ``REGISTER_EVERY_S``. The run secret
@@ -51,6 +52,15 @@ def body_limits(staleness: int, prompts_per_step: int, group_size: int, max_toke
             "POST /release": SMALL_BYTES + groups * (MAX_ID_CHARS + 4),
             "POST /register": REGISTER_BYTES,
             **({"POST /eval": SMALL_BYTES + eval_rows * row_bytes} if eval_rows else {})}
+
+
+def principal_body_bytes(route_limits: dict[str, int]) -> int:
+    """The most body bytes one worker credential's requests may hold at once (http.JsonServer): two of the largest
+    bodies a route takes. Every honest push carries what its own worker holds, a share of the run's in-flight cap
+    that the push limit is sized for whole, so a credential's workers together stay below one limit; without this
+    bound one credential's 64 connections could each declare the largest body (a 4B-model run's push limit is ~38 MB)
+    and have the coordinator hold all of them at once."""
+    return 2 * max([SMALL_BYTES, REGISTER_BYTES, *route_limits.values()])
 
 
 @dataclass

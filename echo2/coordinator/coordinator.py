@@ -146,11 +146,12 @@ class Coordinator:
         self.tls, self.exposed = trust is not None, not is_loopback(s.host)
         self.registrations = bounds.Registrations()
         self.faults = RewardFaults()  # whose output made a reward hang or crash (reward_faults.py)
+        limits = bounds.body_limits(staleness, self.P, self.G, int(self.sampling["max_tokens"]),
+                                    len(self.evals.rows) if self.evals else 0)
         self.server = JsonServer(s.host, s.port, s.token, name="coordinator", tls=trust and trust.server,
                                  public=Gate.PUBLIC_ROUTES, authorize=self.gate.authorize, max_bytes=bounds.SMALL_BYTES,
-                                 route_max_bytes=bounds.body_limits(staleness, self.P, self.G,
-                                                                    int(self.sampling["max_tokens"]),
-                                                                    len(self.evals.rows) if self.evals else 0), routes={
+                                 route_max_bytes=limits, principal_body_bytes=bounds.principal_body_bytes(limits),
+                                 routes={
             **self.gate.routes(), "POST /revoke": self._revoke,
             "POST /register": self._register, "POST /pull": self._pull, "POST /push": self._push,
             "POST /heartbeat": self._heartbeat, "POST /leave": self._leave, "POST /release": self._release,

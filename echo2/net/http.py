@@ -114,10 +114,15 @@ class JsonServer:
                  max_bytes: int = MAX_JSON_BYTES, name: str = "server", tls: ssl.SSLContext | None = None,
                  public: frozenset[str] = frozenset(), authorize: Callable[[str, str], Any] | None = None,
                  schemas: dict[str, type[pydantic.BaseModel]] | None = None,
-                 route_max_bytes: dict[str, int] | None = None, limits: Limits | None = None):
+                 route_max_bytes: dict[str, int] | None = None, limits: Limits | None = None,
+                 principal_body_bytes: int | None = None):
         """``tls``: serve HTTPS with this context. ``public``: routes answered without a credential (and without a
         body). ``authorize(route, credential)``: raises Unauthorized, or returns the caller's identity; default: the
-        credential must be ``token``."""
+        credential must be ``token``. ``principal_body_bytes``: the most body bytes the requests of one principal (an
+        identity's ``connection_key``: a worker credential) may hold at once, from admission until answered, counted
+        by their declared length (a chunked body: its route's limit); past it a request is refused (429) unread.
+        Each body is bounded by its route's limit, but not their sum over a credential's many connections."""
+        self.principal_body_bytes, self.body_bytes_held = principal_body_bytes, Counter()  # on the loop's thread
         self.token, self.routes, self.raw, self.max_bytes, self.name = token, routes, raw, max_bytes, name
         self.tls, self.public, self.authorize = tls, public, authorize or self._token_only
         self.schemas, self.route_max_bytes = dict(schemas or {}), dict(route_max_bytes or {})
@@ -168,23 +173,43 @@ class JsonServer:
             return
         key = f"{scope['method']} {scope['path']}"
         client = scope["client"][0] if scope.get("client") else "?"
+        held = None  # (principal, bytes) this request holds of its principal's body budget
         try:
-            route, limit, identity = self._admit(key, scope["method"], scope["headers"])
-            if key not in self.public and "echo2.admitted" in scope:  # the connection holds an authenticated slot
-                refusal = scope["echo2.admitted"](getattr(identity, "connection_key", None))
-                if refusal is not None:
-                    raise Unavailable(f"{refusal}: this credential holds too many connections")
-            data = await _read_body(receive, limit)
-        except BadRequest as e:  # the body is (partly) unread: answer and close rather than read on
-            self._reject(type(e).__name__, client, key, str(e))
-            await _respond(send, e.status, json.dumps({"error": str(e)}).encode(), close=True)
-            return
-        except Exception as e:  # a bug in ``authorize``: tell the sender, keep serving
-            log.exception("%s: error admitting %s", self.name, key)
-            await _respond(send, 500, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(), close=True)
-            return
-        if data is None:  # the client went away (or was dropped by the body timeout)
-            return
+            try:
+                route, limit, identity = self._admit(key, scope["method"], scope["headers"])
+                principal = getattr(identity, "connection_key", None)
+                if key not in self.public and "echo2.admitted" in scope:  # the connection holds an authenticated slot
+                    refusal = scope["echo2.admitted"](principal)
+                    if refusal is not None:
+                        raise Unavailable(f"{refusal}: this credential holds too many connections")
+                if principal is not None and self.principal_body_bytes is not None and limit:
+                    if self.body_bytes_held[principal] + limit > self.principal_body_bytes:
+                        raise TooManyRequests(f"this credential's requests already hold "
+                                              f"{self.body_bytes_held[principal]} body bytes (at most "
+                                              f"{self.principal_body_bytes} at once)")
+                    self.body_bytes_held[principal] += limit
+                    held = principal, limit
+                data = await _read_body(receive, limit)
+            except BadRequest as e:  # the body is (partly) unread: answer and close rather than read on
+                self._reject(type(e).__name__, client, key, str(e))
+                await _respond(send, e.status, json.dumps({"error": str(e)}).encode(), close=True)
+                return
+            except Exception as e:  # a bug in ``authorize``: tell the sender, keep serving
+                log.exception("%s: error admitting %s", self.name, key)
+                await _respond(send, 500, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(), close=True)
+                return
+            if data is None:  # the client went away (or was dropped by the body timeout)
+                return
+            await self._answer(key, route, data, scope, identity, client, send)
+        finally:
+            if held is not None:
+                self.body_bytes_held[held[0]] -= held[1]
+                if not self.body_bytes_held[held[0]]:
+                    del self.body_bytes_held[held[0]]
+
+    async def _answer(self, key: str, route: Route, data: bytes, scope: dict, identity: Any, client: str,
+                      send: Callable) -> None:
+        """Run the route in a handler thread and send its answer."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -236,7 +261,8 @@ class JsonServer:
         if length is not None:
             if declared > limit:
                 raise TooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit")
-        elif chunked is None and method == "POST":
+            return route, declared, identity  # the HTTP parser reads no more than the declared length
+        if chunked is None and method == "POST":
             raise LengthRequired("a POST needs Content-Length (or chunked encoding)")
         return route, limit, identity
 

@@ -83,6 +83,61 @@ def test_one_credential_holds_at_most_its_ids_and_loses_them_all_when_revoked(ex
     assert exposed.status()["workers"] == []
 
 
+def test_one_credential_cannot_have_the_coordinator_hold_many_large_bodies_at_once(exposed):
+    """Each push is bounded by the push limit, but one credential has 64 connections: each could declare the
+    largest body and the coordinator would hold them all at once (a 4B-model run's push limit is ~38 MB). Now the
+    bodies one credential's requests hold at once are bounded (two of the largest); a third is refused unread (429),
+    another credential is not affected, and the budget comes back when a request ends. Also the per-credential
+    connection cap, through the coordinator's own identities (not a stand-in)."""
+    import http.client
+    import socket
+    import time
+
+    host, port = "127.0.0.1", exposed.server.address[1]
+    push = exposed.server.route_max_bytes["POST /push"]
+    assert exposed.server.principal_body_bytes == 2 * push
+    evil = worker_credential(STRONG, "evil")
+
+    def hold(cred: str) -> socket.socket:  # headers of a push of the largest size; the body never comes
+        sock = socket.create_connection((host, port))
+        sock.sendall(f"POST /push HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {push}\r\n\r\n".encode())
+        return sock
+
+    holders = [hold(evil), hold(evil)]
+    time.sleep(0.3)
+    third = hold(evil)
+    third.settimeout(5)
+    assert third.recv(200).startswith(b"HTTP/1.1 429")  # refused on its headers, its body unread
+    assert exposed.server.rejected["TooManyRequests"] >= 1
+    other = Client(f"http://{host}:{port}", worker_credential(STRONG, "other"))
+    assert other.post("/register", {})["worker_id"]  # another credential is served
+    holders.pop().close()
+    time.sleep(0.3)  # the server saw the disconnect: that budget is back
+    again = hold(evil)
+    again.settimeout(1)
+    try:
+        again.recv(200)
+        raise AssertionError("the budget should have admitted it (it waits for its body)")
+    except TimeoutError:
+        pass
+    for sock in [*holders, third, again]:
+        sock.close()
+    conns = []
+    try:  # the connection cap per credential: 64, counted under the credential's name
+        statuses = []
+        for _ in range(65):
+            c = http.client.HTTPConnection(host, port, timeout=5)
+            c.request("POST", "/heartbeat", body=b'{"worker_id": "w999"}',
+                      headers={"Authorization": f"Bearer {evil}", "Content-Type": "application/json"})
+            statuses.append(c.getresponse().status)
+            conns.append(c)
+        assert statuses[:64] == [400] * 64 and statuses[64] == 503  # (400: no such worker; 503: the cap)
+    finally:
+        for c in conns:
+            c.close()
+
+
 def test_a_worker_credential_sees_only_its_own_workers(tiny_model_dir):
     coord = small_coordinator(tiny_model_dir, group_size=G)
     try:
