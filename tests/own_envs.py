@@ -94,6 +94,8 @@ class AsyncCounterEnv(CounterEnv):
 
         LOOPS.append(id(asyncio.get_running_loop()))
         await asyncio.sleep(0)
+        if self.total > 100:
+            raise ValueError("too large to double")
         self.total *= 2
         return f"total={self.total}"
 

@@ -161,6 +161,11 @@ def test_async_tools_run_after_the_sync_ones_on_one_event_loop(tok):
                                      {"role": "tool", "name": "double", "content": "total=6"}]
         assert (t.tool_calls, t.tool_errors, t.reward) == (2, 0, 1.0)
     assert len(LOOPS) == 2 and len(set(LOOPS)) == 1
+    calls[1]["arguments"]["step"] = 101  # double fails (over 100): answered with its error, as TRL answers it
+    turn = "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls) + "<|im_end|>"
+    (t,) = ep.run(gen, [{"prompt": PROMPT, "target": 6}], SamplingParams(n=1, max_tokens=300), n=1)[0]
+    assert t.observations[0][1] == {"role": "tool", "name": "double", "content": "{'error': 'too large to double'}"}
+    assert (t.tool_errors, t.error) == (1, None)
 
 
 def test_an_environment_factory_need_not_be_a_class(tok):

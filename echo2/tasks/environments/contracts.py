@@ -178,7 +178,9 @@ class Calls:
             raise EnvironmentFailed(f"{what} raised {type(e).__name__}: {e}") from e
         value = out.get("value")
         if inspect.iscoroutine(value):
-            return self.gather(what, max(deadline - time.monotonic(), 0.0), [value])[0]
+            (value,) = self.gather(what, max(deadline - time.monotonic(), 0.0), [value])
+            if isinstance(value, BaseException):
+                raise EnvironmentFailed(f"{what} raised {type(value).__name__}: {value}") from value
         return value
 
     def gather(self, what: str, timeout_s: float, coroutines: list[Any]) -> list[Any]:
@@ -193,8 +195,6 @@ class Calls:
         except TimeoutError:
             future.cancel()
             raise Overran(f"{what} did not return within {timeout_s:g} s (task.environment_timeout_s)") from None
-        if len(coroutines) == 1 and isinstance(results[0], BaseException):
-            raise EnvironmentFailed(f"{what} raised {type(results[0]).__name__}: {results[0]}") from results[0]
         return results
 
     def close(self) -> None:

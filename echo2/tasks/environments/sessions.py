@@ -76,6 +76,8 @@ class TrlSession:
                     continue
                 result = self.calls.call(f"tool {name}", self.spec.timeout_s, self.tools[name], **args)
             except Overran:
+                for _, coroutine in pending:  # the episode ends here: they are never awaited
+                    coroutine.close()
                 raise
             except (EnvironmentFailed, ValueError, TypeError) as e:
                 self.tool_errors += 1
