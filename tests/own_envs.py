@@ -81,7 +81,7 @@ class LedgerEnv(CounterEnv):
         return f"total={self.total}"
 
 
-LOOPS: list[int] = []  # the event loop each async call ran on (a client bound to one loop needs it to be the same)
+LOOPS: list = []  # the event loop each async call ran on (a client bound to one loop needs it to be the same)
 
 
 class AsyncCounterEnv(CounterEnv):
@@ -92,7 +92,7 @@ class AsyncCounterEnv(CounterEnv):
         """Double the running total."""
         import asyncio
 
-        LOOPS.append(id(asyncio.get_running_loop()))
+        LOOPS.append(asyncio.get_running_loop())
         await asyncio.sleep(0)
         if self.total > 100:
             raise ValueError("too large to double")

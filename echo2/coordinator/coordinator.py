@@ -234,32 +234,20 @@ class Coordinator:
             self.reg.add(worker)
             self.registered += 1
             self.activation.dirty = True
-        if self.broadcaster is not None and worker.snapshot_url:
-            try:
-                self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url, worker.relay)
-            except Exception:
-                with self.lock:
+            if self.broadcaster is not None and worker.snapshot_url:
+                # under the lock, as _revoke retires and re-keys under it: a revocation comes wholly before this
+                # registration (refused above) or wholly after it (this peer dropped, the relay re-keyed), never
+                # between, where the new peer would be handed the key that replaced the revoked one's
+                try:
+                    self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url, worker.relay)
+                except Exception:
                     self._retire(worker.worker_id, "register_failed")
-                raise
-            self._unless_revoked_meanwhile(worker)
+                    raise
         log.info("worker %s joined (%s engine, snapshots at %s%s)", worker.worker_id, worker.engine,
                  worker.snapshot_url, f", credential {caller!r}" if caller else "")
         return {"worker_id": worker.worker_id, "version": self.version, "epoch": self.epoch, "group_size": self.G,
                 "sampling": self.sampling, "heartbeat_s": self.heartbeat_timeout_s / 4, "requires": self.requires,
                 "episode": self.settings.episode}
-
-    def _unless_revoked_meanwhile(self, worker: WorkerInfo) -> None:
-        """A revocation of the worker's credential that ran between its registration and ``add_peer`` (which hands
-        the relay key, outside the lock) found no peer to drop, and may have keyed it with the new relay key: drop
-        it now and key the relay again, so that a revoked credential never holds a live relay key."""
-        with self.lock:
-            revoked = worker.name is not None and worker.name in self.gate.revoked
-            if revoked:
-                self._retire(worker.worker_id, "revoked")
-        if revoked:
-            self.broadcaster.remove_peer(worker.worker_id)
-            self.broadcaster.rekey()
-            raise Revoked(f"the credential of worker {worker.name!r} was revoked")
 
     def _revoke(self, body: dict, _headers) -> dict:
         """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its buffered groups

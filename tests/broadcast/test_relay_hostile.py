@@ -321,9 +321,9 @@ def test_a_revoked_worker_can_neither_fetch_from_nor_serve_its_peers(tiny_model_
 
 def test_a_registration_read_after_its_credentials_revocation_gets_no_id_and_no_relay_key(tiny_model_dir):
     """Who sent a request is settled when its headers arrive, so a /register admitted before ``POST /revoke`` (its
-    body held back) can finish after it. Before the fix it got a worker id, and its add_peer handed it the relay key
-    the revocation had just replaced. Both orders: revoked before the registration takes the lock (refused, nothing
-    added), and revoked between the registration and its add_peer (dropped, and the relay keyed again)."""
+    body held back) can finish after it. Before the fix it got a worker id, and add_peer handed it the relay key the
+    revocation had just put in place. Now it is refused under the lock, before any id or peer; and a revocation after
+    a registration finds its peer and re-keys past it (add_peer runs under the same lock, so nothing falls between)."""
     from types import SimpleNamespace
 
     from echo2.coordinator.gate import Caller
@@ -334,27 +334,27 @@ def test_a_registration_read_after_its_credentials_revocation_gets_no_id_and_no_
     coord = small_coordinator(tiny_model_dir, broadcaster=bc)
     peers = receivers(got, "a", "r")
     a, r = peers["a"], peers["r"]
+    added: list[str] = []
+    add_peer = bc.add_peer
+    bc.add_peer = lambda pid, url, relay=None: (added.append(url), add_peer(pid, url, relay))[1]
     try:
         Client(coord.url, worker_credential(SECRET, "a")).post("/register", {
             "engine": "test", "snapshot_url": a.url, "relay": a.relay_addr})
         body = {"engine": "test", "snapshot_url": r.url, "relay": r.relay_addr}
-        admitted_as_r = SimpleNamespace(identity=Caller("r"), client=None)
-        add_peer = bc.add_peer
-
-        def revoked_midway(peer_id, url, relay_addr=None):
-            if url == r.url:
-                coord._revoke({"name": "r"}, None)
-            add_peer(peer_id, url, relay_addr)
-
-        bc.add_peer = revoked_midway
+        admitted_as_r = SimpleNamespace(identity=Caller("r"), client=None)  # its headers read before the revocation
+        Client(coord.url, SECRET).post("/revoke", {"name": "r"})
+        registered = coord.registered
         with pytest.raises(Revoked):
             coord._register(body, admitted_as_r)
-        assert holds_within(lambda: a.token == bc.token, timeout=10)
-        assert r.token != bc.token and list(bc.peers) == [coord.status()["workers"][0]]
-        bc.add_peer = add_peer
-        with pytest.raises(Revoked):  # revoked before: refused under the lock, no id
-            coord._register(body, admitted_as_r)
-        assert len(coord.status()["workers"]) == 1 and r.token != bc.token
+        assert coord.registered == registered and added == [a.url] and len(coord.status()["workers"]) == 1
+        assert holds_within(lambda: a.token == bc.token, timeout=10) and r.token != bc.token
+        # the other order: registered, then revoked (a fresh credential, as the first is revoked for the run)
+        late = Client(coord.url, worker_credential(SECRET, "late"))
+        wid = late.post("/register", body)["worker_id"]
+        assert holds_within(lambda: r.token == bc.token, timeout=10)  # r's receiver is the late one's peer now
+        Client(coord.url, SECRET).post("/revoke", {"name": "late"})
+        assert holds_within(lambda: a.token == bc.token, timeout=10) and r.token != bc.token
+        assert wid not in coord.status()["workers"] and list(bc.peers) == coord.status()["workers"]
     finally:
         bc.close()
         coord.close()

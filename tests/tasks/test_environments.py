@@ -160,12 +160,57 @@ def test_async_tools_run_after_the_sync_ones_on_one_event_loop(tok):
         assert t.observations[0] == [{"role": "tool", "name": "increment", "content": "total=3"},
                                      {"role": "tool", "name": "double", "content": "total=6"}]
         assert (t.tool_calls, t.tool_errors, t.reward) == (2, 0, 1.0)
-    assert len(LOOPS) == 2 and len(set(LOOPS)) == 1
+    assert len(LOOPS) == 2 and LOOPS[0] is LOOPS[1] and not LOOPS[0].is_closed()
     calls[1]["arguments"]["step"] = 101  # double fails (over 100): answered with its error, as TRL answers it
     turn = "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls) + "<|im_end|>"
     (t,) = ep.run(gen, [{"prompt": PROMPT, "target": 6}], SamplingParams(n=1, max_tokens=300), n=1)[0]
     assert t.observations[0][1] == {"role": "tool", "name": "double", "content": "{'error': 'too large to double'}"}
     assert (t.tool_errors, t.error) == (1, None)
+
+
+def test_an_environments_thread_ends_with_its_episode_even_one_that_overran(tok):
+    """Each environment has a thread of its own for its calls; it ends when the episode does, and one left in a call
+    past its time limit ends when that call returns (then the environment is let go): none is left behind."""
+    import threading
+    import time
+
+    from conftest import holds_within
+
+    before = set(threading.enumerate())  # (another test's hung tool may still be sleeping in its thread)
+
+    def new_env_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("env:") and t.is_alive() and t not in before]
+
+    ep = episodes(tok, env="own_envs:FlakyEnv", timeout_s=0.5)
+    rows = [{"prompt": PROMPT, "target": 13}, {"prompt": PROMPT, "target": 5}, {"prompt": PROMPT, "target": 5}]
+    runs = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, rows, SamplingParams(n=1, max_tokens=300), n=1)
+    assert [t.error is None for (t,) in runs] == [False, True, True]
+    assert holds_within(lambda: not new_env_threads(), timeout=2)  # every episode's ended, the failed reset's too
+
+    def engine_down(ids, params):
+        raise ConnectionError("the engine went away")
+
+    with pytest.raises(ConnectionError):
+        ep.run(engine_down, rows[1:], SamplingParams(n=1, max_tokens=300), n=1)
+    assert holds_within(lambda: not new_env_threads(), timeout=2)  # a failed batch ended the ones it had started
+
+    import own_envs
+
+    hung = own_envs.FlakyEnv.increment
+
+    def increment(self, step: int) -> str:  # returns, but only after its time limit
+        time.sleep(1.5)
+        return hung(self, step)
+
+    own_envs.FlakyEnv.increment = increment
+    try:
+        (t,) = ep.run(ScriptedPolicy(tok, steps=(2,)).generate, rows[1:2], SamplingParams(n=1, max_tokens=300),
+                      n=1)[0]
+    finally:
+        own_envs.FlakyEnv.increment = hung
+    assert t.error.startswith("tool increment did not return within 0.5 s")
+    assert len(new_env_threads()) == 1  # still in the call that overran
+    assert holds_within(lambda: not new_env_threads(), timeout=5)  # it returned, and its thread ended
 
 
 def test_an_environment_factory_need_not_be_a_class(tok):

@@ -165,8 +165,15 @@ class Calls:
             raise EnvironmentFailed(f"{what} not called: {self.stuck} is still running past its time limit")
         if self.thread is None:
             self.jobs = queue.SimpleQueue()
-            self.thread = threading.Thread(target=self._serve, name=f"env:{self.name}", daemon=True)
-            self.thread.start()
+            self.thread = threading.Thread(target=self._serve, args=(self.jobs,), name=f"env:{self.name}",
+                                           daemon=True)
+            try:
+                self.thread.start()
+            except RuntimeError as e:  # no thread to be had (a limit on threads): this episode cannot run
+                self.jobs = None
+                raise EnvironmentFailed(f"{what} not called: no thread for the environment ({e})") from e
+        elif self.jobs is None:
+            raise EnvironmentFailed(f"{what} not called: the environment is closed")
         done, out = threading.Event(), {}
         deadline = time.monotonic() + timeout_s
         self.jobs.put((func, args, kwargs, out, done))
@@ -198,17 +205,22 @@ class Calls:
         return results
 
     def close(self) -> None:
-        """End the thread once it is idle (an episode's last call made)."""
-        if self.thread is not None and self.stuck is None:
+        """End the thread after its last call (one still running past its limit included), once, and let go of
+        the environment it holds."""
+        if self.thread is not None and self.jobs is not None:
             self.jobs.put(None)
+            self.jobs = None
 
-    def _serve(self) -> None:
-        while (job := self.jobs.get()) is not None:
+    def _serve(self, jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
             func, args, kwargs, out, done = job
+            del job  # the environment's bound methods go with the call, not with the idle thread
             try:
                 out["value"] = func(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread, with its reason)
                 out["error"] = e
+            finally:
+                del func, args, kwargs
             done.set()
 
 

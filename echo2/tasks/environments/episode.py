@@ -170,7 +170,21 @@ class Episodes:
         """``n`` episodes of each row; returns them per row. ``context_tokens``: the engine's context (an answer
         that would reach it ends the episode, as in TRL)."""
         env_cls, tools = self.imports()
-        episodes = [[self._start(env_cls, tools, row) for _ in range(n)] for row in rows]
+        episodes: list[list[Trajectory]] = []
+        try:
+            for row in rows:
+                episodes.append([])
+                for _ in range(n):
+                    episodes[-1].append(self._start(env_cls, tools, row))
+            self._play(generate, episodes, params, context_tokens)
+        finally:  # an error that ends the batch (the engine failing, say) ends every environment it started
+            for t in (t for group in episodes for t in group if t.session is not None):
+                t.session.calls.close()
+        return episodes
+
+    def _play(self, generate: Generate, episodes: list[list[Trajectory]], params: SamplingParams,
+              context_tokens: int | None) -> None:
+        """Every turn of every open episode, batched by the tokens each may have; then each finished."""
         open_ = [t for group in episodes for t in group if t.error is None]
         while open_:
             # one batch per token allowance: an engine's context must hold each prompt plus the turn it may generate
@@ -190,7 +204,6 @@ class Episodes:
                           if self._turn(t, turn, left, context_tokens)]
         for t in (t for group in episodes for t in group):
             self._finish(t)
-        return episodes
 
     def _room(self, t: Trajectory, context_tokens: int | None, per_turn: bool = True) -> int:
         """Tokens the next turn may have: what is left of the budget, and of the engine's context, and (``per_turn``)
@@ -208,9 +221,11 @@ class Episodes:
             session = open_session(self.spec, env_cls, tools, row)
             prompt = session.start(row)
             t = Trajectory(prompt=prompt, prompt_ids=self.prompt_ids(prompt), session=session)
-        except EnvironmentFailed as e:
+        except BaseException as e:
             if session is not None:
                 session.calls.close()
+            if not isinstance(e, EnvironmentFailed):
+                raise
             t = Trajectory(prompt=row["prompt"], prompt_ids=self.prompt_ids(row["prompt"]), error=str(e))
         return t
 
