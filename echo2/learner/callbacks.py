@@ -126,7 +126,7 @@ class StopOnSignal(TrainerCallback):
 
 
 class Evaluation(TrainerCallback):
-    """Runs ``evaluator(policy)`` at step 0 (not on a resume) and every ``every_steps`` steps and at the last one;
+    """Runs ``evaluator(policy, step)`` at step 0 (not on a resume) and every ``every_steps`` steps and at the last one;
     its results wait in ``pending`` for the step's record, and ``results`` keeps (version, accuracy) for the run.
 
     ``on_workers`` (run.eval_on=workers): the rollout source has workers evaluate those versions instead
@@ -147,7 +147,7 @@ class Evaluation(TrainerCallback):
             return
         t0 = time.perf_counter()
         with self.trainer.live_policy() as policy:
-            result = {**self.evaluator(policy), EVAL_TIME_S: time.perf_counter() - t0}
+            result = {**self.evaluator(policy, step), EVAL_TIME_S: time.perf_counter() - t0}
         self.pending.update(result)
         self.results.append((step, result[EVAL_ACCURACY]))
 

@@ -34,7 +34,11 @@ class Evaluator:
         self.params = SamplingParams(n=1, max_tokens=task.max_completion_length)
         self.judge = RewardFunctions(task)
 
-    def __call__(self, policy: Any) -> dict[str, float]:
+    def __call__(self, policy: Any, version: int | None = None) -> dict[str, float]:
+        """Greedy held-out accuracy of ``policy``; ``version``: the learner's step, what the reward functions that
+        judge get as ``trainer_state.global_step`` (TRL hands its state when it evaluates)."""
+        if version is not None:
+            self.judge.set_step(version)
         episodes = self.task.episodes(self.tokenizer) if hasattr(self.task, "episodes") else None
         if episodes is not None:
             return self._episodes(episodes, policy)
@@ -44,7 +48,7 @@ class Evaluator:
             outs = self.engine.generate(policy, ids, self.params, greedy=True)
             for row, (comp,) in zip(self.rows[start : start + self.batch_size], outs, strict=True):
                 text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-                job = {"row": row, "texts": [text], "completion_ids": [comp.token_ids]}
+                job = {"row": row, "texts": [text], "completion_ids": [comp.token_ids], "state": self.judge.state}
                 correct += self.judge.judge_job(job)["correct"][0]
         return {EVAL_ACCURACY: correct / max(1, len(self.rows)), EVAL_EXAMPLES: float(len(self.rows))}
 

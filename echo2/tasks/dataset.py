@@ -245,9 +245,11 @@ class DatasetTask(Task):
         name = self.eval_reward or (names[0] if names else self.spec.environment_reward)
         return name, self.eval_threshold
 
-    def is_correct(self, completion: str, row: dict[str, Any], completion_ids: list[int] | None = None) -> bool:
+    def is_correct(self, completion: str, row: dict[str, Any], completion_ids: list[int] | None = None,
+                   trainer_state: TrainerStateView | None = None) -> bool:
         """Whether the ``eval_reward`` function (default: the first) gives ``completion`` at least ``eval_threshold``;
-        an abstention (None) or a failure is not correct."""
+        an abstention (None) or a failure is not correct. ``trainer_state``: the learner's at the evaluation, as TRL
+        hands its state to rewards when it evaluates (a reward with a schedule judges at that step)."""
         funcs = self.reward_funcs()
         names = unique_names(funcs)
         name = self.eval_reward or names[0]
@@ -256,7 +258,7 @@ class DatasetTask(Task):
         kwargs = {k: [v] for k, v in row.items() if k not in EXCLUDED_COLUMNS}
         kwargs.update(prompts=[row["prompt"]], completion_ids=[list(completion_ids or [])],
                       completions=[[{"role": "assistant", "content": completion}] if conversational else completion],
-                      trainer_state=TrainerStateView())
+                      trainer_state=trainer_state or TrainerStateView())
         logs = RewardLog()
         (value,) = call_rewards([func], [name], 1, kwargs, logs)[name]
         if logs.errors:

@@ -167,3 +167,16 @@ def test_a_standard_prompt_is_encoded_as_trl_encodes_it():
 
     assert encode_prompt(BosTokenizer(), "2+3=") == [1, 50, 43, 51, 61]
     assert longest_prompt(BosTokenizer(), ["2+3=", "10+1="]) == 6
+
+
+def test_evaluation_rewards_see_the_learners_step():
+    """TRL hands its state to the reward functions when it evaluates too: a reward with a schedule judges a held-out
+    completion at the learner's step (before, evaluation always said global_step 0)."""
+    from echo2.scoring import RewardFunctions
+
+    judge = RewardFunctions(task(reward_funcs=["own_rewards.schedule"], eval_threshold=5.0))
+    job = {"row": {"prompt": "2+3=", "answer": "5"}, "texts": ["5"], "completion_ids": [[53]]}
+    judge.set_step(7)
+    assert judge.judge_job({**job, "state": judge.state})["correct"] == [True]  # the schedule's reward: 7 >= 5
+    judge.set_step(3)
+    assert judge.judge_job({**job, "state": judge.state})["correct"] == [False]
