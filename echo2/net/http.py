@@ -121,8 +121,8 @@ class JsonServer:
         credential must be ``token``. ``principal_body_bytes``: the most body bytes the requests of one principal (an
         identity's ``connection_key``: a worker credential) may hold at once, from admission until answered, counted
         by their declared length (a chunked body: its route's limit); past it a request is refused unread (503: a
-        worker tries again later, as when the server is busy).
-        Each body is bounded by its route's limit, but not their sum over a credential's many connections."""
+        worker tries again later, as when the server is busy): each body is bounded by its route's limit, and this
+        bounds their sum over a credential's many connections."""
         self.principal_body_bytes, self.body_bytes_held = principal_body_bytes, Counter()  # on the loop's thread
         self.token, self.routes, self.raw, self.max_bytes, self.name = token, routes, raw, max_bytes, name
         self.tls, self.public, self.authorize = tls, public, authorize or self._token_only
@@ -186,8 +186,8 @@ class JsonServer:
                 if principal is not None and self.principal_body_bytes is not None and limit:
                     if self.body_bytes_held[principal] + limit > self.principal_body_bytes:
                         raise Unavailable(f"this credential's requests already hold "
-                                              f"{self.body_bytes_held[principal]} body bytes (at most "
-                                              f"{self.principal_body_bytes} at once)")
+                                          f"{self.body_bytes_held[principal]} body bytes (at most "
+                                          f"{self.principal_body_bytes} at once)")
                     self.body_bytes_held[principal] += limit
                     held = principal, limit
                 data = await _read_body(receive, limit)
