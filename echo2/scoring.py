@@ -132,10 +132,10 @@ class RewardFunctions:
 
     def judge_job(self, job: dict[str, Any]) -> dict[str, Any]:
         """Whether each completion of ``job`` solves its row's problem (what ``eval/accuracy`` counts), ``{"correct":
-        [bool], "values": [float]}``: the task's ``is_correct`` (handed the token ids and the trainer state where it
-        takes them); a
-        multi-turn task's episodes by its eval reward column reaching its threshold (``correct_when``), NaN (not
-        correct) where every reward failed. The learner's evaluator and the coordinator's (workers) both judge here."""
+        [bool], "values": [float]}``: the task's ``is_correct`` (handed the token ids and the trainer state, the
+        job's or this judge's, where it takes them); a multi-turn task's episodes by its eval reward column reaching
+        its threshold (``correct_when``), NaN (not correct) where every reward failed. The learner's evaluator and the
+        coordinator's (workers) both judge here."""
         if job.get("episodes"):
             name, threshold = self.task.correct_when()
             try:
@@ -144,9 +144,9 @@ class RewardFunctions:
                 values = [math.nan] * len(job["texts"])
             return {"correct": [bool(v >= threshold) for v in values], "values": values}
         takes = inspect.signature(self.task.is_correct).parameters
-        extra = {"trainer_state": job.get("state", self.state)} if "trainer_state" in takes else {}
-        correct = [bool(self.task.is_correct(text, job["row"], **({"completion_ids": ids} if "completion_ids" in takes
-                                                                    else {}), **extra))
+        state = {"trainer_state": job.get("state", self.state)} if "trainer_state" in takes else {}
+        with_ids = "completion_ids" in takes
+        correct = [bool(self.task.is_correct(text, job["row"], **state, **({"completion_ids": ids} if with_ids else {})))
                    for text, ids in zip(job["texts"], job["completion_ids"], strict=True)]
         return {"correct": correct, "values": [float(c) for c in correct]}
 

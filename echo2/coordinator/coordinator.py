@@ -252,8 +252,8 @@ class Coordinator:
     def _revoke(self, body: dict, _headers) -> dict:
         """Revoke worker ``name`` for the rest of the run: its requests are refused from now on, its buffered groups
         dropped (revoked, prompts re-queued), its workers retired (their in-flight groups lost: revoked, prompts
-        re-queued) and dropped from the broadcast. All or
-        nothing: written down first (gate.revoke); a revocation that cannot be (a full disk) changes nothing (507)."""
+        re-queued) and dropped from the broadcast. All or nothing: written down first (gate.revoke); a revocation
+        that cannot be (a full disk) changes nothing (507)."""
         name = schemas.parse(schemas.Revoke, body).name
         with self.lock:
             self.gate.revoke(name)  # raises before anything changes when it cannot be written down

@@ -48,7 +48,7 @@ class Evaluator:
             outs = self.engine.generate(policy, ids, self.params, greedy=True)
             for row, (comp,) in zip(self.rows[start : start + self.batch_size], outs, strict=True):
                 text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-                job = {"row": row, "texts": [text], "completion_ids": [comp.token_ids], "state": self.judge.state}
+                job = {"row": row, "texts": [text], "completion_ids": [comp.token_ids]}
                 correct += self.judge.judge_job(job)["correct"][0]
         return {EVAL_ACCURACY: correct / max(1, len(self.rows)), EVAL_EXAMPLES: float(len(self.rows))}
 

@@ -151,10 +151,11 @@ _loop_lock = threading.Lock()
 
 def event_loop() -> asyncio.AbstractEventLoop:
     """The process's event loop for reward and environment coroutines, running forever on a daemon thread (TRL's
-    ``start_event_loop_in_daemon``); started on first use, and again in a forked child."""
+    ``start_event_loop_in_daemon``, written here: a slim worker install, where environments run, has no TRL);
+    started on first use, and again in a forked child."""
     global _loop, _loop_thread
     with _loop_lock:
-        if _loop is None or _loop_thread is None or not _loop_thread.is_alive():  # a forked child has no thread
+        if _loop_thread is None or not _loop_thread.is_alive():  # a forked child has no thread
             loop, ready = asyncio.new_event_loop(), threading.Event()
 
             def run():

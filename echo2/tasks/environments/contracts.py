@@ -121,7 +121,7 @@ def spec_for(environment: str | None, tools: list[str], max_completion_length: i
     if environment is not None:
         cls = import_object(environment)
         if not isinstance(cls, type) and callable(cls):  # TRL takes any factory: probe one instance, as TRL does
-            probe = Calls("factory")
+            probe = Calls(factory_name(cls))
             try:
                 cls = type(probe.call(f"{environment}()", options.get("timeout_s", EpisodeSpec.timeout_s), cls))
             finally:
@@ -179,7 +179,7 @@ class Calls:
         self.jobs.put((func, args, kwargs, out, done))
         if not done.wait(timeout_s):
             self.stuck = what
-            raise Overran(f"{what} did not return within {timeout_s:g} s (task.environment_timeout_s)")
+            raise _overran(what, timeout_s)
         if "error" in out:
             e = out["error"]
             raise EnvironmentFailed(f"{what} raised {type(e).__name__}: {e}") from e
@@ -201,7 +201,7 @@ class Calls:
             results = future.result(timeout_s)
         except TimeoutError:
             future.cancel()
-            raise Overran(f"{what} did not return within {timeout_s:g} s (task.environment_timeout_s)") from None
+            raise _overran(what, timeout_s) from None
         return results
 
     def close(self) -> None:
@@ -222,6 +222,18 @@ class Calls:
             finally:
                 del func, args, kwargs
             done.set()
+
+
+def _overran(what: str, timeout_s: float) -> Overran:
+    return Overran(f"{what} did not return within {timeout_s:g} s (task.environment_timeout_s)")
+
+
+def factory_name(factory: Any) -> str:
+    """An environment factory's name in messages and thread names: a class's, or a function's (TRL takes any
+    callable); ``tools`` when there is none (plain tools)."""
+    if factory is None:
+        return "tools"
+    return getattr(factory, "__qualname__", None) or getattr(factory, "__name__", None) or repr(factory)
 
 
 def public_state(env: Any) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from echo2.records import Completion, SamplingParams
-from echo2.tasks.environments.contracts import EnvironmentFailed, EpisodeSpec, import_object
+from echo2.tasks.environments.contracts import Calls, EnvironmentFailed, EpisodeSpec, factory_name, import_object
 from echo2.tasks.environments.sessions import open_session
 
 log = logging.getLogger(__name__)
@@ -216,14 +216,13 @@ class Episodes:
         return left
 
     def _start(self, env_cls: type | None, tools: list[Any], row: dict) -> Trajectory:
-        session = None
+        calls = Calls(factory_name(env_cls))
         try:
-            session = open_session(self.spec, env_cls, tools, row)
+            session = open_session(self.spec, env_cls, tools, row, calls)
             prompt = session.start(row)
             t = Trajectory(prompt=prompt, prompt_ids=self.prompt_ids(prompt), session=session)
         except BaseException as e:
-            if session is not None:
-                session.calls.close()
+            calls.close()
             if not isinstance(e, EnvironmentFailed):
                 raise
             t = Trajectory(prompt=row["prompt"], prompt_ids=self.prompt_ids(row["prompt"]), error=str(e))

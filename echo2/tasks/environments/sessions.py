@@ -5,8 +5,9 @@ model turn with observation messages (or ending the episode), and giving its rew
     act(turn)  -> observation messages, or None when the episode is over (turn: the model's parsed message and text)
     finish()   -> the environment's own reward (None: none), then its public state; closes it
 
-Each call into the environment goes through the session's ``Calls`` (the environment's own thread, its time limit);
-an ``EnvironmentFailed`` out of any of them ends the trajectory. ``finish`` ends the thread.
+Each call into the environment goes through the ``Calls`` the session is handed (the environment's own thread, its
+time limit; the episode that opens a session closes it if the session fails to start); an ``EnvironmentFailed`` out
+of any of them ends the trajectory. ``finish`` ends the thread.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import copy
 import logging
 from typing import Any
 
-from echo2.tasks.environments.contracts import (Calls, EnvironmentFailed, EpisodeSpec, Overran, public_state,
-                                                tool_names)
+from echo2.tasks.environments.contracts import (Calls, EnvironmentFailed, EpisodeSpec, Overran, factory_name,
+                                                public_state, tool_names)
 from echo2.tasks.rewards import is_async
 
 log = logging.getLogger(__name__)
@@ -25,14 +26,9 @@ log = logging.getLogger(__name__)
 class TrlSession:
     """TRL's environment_factory contract (or plain tools without an environment), as GRPOTrainer runs it."""
 
-    def __init__(self, spec: EpisodeSpec, env_cls: type | None, tools: list[Any]):
-        self.spec = spec
-        self.calls = Calls(getattr(env_cls, "__name__", "tools"))
-        try:
-            self.env = self.calls.call(f"{_name(env_cls)}()", spec.timeout_s, env_cls) if env_cls else None
-        except EnvironmentFailed:
-            self.calls.close()
-            raise
+    def __init__(self, spec: EpisodeSpec, env_cls: type | None, tools: list[Any], calls: Calls):
+        self.spec, self.calls = spec, calls
+        self.env = calls.call(f"{factory_name(env_cls)}()", spec.timeout_s, env_cls) if env_cls else None
         methods = [getattr(self.env, name) for name in tool_names(type(self.env))] if env_cls else []
         self.tools = {t.__name__: t for t in [*tools, *methods]}
         self.tool_calls = self.tool_errors = 0
@@ -104,11 +100,6 @@ class TrlSession:
         return reward, public_state(self.env) if self.env is not None else {}
 
 
-def _name(factory: Any) -> str:
-    """An environment factory's name in messages: a class's name, or a function's (a factory of TRL's kind)."""
-    return getattr(factory, "__qualname__", None) or getattr(factory, "__name__", None) or repr(factory)
-
-
 def _tool_message(name: str, result: Any) -> dict:
     """TRL's tool message: a list result (content blocks) as it is, anything else as text."""
     return {"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
@@ -119,21 +110,16 @@ class SkyrlSession:
 
     warned_postprocessed = False
 
-    def __init__(self, spec: EpisodeSpec, env_cls: type, row: dict[str, Any]):
+    def __init__(self, spec: EpisodeSpec, env_cls: type, row: dict[str, Any], calls: Calls):
         from omegaconf import OmegaConf
 
-        self.spec = spec
+        self.spec, self.calls = spec, calls
         extras = {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
         if spec.max_turns is not None:
             extras["max_turns"] = spec.max_turns  # SkyRL's generator hands its max_turns the same way
         config = OmegaConf.create(dict(spec.environment_config))
-        self.calls = Calls(env_cls.__name__)
-        try:
-            self.env = self.calls.call(f"{env_cls.__name__}(env_config, extras)", spec.timeout_s, env_cls,
-                                       env_config=config, extras=extras)
-        except EnvironmentFailed:
-            self.calls.close()
-            raise
+        self.env = calls.call(f"{env_cls.__name__}(env_config, extras)", spec.timeout_s, env_cls,
+                              env_config=config, extras=extras)
         self.rewards: list[float] = []
         self.metadata: dict = {}
         self.tool_calls = self.tool_errors = 0
@@ -165,8 +151,10 @@ class SkyrlSession:
         return (sum(self.rewards) if self.rewards else None), state
 
 
-def open_session(spec: EpisodeSpec, env_cls: type | None, tools: list[Any], row: dict[str, Any]) -> Any:
-    """A new environment for one rollout (one instance per rollout, as both trainers make them)."""
+def open_session(spec: EpisodeSpec, env_cls: type | None, tools: list[Any], row: dict[str, Any],
+                 calls: Calls) -> Any:
+    """A new environment for one rollout (one instance per rollout, as both trainers make them), called through
+    ``calls``."""
     if spec.contract == "skyrl":
-        return SkyrlSession(spec, env_cls, row)
-    return TrlSession(spec, env_cls, tools)
+        return SkyrlSession(spec, env_cls, row, calls)
+    return TrlSession(spec, env_cls, tools, calls)
