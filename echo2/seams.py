@@ -108,9 +108,10 @@ class RolloutSource(Protocol):
         """Called once per step after ``collect``; namespaced counters the source wants logged."""
         ...
 
-    def checkpoint(self) -> dict[str, Any]:
+    def checkpoint(self, kept: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """Called when the learner saves a checkpoint (between steps); JSON-able state to resume the source from,
-        handed back to the source's constructor as ``resume``."""
+        handed back to the source's constructor as ``resume``. ``kept``: what it returned for the earlier
+        checkpoints a resume may still use (None: all of them), so that it may forget what only older ones need."""
         ...
 
     def on_resume(self, version: int, weights: Weights) -> None:
@@ -228,8 +229,9 @@ class CoordinatorCalls(Protocol):
         """Workers, registrations, what is buffered and in flight (tools, tests, the learner's wait lines)."""
         ...
 
-    def mark(self) -> int:
-        """The journal's length, fsynced: where a learner checkpoint taken now resumes from."""
+    def mark(self, keep_from: int | None = None) -> int:
+        """The journal's length, fsynced: where a learner checkpoint taken now resumes from. ``keep_from``: the
+        oldest kept checkpoint's mark (None: all are kept); the journal may drop what precedes it."""
         ...
 
     def check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:

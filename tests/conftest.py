@@ -293,7 +293,7 @@ class WrappedSource:
     def metrics(self):
         return {}
 
-    def checkpoint(self):
+    def checkpoint(self, kept=None):
         return {}
 
     def on_resume(self, version, policy):

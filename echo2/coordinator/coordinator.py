@@ -129,6 +129,7 @@ class Coordinator:
         self.reg = Registry(self.liveness)
         self.dataset = dataset
         self.ledger = open_ledger(journal, recover, group_size, len(dataset), s.seed)
+        self.ledger.compact_bytes = int(s.journal_compact_mb * (1 << 20))
         self.registered = 0
         self.evals = (evaluation.WorkerEval(eval_rows, [self.encode(r) for r in eval_rows], s.episode is not None)
                       if eval_rows is not None else None)
@@ -595,11 +596,12 @@ class Coordinator:
         for group in self.buffer.evict_stale(self.version):
             self.ledger.drop(group.group_id, "stale", requeue=False)
 
-    def mark(self) -> int:
+    def mark(self, keep_from: int | None = None) -> int:
         """A point to resume from (the learner is between steps): the journal's length now, written and fsynced
-        (raises if the journal cannot be written: a checkpoint must not record a point it does not reach)."""
+        (raises if the journal cannot be written: a checkpoint must not record a point it does not reach).
+        ``keep_from``: the oldest kept checkpoint's mark; the journal drops what precedes it once that is long."""
         with self.lock:
-            return self.ledger.sync()
+            return self.ledger.sync(keep_from)
 
     def metrics(self) -> dict[str, float]:
         with self.lock:

@@ -9,6 +9,12 @@ position) and fsyncs it, so recovery never reads the journal from byte 0: a lear
 that ends at its checkpoint's offset, a coordinator restart the last intact state line, and each replays only the
 lines after it. Recovery time is bounded by what happened since the last checkpoint, not by the run's length.
 
+The file's length is bounded too: at a checkpoint, once what precedes the state line of the oldest checkpoint a
+resume may still use is long (``Ledger.compact_bytes``), the journal is rewritten without it (``Ledger.sync``). Offsets stay
+the journal's own (a checkpoint's offset still names the same line): a rewritten journal's first line is a base
+line, ``["b","<offset>"]``, the offset its next byte had, and every reader here takes and gives offsets in the
+journal's numbering, never the file's (``shift``).
+
 What lies before that state line is the fsynced truth: a state line that does not parse, or a prefix that does not
 replay, is a clear error, never skipped. What follows it was not fsynced, and after a machine crash it may hold a
 zero page or garbage with intact lines after it: there every line is checked (``check``: its shape, and that it
@@ -26,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 STATE_PREFIX = b'["s",'  # how a state line starts (ledger.Event.STATE, compact separators)
+BASE_PREFIX = b'["b","'  # how a rewritten journal's base line starts (its offset: 20 digits, so one fixed length)
 SCAN_BYTES = 1 << 20  # the first window searched backwards for a state line; grown 4x until one is found
 _GROUP = re.compile(r"g\d{1,18}\Z")
 _WORKER = re.compile(r"w\d{1,18}\Z")
@@ -34,14 +41,49 @@ log = logging.getLogger(__name__)
 _STATE_KEYS = ("drawn", "next_group", "next_worker", "requeue", "open", "rollouts", "dropped", "lost", "by_worker")
 
 
-def read(path: str, start: int = 0, end: int | None = None) -> bytes:
+def base_line(offset: int) -> bytes:
+    """The first line of a rewritten journal: the offset its next byte had (so that offsets never change)."""
+    return BASE_PREFIX + b"%020d" % offset + b'"]\n'
+
+
+BASE_LINE_BYTES = len(base_line(0))
+
+
+def first_and_shift(path: str) -> tuple[int, int]:
+    """(the journal's first offset it still holds, file position minus journal offset): (0, 0) for a journal never
+    rewritten. A first line that starts as a base line but is not one is an error (it is the fsynced part)."""
     with open(path, "rb") as f:
-        f.seek(start)
+        head = f.read(BASE_LINE_BYTES)
+    if not head.startswith(BASE_PREFIX):
+        return 0, 0
+    digits = head[len(BASE_PREFIX):len(BASE_PREFIX) + 20]
+    if not (digits.isdigit() and head == base_line(int(digits))):
+        raise ValueError(f"journal {path}: a damaged base line {head[:40]!r}")
+    return int(digits), BASE_LINE_BYTES - int(digits)
+
+
+def size(path: str) -> int:
+    """The journal's length in its own numbering (the file's, for one never rewritten)."""
+    return os.path.getsize(path) - first_and_shift(path)[1]
+
+
+def read(path: str, start: int = 0, end: int | None = None) -> bytes:
+    """The journal's bytes from offset ``start`` (to ``end``); ValueError if the rewrite dropped them."""
+    first, shift = first_and_shift(path)
+    if start < first:
+        raise ValueError(f"journal {path}: byte {start} was compacted away (it now starts at byte {first}, the "
+                         "state line of the oldest checkpoint kept when it was rewritten)")
+    with open(path, "rb") as f:
+        f.seek(start + shift)
         return f.read() if end is None else f.read(end - start)
 
 
 def line_ending_at(path: str, offset: int) -> bytes:
-    """The whole line whose newline is the byte before ``offset`` (without it)."""
+    """The whole line whose newline is the byte before journal offset ``offset`` (without it)."""
+    first, shift = first_and_shift(path)
+    if offset <= first:
+        raise ValueError(f"journal {path}: byte {offset} was compacted away (it now starts at byte {first})")
+    offset += shift
     with open(path, "rb") as f:
         window = 4096
         while True:
@@ -57,13 +99,14 @@ def line_ending_at(path: str, offset: int) -> bytes:
 def last_state(path: str, group_size: int) -> tuple[int, dict] | None:
     """(the offset just past it, the state) of the journal's last state line that parses and balances; None if it
     has none. Searches backwards from the end, reading only as much of the file as it must."""
-    size = os.path.getsize(path)
+    shift = first_and_shift(path)[1]
+    end = os.path.getsize(path)
     with open(path, "rb") as f:
         window = SCAN_BYTES
         while True:
-            lo = max(0, size - window)
+            lo = max(0, end - window)
             f.seek(lo)
-            data = f.read(size - lo)
+            data = f.read(end - lo)
             i = data.rfind(STATE_PREFIX)
             while i >= 0:
                 starts_line = data[i - 1:i] == b"\n" if i > 0 else lo == 0
@@ -71,7 +114,7 @@ def last_state(path: str, group_size: int) -> tuple[int, dict] | None:
                 if starts_line and nl >= 0:
                     state = state_of(data[i:nl], group_size, strict=False)
                     if state is not None:
-                        return lo + nl + 1, state
+                        return lo + nl + 1 - shift, state
                 i = data.rfind(STATE_PREFIX, 0, i)
             if lo == 0:
                 return None

@@ -33,15 +33,19 @@ damaged line there (a zero page after a machine crash) is skipped and counted (j
   clear error: it is another run's, or was cut); a torn last line (the process died mid-write) is cut off.
 
 Either way a ``state`` line records the recovered state, so replaying the whole journal again gives it back.
+At a checkpoint the learner names the oldest checkpoint it still keeps, and once what precedes that one's state
+line is long (``compact_bytes``) the journal is rewritten without it (``compact``), offsets unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
 import random
+import shutil
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -106,7 +110,9 @@ class Ledger:
     refused: Counter = field(default_factory=Counter)  # reason -> results refused unread (replays, ...)
     journal: Any = None  # an open binary file (unbuffered), or None
     valid_bytes: int | None = None  # set by replay: the journal's length up to its last whole line
-    written_bytes: int = 0  # the journal's length: whole lines only
+    written_bytes: int = 0  # the journal's length: whole lines only (journal offsets, as every offset here)
+    shift: int = 0  # file position minus journal offset: not 0 once the journal was rewritten (journal.py)
+    compact_bytes: int | None = None  # rewrite at a checkpoint once this much precedes the oldest kept one (None: never)
     pending: list = field(default_factory=list)  # lines applied but not yet written (the disk refused them)
     journal_errors: int = 0  # failed writes
     damaged_lines: int = 0  # lines skipped by a recovery: past the last fsynced state line, and not whole
@@ -190,11 +196,12 @@ class Ledger:
     def open_journal(self, path: str) -> int:
         """Append transitions to ``path`` from now on; returns its length (a resume point). A replayed ledger
         first cuts off a torn last line, so that what follows it is not glued to it."""
-        size = os.path.getsize(path) if os.path.exists(path) else 0
+        self.shift = jr.first_and_shift(path)[1] if os.path.exists(path) else 0
+        size = os.path.getsize(path) - self.shift if os.path.exists(path) else 0
         if self.valid_bytes is not None and size > self.valid_bytes:
             log.warning("journal %s: cutting off a torn last line (%d bytes) before appending", path,
                         size - self.valid_bytes)
-            os.truncate(path, self.valid_bytes)
+            os.truncate(path, self.valid_bytes + self.shift)
             size = self.valid_bytes
         self.journal = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
         self.written_bytes = size
@@ -205,9 +212,11 @@ class Ledger:
         ``pending`` is empty: ``sync`` first)."""
         return self.written_bytes if self.journal is not None else 0
 
-    def sync(self) -> int:
+    def sync(self, keep_from: int | None = None) -> int:
         """A checkpoint's point: a state line (the one a resume from here starts from, and a restart too while it is
-        the last), everything pending written, fsynced. Raises JournalError if the disk refuses."""
+        the last), everything pending written, fsynced. Raises JournalError if the disk refuses. ``keep_from``: the
+        offset of the oldest checkpoint a resume may still use (None: every one): what precedes its state line may
+        go (``compact``)."""
         if self.journal is None:
             return 0
         if not self.state_last:
@@ -217,7 +226,47 @@ class Ledger:
             raise JournalError(f"the rollout journal {self.journal.name!r} cannot be written ({len(self.pending)} "
                                "lines held in memory; a full disk?): a checkpoint now could not be resumed from")
         os.fsync(self.journal.fileno())
+        if keep_from is not None and self.compact_bytes is not None:
+            self.compact(keep_from, self.compact_bytes)
         return self.written_bytes
+
+    def compact(self, keep_from: int, threshold_bytes: int) -> bool:
+        """Rewrite the journal without what precedes the state line ending at offset ``keep_from`` (a kept
+        checkpoint's), once that is at least ``threshold_bytes``: the rewrite goes to a new
+        file, fsynced, then renamed over the journal, so a crash leaves the old journal or the new one, whole. Offsets
+        do not change (the new file's base line). A disk that refuses the copy leaves the journal as it was (said);
+        returns whether it was rewritten."""
+        path = self.journal.name
+        first, shift = jr.first_and_shift(path)
+        line = jr.line_ending_at(path, keep_from) if first < keep_from <= self.written_bytes else b""
+        if jr.state_of(line, self.group_size, strict=False) is None:
+            log.warning("journal %s: not compacted: byte %d does not end a state line (not a checkpoint's)", path,
+                        keep_from)
+            return False
+        cut = keep_from - len(line) - 1
+        if cut - first < threshold_bytes:
+            return False
+        tmp = path + ".compacting"
+        try:
+            with open(path, "rb") as src, open(tmp, "wb") as dst:
+                dst.write(jr.base_line(cut))
+                src.seek(cut + shift)
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, path)
+            _fsync_directory(os.path.dirname(os.path.abspath(path)))
+        except OSError as e:
+            log.error("journal %s: not compacted (%s); it goes on growing until a checkpoint can", path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return False
+        self.journal.close()
+        self.journal = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
+        self.shift = jr.BASE_LINE_BYTES - cut
+        log.info("journal %s: compacted, %.1f MB before byte %d dropped (before the oldest kept checkpoint's state)",
+                 path, (cut - first) / 1e6, cut)
+        return True
 
     def close(self) -> None:
         if self.journal is not None:
@@ -248,7 +297,7 @@ class Ledger:
                     log.error("journal %s: write failed (%s; %d failures); %d lines held in memory until it "
                               "succeeds", self.journal.name, e, self.journal_errors, len(self.pending))
                 try:
-                    os.ftruncate(self.journal.fileno(), self.written_bytes)
+                    os.ftruncate(self.journal.fileno(), self.written_bytes + self.shift)
                 except OSError:
                     log.exception("journal %s: could not cut a partial line off", self.journal.name)
                 return
@@ -267,11 +316,11 @@ class Ledger:
 
     @classmethod
     def replay(cls, path: str, group_size: int, n_rows: int, seed: int, upto: int | None = None) -> "Ledger":
-        """The ledger as the journal at ``path`` left it (its first ``upto`` bytes only, if given)."""
-        with open(path, "rb") as f:
-            data = f.read() if upto is None else f.read(upto)
+        """The ledger as the journal at ``path`` left it (up to offset ``upto`` only, if given)."""
+        first = jr.first_and_shift(path)[0]
         led = cls(group_size, n_rows, seed)
-        led._replay(data, path, warn_torn=upto is None)
+        led._replay(jr.read(path, first, upto), path, warn_torn=upto is None)
+        led.valid_bytes += first
         return led._restream()
 
     def _replay(self, data: bytes, path: str, warn_torn: bool = True, first_line: int = 1) -> None:
@@ -387,7 +436,12 @@ class Ledger:
     def after_learner_resume(cls, path: str, offset: int, group_size: int, n_rows: int, seed: int) -> "Ledger":
         """The books and data position for a learner resuming from the checkpoint taken at journal length
         ``offset`` (see the module doc)."""
-        size = os.path.getsize(path)
+        size = jr.size(path)
+        first = jr.first_and_shift(path)[0]
+        if offset and offset <= first:
+            raise ValueError(f"journal {path} was compacted and starts at byte {first}: the checkpoint's position, "
+                             f"byte {offset}, is no longer in it (that checkpoint was older than the oldest one kept "
+                             "when it was rewritten); resume from a newer checkpoint")
         if offset > size or (offset and jr.read(path, offset - 1, offset) != b"\n"):
             where = "past its end" if offset > size else "inside a line"
             raise ValueError(f"journal {path} is {size} bytes and the checkpoint's position, byte {offset}, is "
@@ -452,3 +506,12 @@ def open_ledger(journal: str | None, recover: dict | None, group_size: int, n_ro
             os.unlink(journal)  # a fresh run in a used directory: the old journal is not this run's
         led.open_journal(journal)
     return led
+
+
+def _fsync_directory(path: str) -> None:
+    """Make a rename in directory ``path`` durable (a crash after it then finds the new name)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

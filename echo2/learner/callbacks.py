@@ -47,6 +47,17 @@ def checkpoints_to_remove(found: dict[int, bool], keep: int) -> list[int]:
     return sorted(step for step in found if step not in kept)
 
 
+def kept_source_states(output_dir: Path, keep: int | None) -> list[dict[str, Any]] | None:
+    """What the rollout source saved in each checkpoint a resume may still use once the next one is saved: the
+    newest ``keep`` complete ones now (the rotation after the next save keeps a subset of them; should that save fail,
+    exactly them). None where every checkpoint is kept."""
+    if not keep:
+        return None
+    found = sorted((int(p.name.rpartition("-")[2]), p) for p in output_dir.glob("checkpoint-*")
+                   if p.name.rpartition("-")[2].isdigit() and (p / CHECKPOINT_STATE).is_file())
+    return [json.loads((p / CHECKPOINT_STATE).read_text())["source"] for _, p in found[-keep:]]
+
+
 class SourceVersions(TrainerCallback):
     """Keeps the rollout source in step with the learner's versions."""
 
@@ -69,7 +80,8 @@ class SourceVersions(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         """After TRL saved weights, optimizer, scheduler, RNG and step: add what the rollout plane needs. A
         checkpoint without this file is incomplete and is not resumed from."""
-        source_state = self.trainer.rollout_source.checkpoint()
+        kept = kept_source_states(Path(args.output_dir), self.keep_checkpoints) if state.is_world_process_zero else None
+        source_state = self.trainer.rollout_source.checkpoint(kept)
         if state.is_world_process_zero:
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_STATE
             tmp = path.with_suffix(".tmp")

@@ -147,8 +147,8 @@ class ShardedSource:
     def on_check(self, stats: dict[str, tuple[int, float, float]]) -> list[str]:
         return self._share(lambda: self.source.on_check(stats))
 
-    def checkpoint(self) -> dict[str, Any]:
-        return self._share(lambda: self.source.checkpoint())
+    def checkpoint(self, kept: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return self._share(lambda: self.source.checkpoint(kept))
 
     def close(self) -> dict[str, Any]:
         """Rank 0 stops the pool and the coordinator; every rank returns the accounting. No collective here: close

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from echo2.coordinator import journal as jr
 from echo2.coordinator.ledger import BUFFERED, IN_FLIGHT, Ledger
 
 G, ROWS = 4, 7
@@ -151,6 +152,10 @@ def test_no_bytes_make_recovery_fail_unhelpfully(data, offset):
         path = os.path.join(d, "j")
         with open(path, "wb") as f:
             f.write(data)
+        if data.startswith(jr.BASE_PREFIX):  # a rewritten journal's first line, fsynced: damage there is said
+            with pytest.raises(ValueError, match=f"journal {path}: a damaged base line"):
+                Ledger.after_coordinator_restart(path, G, ROWS, 0)
+            return
         assert balanced(Ledger.after_coordinator_restart(path, G, ROWS, 0).accounting())
         with open(path, "wb") as f:
             f.write(data)
@@ -234,3 +239,123 @@ def test_each_checkpoint_writes_one_state_line(tmp_path):
     led.close()
     assert [line[:5] for line in path.read_bytes().splitlines()] == [b'["d",', b'["s",', b'["d",', b'["s",']
     assert Ledger.replay(str(path), G, ROWS, 0).requeue == deque()
+
+
+# ---------------------------------------------------------------------- compaction
+
+
+def twins(d: str, ops: list[tuple[int, int]], marks: list[int], keep: int):
+    """The same transitions into two journals, a checkpoint after each op in ``marks``; one of them compacted at
+    every checkpoint (threshold 0) down to the oldest of its ``keep`` newest earlier checkpoints, as the learner's
+    rotation asks. Returns (compacted path, plain path, [(offset, position, state) per checkpoint], compactions)."""
+    paths = [os.path.join(d, "compacted"), os.path.join(d, "plain")]
+    leds = [Ledger(G, ROWS, 0) for _ in paths]
+    for led, path in zip(leds, paths):
+        led.open_journal(path)
+    checkpoints, compactions = [], 0
+    for i, (op, pick) in enumerate(ops):
+        for led in leds:
+            step(led, op, pick)
+        if i in marks:
+            offsets = [c[0] for c in checkpoints[-keep:]]
+            keep_from = min(offsets) if offsets else None
+            compacted, plain = leds[0].sync(), leds[1].sync()
+            assert compacted == plain  # offsets are the journal's own, rewritten or not
+            if keep_from is not None:
+                compactions += leds[0].compact(keep_from, threshold_bytes=0)
+            checkpoints.append((plain, position_of(leds[1]), json.loads(json.dumps(leds[1].state()))))
+    for op, pick in ops[:20]:  # and the journal goes on after the last rewrite
+        for led in leds:
+            step(led, op, pick)
+    assert leds[0].position() == leds[1].position()
+    for led in leds:
+        led.close()
+    return *paths, checkpoints, compactions
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 1000)), min_size=20, max_size=150),
+       marks=st.sets(st.integers(0, 149), min_size=1, max_size=8), keep=st.integers(1, 3))
+def test_a_compacted_journal_recovers_as_the_whole_one_does(ops, marks, keep):
+    """Rewritten at every checkpoint, the journal keeps what every kept checkpoint needs: a resume from each of them,
+    and a restart, give the books the whole journal gives; an older checkpoint is refused with a clear error."""
+    with tempfile.TemporaryDirectory() as d:
+        compacted, plain, checkpoints, _ = twins(d, ops, {m % len(ops) for m in marks}, keep)
+        first = jr.first_and_shift(compacted)[0]
+        for offset, position, _ in checkpoints:
+            copies = []
+            for name, src in (("c", compacted), ("p", plain)):
+                copies.append(os.path.join(d, f"{name}-{offset}"))
+                with open(src, "rb") as f, open(copies[-1], "wb") as g:
+                    g.write(f.read())
+            if offset <= first:
+                with pytest.raises(ValueError, match="was compacted and starts at byte"):
+                    Ledger.after_learner_resume(copies[0], offset, G, ROWS, 0)
+                continue
+            resumed = [Ledger.after_learner_resume(c, offset, G, ROWS, 0) for c in copies]
+            assert resumed[0].state() == resumed[1].state() and position_of(resumed[0]) == position
+            assert resumed[0].position() == resumed[1].position()
+        assert checkpoints[-1][0] > first  # the newest checkpoint is always kept
+        restarted = [Ledger.after_coordinator_restart(p, G, ROWS, 0).state() for p in (compacted, plain)]
+        assert restarted[0] == restarted[1]
+        assert Ledger.replay(compacted, G, ROWS, 0).state() == Ledger.replay(plain, G, ROWS, 0).state()
+
+
+def test_compaction_bounds_the_file_and_keeps_offsets(tmp_path):
+    """A long run's journal, rewritten at each checkpoint, stays near what its kept checkpoints span; each rewrite
+    keeps the journal's offsets (a second rewrite of a rewritten journal too), and garbage past the last checkpoint
+    still leaves both recoveries going."""
+    rng = random.Random(3)
+    ops = [(rng.randrange(10), rng.randrange(1000)) for _ in range(3000)]
+    compacted, plain, checkpoints, compactions = twins(str(tmp_path), ops, set(range(199, 3000, 200)), keep=2)
+    assert compactions == 14  # from the second checkpoint on (the first is then the oldest kept), one rewrite each
+    assert os.path.getsize(compacted) < os.path.getsize(plain) / 5
+    first = jr.first_and_shift(compacted)[0]
+    assert first > 0 and open(compacted, "rb").read().startswith(jr.base_line(first))
+    assert jr.read(compacted, first) == open(plain, "rb").read()[first:]
+    damage(compacted, os.path.getsize(compacted) - 1, "garbage", 0.0, 300)
+    offset = checkpoints[-2][0]
+    led = Ledger.after_learner_resume(compacted, offset, G, ROWS, 0)
+    assert position_of(led) == checkpoints[-2][1] and balanced(led.accounting())
+    assert balanced(Ledger.after_coordinator_restart(compacted, G, ROWS, 0).accounting())
+
+
+def test_compaction_waits_for_its_threshold_and_a_state_line(tmp_path):
+    path = str(tmp_path / "j")
+    led = Ledger(G, ROWS, 0)
+    led.open_journal(path)
+    for _ in range(5):
+        led.draw()
+    first = led.sync()
+    for _ in range(5):
+        led.draw()
+    led.sync()
+    size = os.path.getsize(path)
+    assert not led.compact(first, 1 << 20)  # under its threshold: nothing rewritten
+    assert not led.compact(first - 3, threshold_bytes=0)  # not a state line's end: refused, said
+    assert os.path.getsize(path) == size
+    assert led.compact(first, threshold_bytes=0)
+    assert jr.first_and_shift(path)[0] == first - len(jr.line_ending_at(path, first)) - 1
+    led.close()
+
+
+def test_a_rewrite_the_disk_refuses_leaves_the_journal_whole(tmp_path, monkeypatch, caplog):
+    path = str(tmp_path / "j")
+    led = Ledger(G, ROWS, 0)
+    led.open_journal(path)
+    led.draw()
+    first = led.sync()
+    led.draw()
+    before = (led.sync(), open(path, "rb").read())
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("shutil.copyfileobj", full)
+    assert not led.compact(first, threshold_bytes=0)
+    assert "not compacted" in caplog.text and not os.path.exists(path + ".compacting")
+    assert open(path, "rb").read() == before[1]
+    led.draw()  # and the journal goes on being written where it was
+    assert led.sync() > before[0]
+    led.close()
+    assert Ledger.replay(path, G, ROWS, 0).drawn == 3

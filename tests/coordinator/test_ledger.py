@@ -247,6 +247,31 @@ def test_the_journal_is_fsynced_at_a_checkpoint(tmp_path, tiny_model_dir, monkey
         coord.close()
 
 
+def test_a_coordinators_mark_compacts_its_journal_down_to_the_oldest_kept_checkpoint(tiny_model_dir, tmp_path):
+    """Through the coordinator's own mark (what the learner's checkpoint calls): the journal's prefix before the
+    kept checkpoint's state line goes, its offsets stay, and a resume from that checkpoint gives the same books."""
+    from conftest import small_coordinator
+    from echo2.coordinator import journal as jr
+
+    path = str(tmp_path / "rollouts.journal")
+    coord = small_coordinator(tiny_model_dir, journal=path, journal_compact_mb=0)
+    try:
+        for _ in range(3):
+            coord.ledger.draw()
+        kept = coord.mark()
+        whole = open(path, "rb").read()
+        for _ in range(3):
+            coord.ledger.draw()
+        end = coord.mark(keep_from=kept)
+        assert jr.first_and_shift(path)[0] == whole.rfind(b"\n", 0, kept - 1) + 1 > 0
+        assert jr.size(path) == end and jr.read(path, end - 1, end) == b"\n"
+        assert os.path.getsize(path) < end
+    finally:
+        coord.close()
+    resumed = Ledger.after_learner_resume(path, kept, 2, 20, 0)
+    assert resumed.drawn == 3 and len(resumed.requeue) == 3 and resumed.rollouts["dispatched"] == 6 * 2
+
+
 def test_the_checkpoint_state_file_is_fsynced(tmp_path, monkeypatch):
     """echo2_state.json (the version and journal offset a resume starts from) reaches the disk before its name."""
     from types import SimpleNamespace
@@ -257,7 +282,7 @@ def test_the_checkpoint_state_file_is_fsynced(tmp_path, monkeypatch):
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
     (tmp_path / "checkpoint-3").mkdir()
-    trainer = SimpleNamespace(rollout_source=SimpleNamespace(checkpoint=lambda: {"version": 3, "journal_offset": 7}))
+    trainer = SimpleNamespace(rollout_source=SimpleNamespace(checkpoint=lambda kept: {"version": 3, "journal_offset": 7}))
     SourceVersions(trainer).on_save(SimpleNamespace(output_dir=str(tmp_path)),
                                     SimpleNamespace(global_step=3, is_world_process_zero=True), None)
     assert json.loads((tmp_path / "checkpoint-3" / CHECKPOINT_STATE).read_text())["source"]["journal_offset"] == 7

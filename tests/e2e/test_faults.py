@@ -97,9 +97,11 @@ def test_a_killed_learner_resumes_from_its_checkpoint_with_a_gapless_consumed_lo
     resumes from the newest checkpoint (it says which): the step count, data position and rollout books come back,
     so the consumed-rollout log covers every step once, no group twice, each within the staleness bound across
     the restart; the books balance, with the dead run's post-checkpoint work counted (dropped:
-    discarded_by_resume / learner_restart). Weights, optimizer and RNG are restored by the HF Trainer's own
-    resume; this test does not compare them."""
+    discarded_by_resume / learner_restart). The journal is rewritten at every checkpoint (journal_compact_mb=0), so
+    the resume reads a compacted one. Weights, optimizer and RNG are restored by the HF Trainer's own resume; this
+    test does not compare them."""
     args = [sys.executable, "train.py", "pool.engine=hf", "run.steps=25", "run.save_every_steps=5",
+            "rollout.source.journal_compact_mb=0",
             "run.eval_every_steps=0", "run.progress=false", "run.wandb=disabled", f"hydra.run.dir={tmp_path}"]
     env = dict(os.environ)
     first = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -117,6 +119,7 @@ def test_a_killed_learner_resumes_from_its_checkpoint_with_a_gapless_consumed_lo
     saved = [int(p.parent.name.split("-")[1]) for p in (tmp_path / "trainer").glob("checkpoint-*/echo2_state.json")]
     resume_step = max(saved)
     assert 10 <= resume_step <= killed_at
+    assert (tmp_path / "rollouts.journal").read_bytes().startswith(b'["b","')  # compacted at step 10
     wait_until(lambda: not any(alive(p) for p in family), timeout_s=30,
                what="the killed learner's coordinator and workers to exit")
     assert not [p for p in family if alive(p)], "the learner's coordinator or workers outlived it"

@@ -35,10 +35,10 @@ class KilledAtSave:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def checkpoint(self):
+    def checkpoint(self, kept=None):
         if self.trainer.state.global_step == self.at:
             raise OSError("killed while saving")
-        return self.inner.checkpoint()
+        return self.inner.checkpoint(kept)
 
 
 def test_a_kill_while_saving_leaves_a_complete_checkpoint_with_one_kept(tmp_path):
@@ -62,3 +62,50 @@ def test_one_kept_means_one_left(tmp_path):
                                                    "run.keep_checkpoints=1"])
     trainer.train()
     assert sorted(p.name for p in Path(tmp_path, "trainer").glob("checkpoint-*")) == ["checkpoint-3"]
+
+
+def test_each_save_tells_the_source_which_checkpoints_a_resume_may_still_use(tmp_path):
+    """With keep_checkpoints=2 the rotation after a save keeps the new checkpoint and the newest complete one before
+    it (or, if the save fails, the two newest complete ones): the source is told the two newest complete ones, an
+    incomplete one never, so that what its journal drops no kept checkpoint needs."""
+    import json
+    from types import SimpleNamespace
+
+    from echo2.learner.callbacks import SourceVersions
+
+    told = []
+
+    def checkpoint(kept):
+        told.append(kept)
+        return {"journal_offset": 10 * step}
+
+    trainer = SimpleNamespace(rollout_source=SimpleNamespace(checkpoint=checkpoint))
+    callback = SourceVersions(trainer, keep_checkpoints=2)
+    for step in (1, 2, 3, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if step == 3:  # a wreck (killed while saving) beside the complete ones: never named
+            (tmp_path / "checkpoint-9").mkdir()
+        callback.on_save(SimpleNamespace(output_dir=str(tmp_path)),
+                         SimpleNamespace(global_step=step, is_world_process_zero=True), None)
+    offsets = [[k["journal_offset"] for k in kept] for kept in told]
+    assert offsets == [[], [10], [10, 20], [20, 30]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    assert json.loads((tmp_path / "checkpoint-4" / CHECKPOINT_STATE).read_text())["source"] == {"journal_offset": 40}
+    told.clear()
+    SourceVersions(trainer, keep_checkpoints=None).on_save(  # every checkpoint kept: nothing may be dropped
+        SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=4, is_world_process_zero=True), None)
+    assert told == [None]
+
+
+def test_the_async_source_asks_the_journal_to_keep_from_its_oldest_kept_checkpoint():
+    from types import SimpleNamespace
+
+    from echo2.learner.sources.async_source import AsyncRolloutSource
+
+    asked = []
+    coordinator = SimpleNamespace(mark=lambda keep_from: asked.append(keep_from) or 99)
+    source = SimpleNamespace(version=5, _retry=lambda call: call(coordinator))
+    for kept in (None, [], [{"version": 2, "journal_offset": 40}, {"version": 1, "journal_offset": 20}],
+                 [{"version": 1}, {"version": 2, "journal_offset": 40}]):  # one saved by another source: keep all
+        assert AsyncRolloutSource.checkpoint(source, kept) == {"version": 5, "journal_offset": 99}
+    assert asked == [None, None, 20, None]

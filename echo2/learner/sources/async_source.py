@@ -99,7 +99,8 @@ class AsyncRolloutSource:
                  reward_processes: int = CoordinatorSettings.reward_processes,
                  reward_timeout_s: float = CoordinatorSettings.reward_timeout_s,
                  reward_memory_mb: int = CoordinatorSettings.reward_memory_mb,
-                 reward_cpu_s: float = CoordinatorSettings.reward_cpu_s):
+                 reward_cpu_s: float = CoordinatorSettings.reward_cpu_s,
+                 journal_compact_mb: float = CoordinatorSettings.journal_compact_mb):
         """``parts``: the run's parts (seams.RunParts): the ``task`` and ``tokenizer`` the coordinator scores with,
         the ``sampling`` workers use, the ``model_path`` and ``token`` they join with, the ``broadcaster``'s config
         (built in the coordinator's process), the worker ``pool``, the planner's ``activation`` settings and
@@ -139,7 +140,7 @@ class AsyncRolloutSource:
             liveness=detached(LivenessSettings, liveness),
             checks=CheckSettings(max_abs_log_ratio=check_max_abs_log_ratio, evidence_nats=check_evidence_nats),
             broadcaster=broadcaster, reward_processes=reward_processes, reward_timeout_s=reward_timeout_s,
-            reward_memory_mb=reward_memory_mb, reward_cpu_s=reward_cpu_s,
+            reward_memory_mb=reward_memory_mb, reward_cpu_s=reward_cpu_s, journal_compact_mb=journal_compact_mb,
             max_steps=parts.max_steps,
             episode=task.episode_spec().as_dict() if task.episode_spec() is not None else None,
             # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
@@ -352,9 +353,12 @@ class AsyncRolloutSource:
         checks); returns the workers whose groups in the checked batch must not be trained on."""
         return self._retry(lambda c: c.check(stats))
 
-    def checkpoint(self) -> dict[str, Any]:
-        """What a learner checkpoint must hold to resume this source: the version and the journal's length."""
-        return {"version": self.version, "journal_offset": self._retry(CoordinatorProcess.mark)}
+    def checkpoint(self, kept: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """What a learner checkpoint must hold to resume this source: the version and the journal's length. The
+        journal may drop what only checkpoints older than ``kept`` need."""
+        offsets = [k["journal_offset"] for k in kept or () if isinstance(k.get("journal_offset"), int)]
+        keep_from = min(offsets) if kept and len(offsets) == len(kept) else None
+        return {"version": self.version, "journal_offset": self._retry(lambda c: c.mark(keep_from))}
 
     def metrics(self) -> dict[str, float]:
         out = self._retry(CoordinatorProcess.metrics)  # the coordinator's and the broadcaster's

@@ -117,9 +117,9 @@ class CoordinatorProcess:
     def metrics(self) -> dict[str, float]:
         return self._call(CoordinatorCalls.metrics)
 
-    def mark(self) -> int:
+    def mark(self, keep_from: int | None = None) -> int:
         """The journal's length now: a learner checkpoint taken between steps resumes from here."""
-        return self._call(CoordinatorCalls.mark)
+        return self._call(CoordinatorCalls.mark, keep_from)
 
     def status(self) -> dict[str, Any]:
         return self._call(CoordinatorCalls.status)

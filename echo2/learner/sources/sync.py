@@ -66,7 +66,7 @@ class SyncRolloutSource:
     def on_version(self, version: int, policy: Any) -> None:
         """Nothing to publish: the next ``collect`` is handed the updated policy itself."""
 
-    def checkpoint(self) -> dict[str, Any]:
+    def checkpoint(self, kept: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """Nothing to keep: the rows come from TRL's sampler, which the learner's checkpoint restores."""
         return {}
 
