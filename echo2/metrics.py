@@ -76,6 +76,8 @@ ROLLOUT_TOOL_ERRORS = "rollout/tool_errors"  # tool calls answered with an error
 ROLLOUT_ENV_REWARD_MEAN = "rollout/env_reward_mean"  # the environment's own reward (get_reward, SkyRL step rewards)
 ROLLOUT_ENV_ERRORS = "rollout/env_errors"  # episodes ended by an environment that raised or overran its time limit
 ROLLOUT_ENV_TOKENS_FRAC = "rollout/env_tokens_frac"  # share of the completions' tokens that are the environment's
+ROLLOUT_ENVIRONMENT_PREFIX = "rollout/environment/"  # + a name: the step's mean of what the environments' own
+#                                                    get_metrics() reported under it (SkyRL's, averaged as SkyRL does)
 ROLLOUT_COMPLETION_LEN_MIN = "rollout/completion_len_min"  # shortest completion in the step's batch, tokens
 ROLLOUT_COMPLETION_LEN_MAX = "rollout/completion_len_max"  # longest completion in the step's batch, tokens
 ROLLOUT_TRUNCATED_FRAC = "rollout/truncated_frac"  # share of the batch's completions cut at max_completion_length

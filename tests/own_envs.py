@@ -180,3 +180,17 @@ class StepsEnv(BaseTextEnv):
         reward = float(action.strip() == self.ground_truth)
         observations = [] if done else [{"role": "user", "content": f"{self.turns}{self.suffix}"}]
         return BaseTextEnvStepOutput(observations=observations, reward=reward, done=done, metadata={})
+
+
+class VerdictEnv(StepsEnv):
+    """StepsEnv, but its last step answers too (SkyRL appends observations that come with ``done``, without a
+    generation prompt), and it reports metrics of its own (SkyRL's ``get_metrics``, read after the episode)."""
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        out = super().step(action)
+        if out["done"]:
+            out["observations"] = [{"role": "user", "content": "final"}]
+        return out
+
+    def get_metrics(self):
+        return {"steps": self.turns, "solved": self.turns == 3, "note": "not a number", "big": float("inf")}

@@ -65,7 +65,9 @@ MAX_PROMPT_TOKENS = 1 << 20
 """The longest prompt an environment may have made (its tokens are checked against its rendering when scored)."""
 MAX_RECORD_CHARS = 1 << 20
 """An episode's record as JSON: its prompt, the environment's messages, its state (a push's body is bounded too)."""
-RECORD_KEYS = {"prompt", "observations", "turns", "tool_calls", "tool_errors", "reward", "error", "state"}
+RECORD_KEYS = {"prompt", "observations", "turns", "tool_calls", "tool_errors", "reward", "error", "state", "metrics"}
+MAX_EPISODE_METRICS = 32
+"""An episode's own metrics (SkyRL's get_metrics): at most this many, names of at most 64 characters, numbers."""
 
 
 def _episode(c: dict, ids: list, lps: list, vocab_size: int) -> tuple[list[int], dict, list[int] | None]:
@@ -88,6 +90,12 @@ def _episode(c: dict, ids: list, lps: list, vocab_size: int) -> tuple[list[int],
         raise BadRequest("episode.reward must be null or a finite number")
     if error is not None and not (isinstance(error, str) and len(error) <= 2000):
         raise BadRequest("episode.error must be null or a string of at most 2000 characters")
+    metrics = record.get("metrics", {})
+    if not (isinstance(metrics, dict) and len(metrics) <= MAX_EPISODE_METRICS and all(
+            isinstance(k, str) and len(k) <= 64 and type(v) in (int, float) and math.isfinite(v) and abs(v) <= 1e12
+            for k, v in metrics.items())):
+        raise BadRequest(f"episode.metrics must be an object of at most {MAX_EPISODE_METRICS} finite numbers, "
+                         "named in at most 64 characters")
     if not any(mask) and not (error and len(ids) == 1):
         raise BadRequest("a completion without a model token stands only for an episode that failed (one token)")
     if not isinstance(record.get("state", {}), dict) or not isinstance(record.get("observations", []), list) or not \

@@ -27,7 +27,8 @@ import torch
 from accelerate.utils import gather_object
 
 from echo2.metrics import (REWARD_ERRORS_PREFIX, ROLLOUT_ENV_ERRORS, ROLLOUT_ENV_REWARD_MEAN, ROLLOUT_ENV_TOKENS_FRAC,
-                           ROLLOUT_TOOL_CALLS_MEAN, ROLLOUT_TOOL_ERRORS, ROLLOUT_TURNS_MEAN)
+                           ROLLOUT_ENVIRONMENT_PREFIX, ROLLOUT_TOOL_CALLS_MEAN, ROLLOUT_TOOL_ERRORS,
+                           ROLLOUT_TURNS_MEAN)
 from echo2.records import RolloutGroup
 
 
@@ -92,3 +93,14 @@ def log_episodes(trainer: Any, groups: list[RolloutGroup]) -> None:
                        ROLLOUT_ENV_REWARD_MEAN: reward / rewarded if rewarded else float("nan"),
                        ROLLOUT_ENV_ERRORS: failed, ROLLOUT_ENV_TOKENS_FRAC: env_tokens / max(tokens, 1.0)}.items():
         trainer._metrics["train"][key].append(value)
+    own: dict[str, list[float]] = {}  # the environments' own metrics (SkyRL's get_metrics): a mean per name
+    for record in records:
+        for name, value in (record.get("metrics") or {}).items():
+            total = own.setdefault(name, [0.0, 0.0])
+            total[0], total[1] = total[0] + value, total[1] + 1
+    totals: dict[str, list[float]] = {}
+    for name, value, count in gather_object(sorted((n, s, c) for n, (s, c) in own.items())):
+        total = totals.setdefault(name, [0.0, 0.0])
+        total[0], total[1] = total[0] + value, total[1] + count
+    for name, (value, count) in sorted(totals.items()):
+        trainer._metrics["train"][ROLLOUT_ENVIRONMENT_PREFIX + name].append(value / count)

@@ -38,6 +38,35 @@ def test_sync_episodes_train_on_the_models_tokens_only(tmp_path):
     assert (batch["old_per_token_logps"][tool_mask == 0] == 0).all()
 
 
+def test_a_skyrl_environments_own_metrics_reach_the_learners_log(tmp_path):
+    """What SkyRL's get_metrics() returns after each episode is averaged per step, as SkyRL averages it, into
+    rollout/environment/<name>; what is not a number is left out."""
+    from echo2.records import Completion
+
+    class Say:  # answers "7" every turn
+        def generate(self, prompt_ids, params):
+            ids = tok("7<|im_end|>", add_special_tokens=False)["input_ids"]
+            return [[Completion(list(ids), [-0.5] * len(ids), "stop")] * params.n for _ in prompt_ids]
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"prompt": [{{"role": "user", "content": "Say {t}."}}], '
+                            f'"reward_spec": {{"ground_truth": "{t}"}}}}\n' for t in (7, 7, 3, 3, 7, 3)))
+    cfg, trainer, source, step_log = build_run(tmp_path, [
+        "rollout=sync", "model.path.tool_chat=true", "model.path.max_position_embeddings=2048", "task=dataset",
+        f"task.data_files={rows}", "task.eval_size=0", "task.environment=own_envs:VerdictEnv", "task.max_turns=3",
+        "task.reward_funcs=[]", "task.max_completion_length=300", "rollout.group_size=2",
+        "rollout.prompts_per_step=2", "run.steps=2", "learner.micro_batch_size=2"])
+    tok = trainer.processing_class
+    source.engine = ScriptedEngine(Say())
+    trainer.train()
+    step_log.sink.close()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["rollout/environment/steps"] for r in records] == [3.0, 3.0]
+    assert [r["rollout/environment/solved"] for r in records] == [1.0, 1.0]
+    assert not any(k.startswith("rollout/environment/") and k.rsplit("/", 1)[1] in ("note", "big")
+                   for r in records for k in r)
+
+
 def test_held_out_episodes_are_played_greedily_and_scored_from_their_transcripts(tmp_path, echo2_cache):
     from echo2.learner.evaluate import Evaluator
     from echo2.models.tiny import build_tiny

@@ -313,3 +313,22 @@ def test_a_turn_never_asks_more_than_the_engines_context_holds(tok):
     assert max(asked) <= prompt_len + 100 and t.turns == 2  # the second answer would not fit: the episode ends
     (t,) = ep.run(generate, [{"prompt": PROMPT, "target": 5}], SamplingParams(n=1), n=1, context_tokens=prompt_len)[0]
     assert t.error == "the prompt does not fit the engine's context" and t.mask == [0]
+
+
+def test_skyrls_last_observations_are_kept_and_its_metrics_read(tok):
+    """An observation returned with done is appended (masked), as SkyRL's generator appends it: without the next
+    turn's generation prompt; then the environment's get_metrics() is read, its numbers kept (booleans as 0/1), and
+    the transcript check accepts that last segment."""
+    ep = episodes(tok, env="own_envs:VerdictEnv", max_turns=3)
+
+    def gen(ids, params):
+        return [[Completion(tok("7<|im_end|>", add_special_tokens=False)["input_ids"], [-0.1] * 2, "stop")]
+                for _ in ids]
+
+    row = {"prompt": PROMPT, "reward_spec": {"ground_truth": "7"}}
+    (t,) = ep.run(gen, [row], SamplingParams(n=1, max_tokens=300), n=1)[0]
+    assert t.turns == 3 and t.observations[-1] == [{"role": "user", "content": "final"}]
+    assert segments(tok, t)[-1] == (0, "\n<|im_start|>user\nfinal<|im_end|>\n")  # no "<|im_start|>assistant\n"
+    assert t.metrics == {"steps": 3.0, "solved": 1.0} and t.record()["metrics"] == t.metrics
+    messages = ep.transcript(t.prompt_ids, t.token_ids, t.mask, t.record(), PROMPT)
+    assert messages[-1] == {"role": "user", "content": "final"}

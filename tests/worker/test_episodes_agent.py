@@ -107,6 +107,9 @@ def test_episodes_run_on_the_worker_and_are_scored_from_their_transcripts(plane)
     (lambda c: c["episode"]["observations"][0][0].update(content="total=7"), "does not render to its tokens"),
     (lambda c: c.pop("mask"), "mask must be a list"),
     (lambda c: c["episode"].update(reward=1e12), "finite"),
+    (lambda c: c["episode"].update(metrics={f"m{i}": 1.0 for i in range(33)}), "at most 32 finite numbers"),
+    (lambda c: c["episode"].update(metrics={"x": True}), "finite numbers"),
+    (lambda c: c["episode"].update(metrics={"x" * 65: 1.0}), "named in at most 64 characters"),
     (lambda c: c["episode"].pop("prompt"), "prompt_ids without the prompt"),
     (lambda c: c.update(prompt_ids=c["prompt_ids"][:-1]), "does not render to its prompt tokens"),
 ])

@@ -67,6 +67,7 @@ class Trajectory:
     reward: float | None = None
     error: str | None = None
     state: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)  # the environment's own (SkyRL's get_metrics), numbers by name
     session: Any = None
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
@@ -79,7 +80,8 @@ class Trajectory:
         counts, its reward, the error that ended it, its public state."""
         out = {"prompt": self.prompt} if with_prompt else {}
         return {**out, "observations": self.observations, "turns": self.turns, "tool_calls": self.tool_calls,
-                "tool_errors": self.tool_errors, "reward": self.reward, "error": self.error, "state": self.state}
+                "tool_errors": self.tool_errors, "reward": self.reward, "error": self.error, "state": self.state,
+                **({"metrics": self.metrics} if self.metrics else {})}
 
     def result(self, dispatched_ids: list[int]) -> dict[str, Any]:
         """The completion a worker pushes (coordinator/results.py): its own prompt only where the environment
@@ -129,8 +131,9 @@ class Episodes:
         chat template arguments); SkyRL's generator renders without tools."""
         return self._template(prompt, True, self.tools if self.spec.contract == "trl" else None)
 
-    def observation_ids(self, messages: list[dict]) -> list[int]:
-        """The tokens of the environment's answer, up to the next turn's generation prompt."""
+    def observation_ids(self, messages: list[dict], final: bool = False) -> list[int]:
+        """The tokens of the environment's answer, up to the next turn's generation prompt (``final``: the episode
+        ends with it, so without one, as SkyRL's generator appends its last observations)."""
         if self.spec.contract == "trl":
             from trl import GRPOTrainer
 
@@ -144,8 +147,8 @@ class Episodes:
             self._base_ids = base[:len(base) - base[::-1].index(eos)] if eos in base else base
         if not messages:  # no observation: the next turn's generation prompt only
             bare = self._template(BASE_CONVERSATION, False)
-            return self._template(BASE_CONVERSATION, True)[len(bare):]
-        return self._template([*BASE_CONVERSATION, *messages], True)[len(self._base_ids):]
+            return [] if final else self._template(BASE_CONVERSATION, True)[len(bare):]
+        return self._template([*BASE_CONVERSATION, *messages], not final)[len(self._base_ids):]
 
     def parse_turn(self, ids: list[int], prefix: list[int]) -> dict:
         """A model turn as a chat message: TRL's parse_response (tool calls included) for TRL's contract, the decoded
@@ -248,15 +251,18 @@ class Episodes:
             return False
         finally:
             t.tool_calls, t.tool_errors = t.session.tool_calls, t.session.tool_errors
-        if answer is None or last:
+        final = t.session.done  # SkyRL's done with observations: they are appended, then the episode ends
+        if answer is None or (last and not final) or (final and not answer):
             return False
-        answer_ids = self.observation_ids(answer)
+        answer_ids = self.observation_ids(answer, final)
         total = len(t.prompt_ids) + len(t.token_ids) + len(answer_ids)
         if len(t.token_ids) + len(answer_ids) > self.spec.max_completion_length or (
-                context_tokens is not None and total >= context_tokens):
+                context_tokens is not None and total >= context_tokens + final):
             return False  # it would not fit: not appended, the episode ends (TRL rolls the answer back)
         t.add(answer_ids, None)
         t.observations.append(answer)
+        if final:
+            return False
         if len(t.token_ids) >= self.spec.max_completion_length:
             t.finish_reason = "length"  # no room for another turn
             return False
@@ -271,6 +277,7 @@ class Episodes:
                 t.reward, t.state = t.session.finish()
             except EnvironmentFailed as e:
                 t.error = t.error or str(e)
+            t.metrics = t.session.metrics
             t.session = None
         if t.error is not None:
             log.warning("an episode ended early: %s", t.error)
@@ -300,7 +307,10 @@ class Episodes:
             if mask[i]:
                 messages.append(self.parse_turn(ids, context))
             elif k < len(observations):
-                if self.observation_ids(observations[k]) != ids:
+                # the last segment may be SkyRL's final observations, rendered without a generation prompt
+                final = j == len(token_ids) and self.spec.contract == "skyrl"
+                if ids != self.observation_ids(observations[k]) and not (
+                        final and ids == self.observation_ids(observations[k], final=True)):
                     raise TranscriptMismatch(f"environment answer {k + 1} does not render to its tokens")
                 messages += observations[k]
                 k += 1

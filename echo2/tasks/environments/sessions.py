@@ -2,8 +2,11 @@
 model turn with observation messages (or ending the episode), and giving its reward and state at the end.
 
     start(row) -> the conversation the model starts from
-    act(turn)  -> observation messages, or None when the episode is over (turn: the model's parsed message and text)
-    finish()   -> the environment's own reward (None: none), then its public state; closes it
+    act(turn)  -> observation messages, or None when the episode is over (turn: the model's parsed message and text);
+                  ``done`` set: the episode is over after these (SkyRL's last observations, appended without a
+                  generation prompt, as SkyRL's generator appends them)
+    finish()   -> the environment's own reward (None: none), then its public state; closes it (``metrics``: what
+                  SkyRL's ``get_metrics()`` gave, read first)
 
 Each call into the environment goes through the ``Calls`` the session is handed (the environment's own thread, its
 time limit; the episode that opens a session closes it if the session fails to start); an ``EnvironmentFailed`` out
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import Any
 
 from echo2.tasks.environments.contracts import (Calls, EnvironmentFailed, EpisodeSpec, Overran, factory_name,
@@ -25,6 +29,9 @@ log = logging.getLogger(__name__)
 
 class TrlSession:
     """TRL's environment_factory contract (or plain tools without an environment), as GRPOTrainer runs it."""
+
+    done = False  # TRL's episode ends when a turn calls no tool (act returns None)
+    metrics: dict = {}
 
     def __init__(self, spec: EpisodeSpec, env_cls: type | None, tools: list[Any], calls: Calls):
         self.spec, self.calls = spec, calls
@@ -109,6 +116,8 @@ class SkyrlSession:
     """A SkyRL-gym BaseTextEnv, constructed and stepped as SkyRL's generator does."""
 
     warned_postprocessed = False
+    done = False
+    metrics: dict = {}
 
     def __init__(self, spec: EpisodeSpec, env_cls: type, row: dict[str, Any], calls: Calls):
         from omegaconf import OmegaConf
@@ -137,18 +146,39 @@ class SkyrlSession:
             SkyrlSession.warned_postprocessed = True  # token in, token out: the model's own tokens are kept
             log.warning("a SkyRL environment returned postprocessed_action: ignored (the trajectory keeps the tokens "
                         "the model generated)")
-        return None if out.get("done") else list(out.get("observations") or [])
+        self.done = bool(out.get("done"))
+        return list(out.get("observations") or [])
 
     def finish(self) -> tuple[float | None, dict]:
-        try:
-            self.calls.call("close", self.spec.timeout_s, self.env.close)
-        except EnvironmentFailed as e:  # the episode is over: its reward stands
-            log.warning("%s", e)
+        try:  # as SkyRL's generator: the episode's metrics, then close; a failure of either leaves the reward standing
+            for name in ("get_metrics", "close"):
+                if callable(method := getattr(self.env, name, None)):
+                    try:
+                        value = self.calls.call(name, self.spec.timeout_s, method)
+                    except EnvironmentFailed as e:
+                        log.warning("%s", e)
+                        continue
+                    if name == "get_metrics":
+                        self.metrics = episode_metrics(value)
         finally:
             self.calls.close()
         state = public_state(self.env)
         state.pop("tool_groups", None), state.pop("tool_to_toolgroup", None)
         return (sum(self.rewards) if self.rewards else None), state
+
+
+MAX_METRICS = 32  # an episode's metrics kept (SkyRL's get_metrics): names of at most 64 characters, numbers
+
+
+def episode_metrics(metrics: Any) -> dict[str, float]:
+    """The numeric entries of what ``get_metrics()`` returned (SkyRL's default aggregation averages those alone),
+    booleans as 0/1, at most MAX_METRICS of them."""
+    out: dict[str, float] = {}
+    for name, value in (metrics or {}).items() if isinstance(metrics, dict) else ():
+        if isinstance(name, str) and len(name) <= 64 and isinstance(value, (bool, int, float)) \
+                and math.isfinite(float(value)) and len(out) < MAX_METRICS:
+            out[name] = float(value)
+    return out
 
 
 def open_session(spec: EpisodeSpec, env_cls: type | None, tools: list[Any], row: dict[str, Any],
