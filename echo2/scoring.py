@@ -62,8 +62,11 @@ class RewardFunctions:
 
     def set_step(self, global_step: int) -> None:
         """The learner's version now: what ``trainer_state.global_step`` says to the groups scored from now on."""
+        self.state = self.state_at(global_step)
+
+    def state_at(self, global_step: int) -> TrainerStateView:
         epoch = global_step / self.steps_per_epoch if self.steps_per_epoch > 0 else 0.0
-        self.state = TrainerStateView(global_step=global_step, max_steps=self.max_steps, epoch=epoch)
+        return TrainerStateView(global_step=global_step, max_steps=self.max_steps, epoch=epoch)
 
     def read_transcripts(self, tokenizer: Any, group: RolloutGroup) -> None:
         """Read each episode's transcript back from its tokens (echo2/tasks/environments/episode.py): the model's
@@ -83,11 +86,14 @@ class RewardFunctions:
                 log.warning("an episode of group %s ended early (it abstains from rewards; counted in "
                             "rollout/env_errors): %s", group.group_id or "?", error)
 
-    def job(self, group: RolloutGroup) -> dict[str, Any]:
+    def job(self, group: RolloutGroup, judge: bool = False) -> dict[str, Any]:
         """What scoring ``group`` needs, as plain data (sent to a reward process): its row, decoded completions and
-        token ids, the trainer state, and a multi-turn group's episode records (with their transcripts)."""
+        token ids, the trainer state (``judge``, a held-out row: the state at the version that generated it, which a
+        worker's evaluation may answer after the learner moved on), and a multi-turn group's episode records (with
+        their transcripts)."""
+        state = self.state_at(group.rollouts[0].version) if judge and group.rollouts else self.state
         job = {"row": group.row, "texts": [r.text for r in group.rollouts],
-               "completion_ids": [r.completion.token_ids for r in group.rollouts], "state": self.state}
+               "completion_ids": [r.completion.token_ids for r in group.rollouts], "state": state}
         if any(r.episode is not None for r in group.rollouts):
             job["episodes"] = [r.episode or {} for r in group.rollouts]
         return job
@@ -193,7 +199,7 @@ class Scorer(RewardFunctions):
         if any(r.episode is not None and "messages" not in r.episode for r in group.rollouts):
             self.read_transcripts(self.tokenizer, group)
         if judge:
-            return self.apply_judgement(group, self.judge_job(self.job(group)))
+            return self.apply_judgement(group, self.judge_job(self.job(group, judge=True)))
         return self.apply(group, self.compute_job(self.job(group)))
 
     def check_transcripts(self, group: RolloutGroup) -> None:

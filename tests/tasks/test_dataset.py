@@ -180,3 +180,19 @@ def test_evaluation_rewards_see_the_learners_step():
     assert judge.judge_job({**job, "state": judge.state})["correct"] == [True]  # the schedule's reward: 7 >= 5
     judge.set_step(3)
     assert judge.judge_job({**job, "state": judge.state})["correct"] == [False]
+
+
+def test_a_held_out_row_is_judged_at_the_version_that_generated_it():
+    """A worker's evaluation may come back after the learner moved on: its rows are judged with trainer_state at the
+    version that generated them, not the coordinator's current step (the learner's own evaluator says its step)."""
+    from echo2.records import Completion, Rollout, RolloutGroup
+    from echo2.scoring import RewardFunctions
+
+    judge = RewardFunctions(task(reward_funcs=["own_rewards.schedule"], eval_threshold=5.0))
+    group = RolloutGroup(row={"prompt": "2+3=", "answer": "5"}, rollouts=[
+        Rollout(prompt_ids=[1], completion=Completion([53], [-0.1], "stop"), version=3)])
+    group.rollouts[0].text = "5"
+    judge.set_step(7)  # the coordinator's step now: 7 would pass the schedule, version 3 does not
+    assert judge.job(group, judge=True)["state"].global_step == 3
+    assert judge.judge_job(judge.job(group, judge=True))["correct"] == [False]
+    assert judge.job(group)["state"].global_step == 7  # training groups: the step they are scored at
