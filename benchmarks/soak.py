@@ -624,7 +624,8 @@ def read_jsonl(path: Path) -> list:
 
 def trained_by_credential(out: Path, names: dict[str, str]) -> dict[str, dict]:
     """Per credential: groups received, consumed (consumed.jsonl), masked by the checks (the journal's distrusted
-    groups), trained on (consumed, not masked) and trained on after the credential was retired (journal order)."""
+    groups), trained on (consumed, not masked) and trained on after the credential was retired (journal order). The
+    soak saves no checkpoint, so its journal is never compacted: it holds the whole run."""
     events = read_jsonl(out / "rollouts.journal")
     consumed_log = {g for row in read_jsonl(out / "consumed.jsonl") for g in row["groups"]}
     worker_of, consumed_at, masked, retired_at = {}, {}, set(), {}

@@ -92,8 +92,8 @@ class CoordinatorSettings:
     # At a learner checkpoint the journal is rewritten without what precedes the oldest kept checkpoint, once that is
     # this many MiB (0: at every checkpoint): rarely enough that the copy of what is kept (under the coordinator's
     # lock; tens of ms for tens of MiB) costs no step anything, small enough that a long run's journal stays near it
-    # plus what its kept checkpoints span.
-    journal_compact_mb: float = 64.0
+    # plus what its kept checkpoints span. None: never.
+    journal_compact_mb: float | None = 64.0
 
     steps_per_batch: int = 1  # μ (learner.num_iterations): the learner takes a batch every μ versions
     evaluate: bool = False  # run.eval_on=workers: run-secret workers evaluate the task's held-out rows

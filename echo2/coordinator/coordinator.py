@@ -129,7 +129,7 @@ class Coordinator:
         self.reg = Registry(self.liveness)
         self.dataset = dataset
         self.ledger = open_ledger(journal, recover, group_size, len(dataset), s.seed)
-        self.ledger.compact_bytes = int(s.journal_compact_mb * (1 << 20))
+        self.ledger.compact_bytes = None if s.journal_compact_mb is None else int(s.journal_compact_mb * (1 << 20))
         self.registered = 0
         self.evals = (evaluation.WorkerEval(eval_rows, [self.encode(r) for r in eval_rows], s.episode is not None)
                       if eval_rows is not None else None)

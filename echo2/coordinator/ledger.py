@@ -109,10 +109,11 @@ class Ledger:
     retired: Counter = field(default_factory=Counter)  # reason -> workers removed (dead, left)
     refused: Counter = field(default_factory=Counter)  # reason -> results refused unread (replays, ...)
     journal: Any = None  # an open binary file (unbuffered), or None
+    journal_path: str = ""  # its name
     valid_bytes: int | None = None  # set by replay: the journal's length up to its last whole line
     written_bytes: int = 0  # the journal's length: whole lines only (journal offsets, as every offset here)
     shift: int = 0  # file position minus journal offset: not 0 once the journal was rewritten (journal.py)
-    compact_bytes: int | None = None  # rewrite at a checkpoint once this much precedes the oldest kept one (None: never)
+    compact_bytes: int | None = None  # rewrite at a checkpoint once this much precedes the oldest kept (None: never)
     pending: list = field(default_factory=list)  # lines applied but not yet written (the disk refused them)
     journal_errors: int = 0  # failed writes
     damaged_lines: int = 0  # lines skipped by a recovery: past the last fsynced state line, and not whole
@@ -204,6 +205,7 @@ class Ledger:
             os.truncate(path, self.valid_bytes + self.shift)
             size = self.valid_bytes
         self.journal = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
+        self.journal_path = path
         self.written_bytes = size
         return self.position()
 
@@ -223,7 +225,7 @@ class Ledger:
             self.checkpoint()
         self._flush()
         if self.pending:
-            raise JournalError(f"the rollout journal {self.journal.name!r} cannot be written ({len(self.pending)} "
+            raise JournalError(f"the rollout journal {self.journal_path!r} cannot be written ({len(self.pending)} "
                                "lines held in memory; a full disk?): a checkpoint now could not be resumed from")
         os.fsync(self.journal.fileno())
         if keep_from is not None and self.compact_bytes is not None:
@@ -236,7 +238,7 @@ class Ledger:
         file, fsynced, then renamed over the journal, so a crash leaves the old journal or the new one, whole. Offsets
         do not change (the new file's base line). A disk that refuses the copy leaves the journal as it was (said);
         returns whether it was rewritten."""
-        path = self.journal.name
+        path = self.journal_path
         first, shift = jr.first_and_shift(path)
         line = jr.line_ending_at(path, keep_from) if first < keep_from <= self.written_bytes else b""
         if jr.state_of(line, self.group_size, strict=False) is None:
@@ -244,9 +246,9 @@ class Ledger:
                         keep_from)
             return False
         cut = keep_from - len(line) - 1
-        if cut - first < threshold_bytes:
+        if cut <= first or cut - first < threshold_bytes:
             return False
-        tmp = path + ".compacting"
+        tmp, new = path + ".compacting", None
         try:
             with open(path, "rb") as src, open(tmp, "wb") as dst:
                 dst.write(jr.base_line(cut))
@@ -254,16 +256,23 @@ class Ledger:
                 shutil.copyfileobj(src, dst, 1 << 20)
                 dst.flush()
                 os.fsync(dst.fileno())
+            new = open(tmp, "ab", buffering=0)  # noqa: SIM115 (the journal from the rename on; closed by close())
             os.replace(tmp, path)
-            _fsync_directory(os.path.dirname(os.path.abspath(path)))
         except OSError as e:
             log.error("journal %s: not compacted (%s); it goes on growing until a checkpoint can", path, e)
+            if new is not None:
+                new.close()
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             return False
-        self.journal.close()
-        self.journal = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
+        # renamed: from here on the journal is the new file, whatever follows
+        self.journal, old = new, self.journal
         self.shift = jr.BASE_LINE_BYTES - cut
+        old.close()
+        try:
+            _fsync_directory(os.path.dirname(os.path.abspath(path)))
+        except OSError as e:  # a crash before the directory reaches the disk may find the old journal: still whole
+            log.warning("journal %s: the directory of the rewritten journal could not be fsynced (%s)", path, e)
         log.info("journal %s: compacted, %.1f MB before byte %d dropped (before the oldest kept checkpoint's state)",
                  path, (cut - first) / 1e6, cut)
         return True
@@ -273,7 +282,7 @@ class Ledger:
             self._flush()
             if self.pending:
                 log.error("journal %s: %d transitions could not be written (a full disk?); the books in "
-                          "summary.json are complete, the journal is not", self.journal.name, len(self.pending))
+                          "summary.json are complete, the journal is not", self.journal_path, len(self.pending))
             self.journal.close()
             self.journal = None
 
@@ -295,11 +304,11 @@ class Ledger:
                 self.journal_errors += 1
                 if self.journal_errors == 1 or self.journal_errors % 1000 == 0:
                     log.error("journal %s: write failed (%s; %d failures); %d lines held in memory until it "
-                              "succeeds", self.journal.name, e, self.journal_errors, len(self.pending))
+                              "succeeds", self.journal_path, e, self.journal_errors, len(self.pending))
                 try:
                     os.ftruncate(self.journal.fileno(), self.written_bytes + self.shift)
                 except OSError:
-                    log.exception("journal %s: could not cut a partial line off", self.journal.name)
+                    log.exception("journal %s: could not cut a partial line off", self.journal_path)
                 return
             self.written_bytes += len(line)
             self.pending.pop(0)

@@ -15,7 +15,7 @@ tokens when scored) and, when its environment changed the prompt, the ``prompt_i
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 from echo2.records import Completion, Rollout
 from echo2.net.http import BadRequest
@@ -68,6 +68,14 @@ MAX_RECORD_CHARS = 1 << 20
 RECORD_KEYS = {"prompt", "observations", "turns", "tool_calls", "tool_errors", "reward", "error", "state", "metrics"}
 MAX_EPISODE_METRICS = 32
 """An episode's own metrics (SkyRL's get_metrics): at most this many, names of at most 64 characters, numbers."""
+METRIC_BOUND = 1e12
+"""The largest magnitude of an episode's metric (a worker keeps only those within it: episode_metrics)."""
+
+
+def bounded_number(value: Any, bound: float) -> bool:
+    """An int or float (not a bool) in [-bound, bound]: compared, never converted, so that a 400-digit integer is
+    refused rather than overflowing a float; NaN fails every comparison."""
+    return type(value) in (int, float) and -bound <= value <= bound
 
 
 def _episode(c: dict, ids: list, lps: list, vocab_size: int) -> tuple[list[int], dict, list[int] | None]:
@@ -85,15 +93,13 @@ def _episode(c: dict, ids: list, lps: list, vocab_size: int) -> tuple[list[int],
     for key in ("turns", "tool_calls", "tool_errors"):
         integer(record, key, 0, 1 << 20)
     reward, error = record.get("reward"), record.get("error")
-    if reward is not None and not (isinstance(reward, (int, float)) and not isinstance(reward, bool)
-                                   and math.isfinite(reward) and abs(reward) <= 1e9):
+    if reward is not None and not bounded_number(reward, 1e9):
         raise BadRequest("episode.reward must be null or a finite number")
     if error is not None and not (isinstance(error, str) and len(error) <= 2000):
         raise BadRequest("episode.error must be null or a string of at most 2000 characters")
     metrics = record.get("metrics", {})
     if not (isinstance(metrics, dict) and len(metrics) <= MAX_EPISODE_METRICS and all(
-            isinstance(k, str) and len(k) <= 64 and type(v) in (int, float) and math.isfinite(v) and abs(v) <= 1e12
-            for k, v in metrics.items())):
+            isinstance(k, str) and len(k) <= 64 and bounded_number(v, METRIC_BOUND) for k, v in metrics.items())):
         raise BadRequest(f"episode.metrics must be an object of at most {MAX_EPISODE_METRICS} finite numbers, "
                          "named in at most 64 characters")
     if not any(mask) and not (error and len(ids) == 1):

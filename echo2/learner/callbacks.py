@@ -80,7 +80,12 @@ class SourceVersions(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         """After TRL saved weights, optimizer, scheduler, RNG and step: add what the rollout plane needs. A
         checkpoint without this file is incomplete and is not resumed from."""
-        kept = kept_source_states(Path(args.output_dir), self.keep_checkpoints) if state.is_world_process_zero else None
+        kept = None  # None: every checkpoint kept, nothing may be forgotten (also where reading them failed)
+        if state.is_world_process_zero:
+            try:
+                kept = kept_source_states(Path(args.output_dir), self.keep_checkpoints)
+            except (OSError, ValueError, KeyError, TypeError) as e:  # rank 0 alone must not fail before the collective
+                log.warning("could not read the kept checkpoints' states (%s): the rollout journal keeps everything", e)
         source_state = self.trainer.rollout_source.checkpoint(kept)
         if state.is_world_process_zero:
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_STATE

@@ -74,6 +74,9 @@ def _sum_by_name(logs: list[dict], key: str) -> dict[str, tuple[float, int]]:
     return out
 
 
+ENV_METRIC_NAMES = 32  # the environments' own metrics logged a step at most (an episode reports at most 32)
+
+
 def log_episodes(trainer: Any, groups: list[RolloutGroup]) -> None:
     """A multi-turn task's per-step episode metrics (echo2/metrics.py: rollout/turns_mean ...). Every process calls it
     (a collective): those without episodes in the run log nothing, and none has them unless all do (one task)."""
@@ -102,5 +105,6 @@ def log_episodes(trainer: Any, groups: list[RolloutGroup]) -> None:
     for name, value, count in gather_object(sorted((n, s, c) for n, (s, c) in own.items())):
         total = totals.setdefault(name, [0.0, 0.0])
         total[0], total[1] = total[0] + value, total[1] + count
-    for name, (value, count) in sorted(totals.items()):
+    # the names most episodes report, at most ENV_METRIC_NAMES a step: a worker cannot open a thousand series
+    for name, (value, count) in sorted(sorted(totals.items(), key=lambda kv: -kv[1][1])[:ENV_METRIC_NAMES]):
         trainer._metrics["train"][ROLLOUT_ENVIRONMENT_PREFIX + name].append(value / count)

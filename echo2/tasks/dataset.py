@@ -216,7 +216,26 @@ class DatasetTask(Task):
                 raise ValueError("task.system_prompt needs conversational prompts (lists of chat messages)")
             system = {"role": "system", "content": self.system_prompt}
             ds = ds.map(lambda r: {"prompt": [system, *[m for m in r["prompt"] if m["role"] != "system"]]})
+        if self.spec is not None and self.spec.contract == "skyrl" and "env_class" in ds.column_names:
+            self._check_env_classes(ds.unique("env_class"))
         return ds
+
+    def _check_env_classes(self, names: list[Any]) -> None:
+        """SkyRL picks each row's environment by its ``env_class``; echo2 runs the task's one environment on every
+        row, so rows that name another are refused here rather than run in the wrong one."""
+        from echo2.tasks.environments.contracts import environment_path
+
+        def path(name: str) -> str | None:
+            try:
+                return environment_path(name)
+            except ValueError:  # neither an import path nor a registered id: another environment than the task's
+                return None
+
+        other = sorted({str(n) for n in names if n is not None and path(str(n)) != self.spec.environment})
+        if other:
+            raise ValueError(f"the dataset's rows name env_class {', '.join(other)}, but the task runs "
+                             f"task.environment={self.spec.environment} on every row (one environment per task): "
+                             "split the dataset by env_class, or name the rows' environment")
 
     def train_dataset(self) -> Dataset:
         return self._load()[0]

@@ -270,6 +270,16 @@ def test_a_coordinators_mark_compacts_its_journal_down_to_the_oldest_kept_checkp
         coord.close()
     resumed = Ledger.after_learner_resume(path, kept, 2, 20, 0)
     assert resumed.drawn == 3 and len(resumed.requeue) == 3 and resumed.rollouts["dispatched"] == 6 * 2
+    never = str(tmp_path / "never.journal")  # rollout.source.journal_compact_mb=null: the whole history kept
+    coord = small_coordinator(tiny_model_dir, journal=never, journal_compact_mb=None)
+    try:
+        coord.ledger.draw()
+        kept = coord.mark()
+        coord.ledger.draw()
+        coord.mark(keep_from=kept)
+        assert jr.first_and_shift(never) == (0, 0)
+    finally:
+        coord.close()
 
 
 def test_the_checkpoint_state_file_is_fsynced(tmp_path, monkeypatch):

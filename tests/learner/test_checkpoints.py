@@ -109,3 +109,20 @@ def test_the_async_source_asks_the_journal_to_keep_from_its_oldest_kept_checkpoi
                  [{"version": 1}, {"version": 2, "journal_offset": 40}]):  # one saved by another source: keep all
         assert AsyncRolloutSource.checkpoint(source, kept) == {"version": 5, "journal_offset": 99}
     assert asked == [None, None, 20, None]
+
+
+def test_a_checkpoint_state_that_cannot_be_read_keeps_the_whole_journal(tmp_path, caplog):
+    """Rank 0 reads the kept checkpoints' states alone, before a call every rank joins: a damaged one must not raise
+    there (the other ranks would wait in the collective); the source is told None (keep everything)."""
+    from types import SimpleNamespace
+
+    from echo2.learner.callbacks import SourceVersions
+
+    told = []
+    trainer = SimpleNamespace(rollout_source=SimpleNamespace(checkpoint=lambda kept: told.append(kept) or {}))
+    (tmp_path / "checkpoint-1").mkdir()
+    (tmp_path / "checkpoint-1" / CHECKPOINT_STATE).write_text("{not json")
+    (tmp_path / "checkpoint-2").mkdir()
+    SourceVersions(trainer, keep_checkpoints=2).on_save(
+        SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=2, is_world_process_zero=True), None)
+    assert told == [None] and "keeps everything" in caplog.text

@@ -123,3 +123,27 @@ def test_the_calculator_task_trains_offline_on_the_tiny_tool_calling_model(tmp_p
     (record,) = read_jsonl(tmp_path / "metrics.jsonl")
     assert record["rollout/turns_mean"] >= 1 and record["rollout/env_errors"] == 0
     assert {"reward/correct", "reward/used_calculator", "eval/accuracy", "eval/reward_mean"} <= set(record)
+
+
+def test_the_environments_own_metrics_are_logged_for_the_names_most_episodes_report():
+    """A worker's episodes may each name 32 metrics of their own: a step logs at most ENV_METRIC_NAMES of them, those
+    the most episodes reported, so that no one worker opens a thousand series in the run's log."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from echo2.learner.reward_logs import ENV_METRIC_NAMES, log_episodes
+    from echo2.records import Completion, Rollout, RolloutGroup
+
+    def rollout(metrics):
+        return Rollout(prompt_ids=[1], completion=Completion([2], [-0.1], "stop", mask=[1]), version=0,
+                       episode={"turns": 1, "metrics": metrics})
+
+    honest = [rollout({"steps": 3.0, "solved": 1.0}) for _ in range(4)]
+    noisy = [rollout({f"junk{i}_{j}": 1.0 for j in range(32)}) for i in range(3)]
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(gather=lambda t: t, device="cpu"),
+                              _metrics={"train": defaultdict(list)})
+    log_episodes(trainer, [RolloutGroup(row={}, rollouts=honest + noisy)])
+    logged = [k for k in trainer._metrics["train"] if k.startswith("rollout/environment/")]
+    assert len(logged) == ENV_METRIC_NAMES
+    assert trainer._metrics["train"]["rollout/environment/steps"] == [3.0]
+    assert trainer._metrics["train"]["rollout/environment/solved"] == [1.0]

@@ -332,3 +332,42 @@ def test_skyrls_last_observations_are_kept_and_its_metrics_read(tok):
     assert t.metrics == {"steps": 3.0, "solved": 1.0} and t.record()["metrics"] == t.metrics
     messages = ep.transcript(t.prompt_ids, t.token_ids, t.mask, t.record(), PROMPT)
     assert messages[-1] == {"role": "user", "content": "final"}
+
+
+def test_a_skyrl_environment_may_be_named_as_skyrl_names_it_and_rows_naming_another_are_refused(tmp_path):
+    """SkyRL names an environment by its registered id (``env_class``): task.environment takes one (resolved to the
+    class SkyRL-gym registered), and a dataset whose rows' env_class names another environment is refused at load,
+    not run in the task's one."""
+    from echo2.tasks.environments.contracts import environment_path
+
+    spec = spec_for("gsm8k_multi_turn", [], 300)
+    assert spec.contract == "skyrl"
+    assert spec.environment == "skyrl_gym.envs.gsm8k.multi_turn_env:GSM8kMultiTurnEnv"
+    assert environment_path("own_envs:StepsEnv") == "own_envs:StepsEnv"
+    with pytest.raises(ValueError, match="nor an environment SkyRL-gym registers .*gsm8k"):
+        spec_for("no_such_env", [], 300)
+    rows = tmp_path / "rows.jsonl"
+
+    def task(*classes):
+        rows.write_text("".join(json.dumps({"prompt": PROMPT, "env_class": c, "reward_spec": {"ground_truth": "7"}})
+                                + "\n" for c in classes))
+        return DatasetTask(data_files=str(rows), eval_size=0, environment="gsm8k_multi_turn", reward_funcs=[])
+
+    assert len(task("gsm8k_multi_turn", None, "skyrl_gym.envs.gsm8k.multi_turn_env:GSM8kMultiTurnEnv")
+               .train_dataset()) == 3
+    with pytest.raises(ValueError, match="rows name env_class aime, nonesuch, but the task runs"):
+        task("gsm8k_multi_turn", "aime", "nonesuch").train_dataset()
+
+
+def test_a_worker_keeps_only_the_metrics_the_coordinator_takes():
+    """An honest environment's odd metric (a timestamp in ms, an integer too large for a float, numpy's numbers) must
+    not get its worker's groups refused: the worker keeps what the coordinator's bounds take, and numpy's numbers."""
+    import numpy as np
+
+    from echo2.tasks.environments.sessions import MAX_METRICS, episode_metrics
+
+    got = episode_metrics({"ms": 1.7e12, "huge": 10 ** 400, "nan": float("nan"), "np": np.float32(2.5),
+                           "n": np.int64(3), "flag": False, "text": "7", "x" * 65: 1.0})
+    assert got == {"np": 2.5, "n": 3.0, "flag": 0.0}
+    assert len(episode_metrics({f"m{i}": i for i in range(100)})) == MAX_METRICS
+    assert episode_metrics(["not", "a", "dict"]) == {}

@@ -110,6 +110,8 @@ def test_episodes_run_on_the_worker_and_are_scored_from_their_transcripts(plane)
     (lambda c: c["episode"].update(metrics={f"m{i}": 1.0 for i in range(33)}), "at most 32 finite numbers"),
     (lambda c: c["episode"].update(metrics={"x": True}), "finite numbers"),
     (lambda c: c["episode"].update(metrics={"x" * 65: 1.0}), "named in at most 64 characters"),
+    (lambda c: c["episode"].update(metrics={"x": 10 ** 400}), "finite numbers"),  # compared, never made a float
+    (lambda c: c["episode"].update(reward=-10 ** 400), "finite"),
     (lambda c: c["episode"].pop("prompt"), "prompt_ids without the prompt"),
     (lambda c: c.update(prompt_ids=c["prompt_ids"][:-1]), "does not render to its prompt tokens"),
 ])

@@ -100,7 +100,7 @@ class AsyncRolloutSource:
                  reward_timeout_s: float = CoordinatorSettings.reward_timeout_s,
                  reward_memory_mb: int = CoordinatorSettings.reward_memory_mb,
                  reward_cpu_s: float = CoordinatorSettings.reward_cpu_s,
-                 journal_compact_mb: float = CoordinatorSettings.journal_compact_mb):
+                 journal_compact_mb: float | None = CoordinatorSettings.journal_compact_mb):
         """``parts``: the run's parts (seams.RunParts): the ``task`` and ``tokenizer`` the coordinator scores with,
         the ``sampling`` workers use, the ``model_path`` and ``token`` they join with, the ``broadcaster``'s config
         (built in the coordinator's process), the worker ``pool``, the planner's ``activation`` settings and

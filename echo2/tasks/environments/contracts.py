@@ -113,12 +113,30 @@ def tool_schema(func: Any) -> dict:
     return get_json_schema(func)
 
 
+def environment_path(name: str) -> str:
+    """An environment's import path: ``name`` itself, or, for a bare SkyRL-gym id (``gsm8k``, as SkyRL names an
+    environment in its config and in a row's ``env_class``), the entry point SkyRL-gym registered it under."""
+    if ":" in name or "." in name:
+        return name
+    try:
+        from skyrl_gym.envs.registration import registry
+    except ImportError:
+        raise ValueError(f"task.environment={name!r}: not an import path (package.module:Class), and skyrl-gym, "
+                         "whose registered environments a bare name would be, is not installed") from None
+    if name not in registry:
+        raise ValueError(f"task.environment={name!r}: not an import path (package.module:Class) nor an environment "
+                         f"SkyRL-gym registers ({', '.join(sorted(registry))})")
+    entry = registry[name].entry_point
+    return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
+
+
 def spec_for(environment: str | None, tools: list[str], max_completion_length: int, **options: Any) -> EpisodeSpec:
     """The spec of a task's episodes: the contract and tool schemas read from the classes and functions named."""
     standalone = [import_object(t) for t in tools]
     schemas = [tool_schema(t) for t in standalone]
     contract, reward = "trl", None
     if environment is not None:
+        environment = environment_path(environment)
         cls = import_object(environment)
         if not isinstance(cls, type) and callable(cls):  # TRL takes any factory: probe one instance, as TRL does
             probe = Calls(factory_name(cls))

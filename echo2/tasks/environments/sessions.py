@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import numbers
 from typing import Any
 
 from echo2.tasks.environments.contracts import (Calls, EnvironmentFailed, EpisodeSpec, Overran, factory_name,
@@ -168,16 +169,25 @@ class SkyrlSession:
 
 
 MAX_METRICS = 32  # an episode's metrics kept (SkyRL's get_metrics): names of at most 64 characters, numbers
+METRIC_BOUND = 1e12  # and of at most this magnitude (what the coordinator takes: coordinator/results.py)
 
 
 def episode_metrics(metrics: Any) -> dict[str, float]:
-    """The numeric entries of what ``get_metrics()`` returned (SkyRL's default aggregation averages those alone),
-    booleans as 0/1, at most MAX_METRICS of them."""
+    """The numeric entries of what ``get_metrics()`` returned (SkyRL's default aggregation averages those alone;
+    numpy's numbers too), booleans as 0/1, at most MAX_METRICS of them; one the coordinator would refuse (not finite,
+    beyond METRIC_BOUND, a name over 64 characters) is left out, so that an honest environment's odd metric never
+    gets its worker's groups refused."""
     out: dict[str, float] = {}
     for name, value in (metrics or {}).items() if isinstance(metrics, dict) else ():
-        if isinstance(name, str) and len(name) <= 64 and isinstance(value, (bool, int, float)) \
-                and math.isfinite(float(value)) and len(out) < MAX_METRICS:
-            out[name] = float(value)
+        if len(out) >= MAX_METRICS or not (isinstance(name, str) and len(name) <= 64
+                                           and isinstance(value, numbers.Real)):
+            continue
+        try:
+            number = float(value)
+        except (OverflowError, ValueError):
+            continue
+        if math.isfinite(number) and abs(number) <= METRIC_BOUND:
+            out[name] = number
     return out
 
 
