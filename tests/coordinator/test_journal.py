@@ -340,6 +340,17 @@ def test_compaction_waits_for_its_threshold_and_a_state_line(tmp_path):
     led.close()
 
 
+def two_checkpoints(tmp_path):
+    """A journal with a draw, a checkpoint, a draw, a checkpoint: (path, its open ledger, the two offsets)."""
+    path = str(tmp_path / "j")
+    led = Ledger(G, ROWS, 0)
+    led.open_journal(path)
+    led.draw()
+    first = led.sync()
+    led.draw()
+    return path, led, first, led.sync()
+
+
 def test_a_directory_that_refuses_fsync_after_the_rename_leaves_the_ledger_on_the_new_journal(tmp_path, monkeypatch,
                                                                                                  caplog):
     """Once the rewritten journal is renamed into place it is the journal, whatever follows: a directory fsync that
@@ -347,13 +358,7 @@ def test_a_directory_that_refuses_fsync_after_the_rename_leaves_the_ledger_on_th
     unlinked old one."""
     import echo2.coordinator.ledger as ledger_module
 
-    path = str(tmp_path / "j")
-    led = Ledger(G, ROWS, 0)
-    led.open_journal(path)
-    led.draw()
-    first = led.sync()
-    led.draw()
-    led.sync()
+    path, led, first, _ = two_checkpoints(tmp_path)
 
     def refuse(directory):
         raise OSError(22, "Invalid argument")
@@ -369,13 +374,8 @@ def test_a_directory_that_refuses_fsync_after_the_rename_leaves_the_ledger_on_th
 
 
 def test_a_rewrite_the_disk_refuses_leaves_the_journal_whole(tmp_path, monkeypatch, caplog):
-    path = str(tmp_path / "j")
-    led = Ledger(G, ROWS, 0)
-    led.open_journal(path)
-    led.draw()
-    first = led.sync()
-    led.draw()
-    before = (led.sync(), open(path, "rb").read())
+    path, led, first, second = two_checkpoints(tmp_path)
+    before = (second, open(path, "rb").read())
 
     def full(*a, **k):
         raise OSError(28, "No space left on device")
