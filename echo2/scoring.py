@@ -88,12 +88,13 @@ class RewardFunctions:
 
     def job(self, group: RolloutGroup, judge: bool = False) -> dict[str, Any]:
         """What scoring ``group`` needs, as plain data (sent to a reward process): its row, decoded completions and
-        token ids, the trainer state (``judge``, a held-out row: the state at the version that generated it, which a
-        worker's evaluation may answer after the learner moved on), and a multi-turn group's episode records (with
-        their transcripts)."""
+        token ids, the trainer state, and a multi-turn group's episode records (with their transcripts). ``judge``: a
+        held-out row, to be judged (``"judge"``), at the state of the version that generated it (a worker's
+        evaluation may answer after the learner moved on)."""
         state = self.state_at(group.rollouts[0].version) if judge and group.rollouts else self.state
         job = {"row": group.row, "texts": [r.text for r in group.rollouts],
-               "completion_ids": [r.completion.token_ids for r in group.rollouts], "state": state}
+               "completion_ids": [r.completion.token_ids for r in group.rollouts], "state": state,
+               **({"judge": True} if judge else {})}
         if any(r.episode is not None for r in group.rollouts):
             job["episodes"] = [r.episode or {} for r in group.rollouts]
         return job

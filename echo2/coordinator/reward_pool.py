@@ -206,7 +206,7 @@ class RewardPool:
     def _score(self, proc: _Proc, group: RolloutGroup, judge: bool = False) -> str | None:
         """Score (or ``judge``) one group in ``proc``: None (its rewards set), or why not."""
         try:
-            proc.conn.send([{**self.weights.job(group, judge=True), "judge": True} if judge else self.weights.job(group)])
+            proc.conn.send([self.weights.job(group, judge)])
         except OSError:  # it died while idle
             why = "reward_crashed"
         else:

@@ -47,15 +47,20 @@ def checkpoints_to_remove(found: dict[int, bool], keep: int) -> list[int]:
     return sorted(step for step in found if step not in kept)
 
 
+def checkpoint_dirs(output_dir: Path) -> dict[int, Path]:
+    """Every ``checkpoint-<step>`` folder in ``output_dir``, by step."""
+    return {int(p.name.rpartition("-")[2]): p for p in output_dir.glob("checkpoint-*")
+            if p.name.rpartition("-")[2].isdigit()}
+
+
 def kept_source_states(output_dir: Path, keep: int | None) -> list[dict[str, Any]] | None:
     """What the rollout source saved in each checkpoint a resume may still use once the next one is saved: the
     newest ``keep`` complete ones now (the rotation after the next save keeps a subset of them; should that save fail,
     exactly them). None where every checkpoint is kept."""
     if not keep:
         return None
-    found = sorted((int(p.name.rpartition("-")[2]), p) for p in output_dir.glob("checkpoint-*")
-                   if p.name.rpartition("-")[2].isdigit() and (p / CHECKPOINT_STATE).is_file())
-    return [json.loads((p / CHECKPOINT_STATE).read_text())["source"] for _, p in found[-keep:]]
+    complete = sorted((s, p) for s, p in checkpoint_dirs(output_dir).items() if (p / CHECKPOINT_STATE).is_file())
+    return [json.loads((p / CHECKPOINT_STATE).read_text())["source"] for _, p in complete[-keep:]]
 
 
 class SourceVersions(TrainerCallback):
@@ -107,8 +112,7 @@ class SourceVersions(TrainerCallback):
     def _rotate(self, output_dir: Path) -> None:
         """Delete the checkpoints beyond the newest ``keep_checkpoints`` complete ones (HF's own rotation is off:
         it ran before this checkpoint was complete, and with one kept left none complete in between)."""
-        found = {int(p.name.rpartition("-")[2]): p for p in output_dir.glob("checkpoint-*")
-                 if p.name.rpartition("-")[2].isdigit()}
+        found = checkpoint_dirs(output_dir)
         for step in checkpoints_to_remove({s: (p / CHECKPOINT_STATE).is_file() for s, p in found.items()},
                                           self.keep_checkpoints):
             shutil.rmtree(found[step], ignore_errors=True)

@@ -21,6 +21,7 @@ reward, environments that failed), over every process's groups.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -96,15 +97,10 @@ def log_episodes(trainer: Any, groups: list[RolloutGroup]) -> None:
                        ROLLOUT_ENV_REWARD_MEAN: reward / rewarded if rewarded else float("nan"),
                        ROLLOUT_ENV_ERRORS: failed, ROLLOUT_ENV_TOKENS_FRAC: env_tokens / max(tokens, 1.0)}.items():
         trainer._metrics["train"][key].append(value)
-    own: dict[str, list[float]] = {}  # the environments' own metrics (SkyRL's get_metrics): a mean per name
-    for record in records:
-        for name, value in (record.get("metrics") or {}).items():
-            total = own.setdefault(name, [0.0, 0.0])
-            total[0], total[1] = total[0] + value, total[1] + 1
-    totals: dict[str, list[float]] = {}
-    for name, value, count in gather_object(sorted((n, s, c) for n, (s, c) in own.items())):
-        total = totals.setdefault(name, [0.0, 0.0])
-        total[0], total[1] = total[0] + value, total[1] + count
+    sums, counts = Counter(), Counter()  # the environments' own metrics (SkyRL's get_metrics): a mean per name
+    for name, value in gather_object([(n, v) for record in records for n, v in (record.get("metrics") or {}).items()]):
+        sums[name] += value
+        counts[name] += 1
     # the names most episodes report, at most ENV_METRIC_NAMES a step: a worker cannot open a thousand series
-    for name, (value, count) in sorted(sorted(totals.items(), key=lambda kv: -kv[1][1])[:ENV_METRIC_NAMES]):
-        trainer._metrics["train"][ROLLOUT_ENVIRONMENT_PREFIX + name].append(value / count)
+    for name in sorted(sorted(counts, key=lambda n: (-counts[n], n))[:ENV_METRIC_NAMES]):
+        trainer._metrics["train"][ROLLOUT_ENVIRONMENT_PREFIX + name].append(sums[name] / counts[name])
