@@ -145,3 +145,22 @@ def test_held_out_episodes_run_on_the_worker_and_are_judged_from_their_transcrip
     # the scripted steps (2, 3) reach 5: the rows with target 5 are correct, those with 4 not
     assert result[EVAL_ACCURACY] == 0.5 and result[EVAL_REWARD_MEAN] == 0.5 and result[EVAL_UNSCORED] == 0
     assert agent.engine.turns == 3 and coord.accounting()["dispatched"] == 0  # no training group went out
+
+
+def test_an_episodes_own_metrics_travel_from_the_worker_with_its_rollouts(plane):
+    """What an environment's get_metrics() gave (carried in the episode record) is taken in with the push and reaches
+    the learner with each rollout."""
+    coord, tok = plane
+    agent = agent_for(coord, tok, ScriptedWorkerEngine(tok))
+    try:
+        work = agent.client.post("/pull", {"worker_id": agent.worker_id, "version": 0, "max_groups": 1})["work"]
+        completions = json.loads(json.dumps(agent._generate(work, SamplingParams(n=G, max_tokens=300))[0]))
+        for c in completions:
+            c["episode"]["metrics"] = {"steps": 2.0, "solved": 1.0}
+        reply = agent.client.post("/push", {"worker_id": agent.worker_id, "results": [
+            {"group_id": work[0]["group_id"], "version": 0, "completions": completions}]})
+        assert reply["rejected"] == [], reply
+        (group,) = coord.take(1, timeout_s=5)
+        assert [r.episode["metrics"] for r in group.rollouts] == [{"steps": 2.0, "solved": 1.0}] * G
+    finally:
+        agent.receiver.close()
