@@ -161,13 +161,53 @@ def event_loop() -> asyncio.AbstractEventLoop:
             def run():
                 asyncio.set_event_loop(loop)
                 ready.set()
-                loop.run_forever()
+                loop.run_forever()  # until abandoned (replace_if_wedged) and idle
+                loop.close()
 
             _loop_thread = threading.Thread(target=run, name="echo2-async-loop", daemon=True)
             _loop_thread.start()
             ready.wait()
             _loop = loop
         return _loop
+
+
+WEDGE_PROBE_S = 1.0
+"""How long a loop may take to run a no-op, once one of its coroutines has overrun, before it counts as wedged (a
+coroutine calling blocking code, ``time.sleep`` for ``asyncio.sleep``, holds the loop, and every coroutine of every
+other environment with it). A second lets a loop that is merely busy answer."""
+
+
+def replace_if_wedged(loop: asyncio.AbstractEventLoop, probe_s: float = WEDGE_PROBE_S) -> bool:
+    """After a coroutine on ``loop`` overran its time limit: whether the loop still runs a no-op within ``probe_s``;
+    if not, it is wedged and the process's loop is replaced, so that later coroutines run on a fresh one (True).
+
+    TRL runs every async tool and reward on one daemon loop, and one coroutine that blocks it stalls every rollout's
+    tools until it returns; here only the rollout whose coroutine overran fails. The old loop's thread cannot be
+    stopped: it finishes what it holds once the blocking call returns, and is given nothing new."""
+    global _loop_thread
+    ran = threading.Event()
+    try:
+        loop.call_soon_threadsafe(ran.set)
+    except RuntimeError:  # closed
+        return False
+    if ran.wait(probe_s):
+        return False
+    with _loop_lock:
+        if _loop is not loop:  # another caller replaced it already
+            return True
+        _loop_thread = None  # event_loop() starts a new one
+    asyncio.run_coroutine_threadsafe(_stop_when_idle(), loop)  # its thread ends once what it holds is done
+    log.warning("a coroutine blocked the process's event loop for over %g s (blocking code in an async tool or "
+                "reward: time.sleep, a blocking client); later coroutines run on a new loop", probe_s)
+    return True
+
+
+async def _stop_when_idle(poll_s: float = 0.1) -> None:
+    """On an abandoned loop: stop it once no other task is left on it (its thread then closes it and ends)."""
+    me = asyncio.current_task()
+    while any(t is not me for t in asyncio.all_tasks()):
+        await asyncio.sleep(poll_s)
+    asyncio.get_running_loop().stop()
 
 
 def call_rewards(funcs: list[Callable], names: list[str], n: int, kwargs: dict[str, Any],

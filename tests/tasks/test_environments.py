@@ -371,3 +371,51 @@ def test_a_worker_keeps_only_the_metrics_the_coordinator_takes():
     assert got == {"np": 2.5, "n": 3.0, "flag": 0.0}
     assert len(episode_metrics({f"m{i}": i for i in range(100)})) == MAX_METRICS
     assert episode_metrics(["not", "a", "dict"]) == {}
+
+
+def test_a_coroutine_that_blocks_the_event_loop_fails_alone():
+    """An async tool that calls blocking code (time.sleep, not asyncio.sleep) holds the process's one event loop, on
+    which every rollout's coroutines run (TRL's one daemon loop): before, every other rollout's async tools then
+    overran too, for as long as it blocked. Now the rollout whose coroutine overran fails, the loop is replaced, the
+    others go on at once, and the old loop's thread ends once the blocking call returns."""
+    import asyncio
+    import time
+
+    from echo2.tasks import rewards
+    from echo2.tasks.environments.contracts import Calls, Overran
+
+    async def blocks():
+        time.sleep(3)
+        return "late"
+
+    async def quick():
+        await asyncio.sleep(0)
+        return "ok"
+
+    wedger, honest = Calls("wedger"), Calls("honest")
+    old = rewards.event_loop()
+    with pytest.raises(Overran, match="blocked the event loop"):
+        wedger.gather("tool blocks", 0.3, [blocks()])
+    start = time.monotonic()
+    assert honest.gather("tool quick", 1.0, [quick()]) == ["ok"]
+    assert time.monotonic() - start < 1.0 and rewards.event_loop() is not old
+    deadline = time.monotonic() + 10
+    while not old.is_closed() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert old.is_closed()  # its thread ended with it: nothing left behind
+
+
+def test_a_coroutine_that_is_only_slow_keeps_the_loop():
+    """A coroutine that overruns while awaiting (a slow service) leaves the loop as it is: only blocking code wedges it."""
+    import asyncio
+
+    from echo2.tasks import rewards
+    from echo2.tasks.environments.contracts import Calls, Overran
+
+    async def slow():
+        await asyncio.sleep(5)
+
+    loop = rewards.event_loop()
+    with pytest.raises(Overran) as e:
+        Calls("slow").gather("tool slow", 0.2, [slow()])
+    assert "blocked" not in str(e.value) and rewards.event_loop() is loop

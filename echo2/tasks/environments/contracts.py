@@ -31,7 +31,7 @@ import types
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from echo2.tasks.rewards import event_loop, import_object
+from echo2.tasks.rewards import event_loop, import_object, replace_if_wedged
 
 MAX_STATE_VALUE_CHARS = 4096
 """An environment attribute longer than this (as JSON) is not reported to the reward functions."""
@@ -169,8 +169,9 @@ class Calls:
     thread (the trainer's), so what an environment makes in ``__init__`` and uses in its tools (a sqlite3 connection,
     thread-local state) must keep working. Coroutines (async tools, an async ``get_reward``) run on the process's one
     event loop (``event_loop``), as TRL runs them on its daemon thread's loop, so that a client bound to that loop works
-    from one call to the next. A call that overruns leaves the thread in it (Python cannot stop a thread): the
-    environment is abandoned, and every later call into it fails at once."""
+    from one call to the next; a coroutine that overruns because it blocks that loop gets the loop replaced
+    (``replace_if_wedged``), so that the other rollouts' coroutines go on. A call that overruns leaves the thread in
+    it (Python cannot stop a thread): the environment is abandoned, and every later call into it fails at once."""
 
     def __init__(self, name: str):
         self.name, self.jobs, self.stuck = name, None, None
@@ -214,11 +215,15 @@ class Calls:
         async def together():
             return await asyncio.gather(*coroutines, return_exceptions=True)
 
-        future = asyncio.run_coroutine_threadsafe(together(), event_loop())
+        loop = event_loop()
+        future = asyncio.run_coroutine_threadsafe(together(), loop)
         try:
             results = future.result(timeout_s)
         except TimeoutError:
             future.cancel()
+            if replace_if_wedged(loop):
+                raise Overran(f"{what} did not return within {timeout_s:g} s (task.environment_timeout_s) and "
+                              "blocked the event loop (blocking code in a coroutine)") from None
             raise _overran(what, timeout_s) from None
         return results
 
