@@ -69,6 +69,10 @@ class LedgerEnv(CounterEnv):
         self.db = sqlite3.connect(":memory:")
         self.db.execute("create table steps (step integer)")
 
+    def reset(self, **kwargs) -> str | None:
+        self.db.execute("delete from steps")  # TRL reuses an instance for later rollouts: reset clears what it holds
+        return super().reset(**kwargs)
+
     def increment(self, step: int) -> str:
         """Add a step to the running total.
 
@@ -98,6 +102,30 @@ class AsyncCounterEnv(CounterEnv):
             raise ValueError("too large to double")
         self.total *= 2
         return f"total={self.total}"
+
+
+class CountedEnv(FlakyEnv):
+    """Counts its instances and the rollouts each served (TRL pools instances: construct once, reset often)."""
+
+    made = 0
+
+    def __init__(self):
+        CountedEnv.made += 1
+        self.serial, self.rollouts = CountedEnv.made, 0
+
+    def reset(self, **kwargs) -> str | None:
+        self.rollouts += 1
+        return super().reset(**kwargs)
+
+
+class DrawEnv(CounterEnv):
+    """A TRL environment that owns its data (GRPOTrainer without a train_dataset): reset draws the target itself and
+    says it, the row being an empty prompt."""
+
+    draws = __import__("random").Random(0)
+
+    def reset(self, **kwargs) -> str | None:
+        return super().reset(target=self.draws.choice((4, 5)))
 
 
 def make_counter() -> CounterEnv:

@@ -435,6 +435,8 @@ class Agent:
             except Exception:
                 pass
         self.receiver.close()
+        if self.episodes is not None:
+            self.episodes.close()  # the pooled environments' threads
         self.engine.close()
 
 

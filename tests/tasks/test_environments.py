@@ -168,9 +168,34 @@ def test_async_tools_run_after_the_sync_ones_on_one_event_loop(tok):
     assert (t.tool_errors, t.error) == (1, None)
 
 
-def test_an_environments_thread_ends_with_its_episode_even_one_that_overran(tok):
-    """Each environment has a thread of its own for its calls; it ends when the episode does, and one left in a call
-    past its time limit ends when that call returns (then the environment is let go): none is left behind."""
+def test_environments_are_pooled_as_trl_pools_them_and_a_failed_one_is_not_reused(tok):
+    """TRL makes an environment once and resets it for each later rollout (its pool grows to the most rollouts at
+    once); before, echo2 made one per rollout, so an environment whose constructor is dear (a sandbox, a database)
+    paid it every time. One that raised or overran is not given another rollout."""
+    import own_envs
+
+    own_envs.CountedEnv.made = 0
+    ep = episodes(tok, env="own_envs:CountedEnv", timeout_s=0.5)
+    rows = [{"prompt": PROMPT, "target": 5}, {"prompt": PROMPT, "target": 5}]
+    params = SamplingParams(n=1, max_tokens=300)
+    for _ in range(3):
+        runs = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, rows, params, n=1)
+        assert [(t.reward, t.error) for (t,) in runs] == [(1.0, None), (1.0, None)]
+    assert own_envs.CountedEnv.made == 2  # two at once, each reset for three rollouts
+    assert sorted(t.state["rollouts"] for (t,) in runs) == [3, 3] and runs[0][0].state["history"] == [2, 3]
+    (t,) = ep.run(ScriptedPolicy(tok, steps=(7,)).generate, rows[:1], params, n=1)[0]  # a tool that raises: answered
+    assert t.error is None and t.tool_errors == 1 and own_envs.CountedEnv.made == 2
+    (t,) = ep.run(ScriptedPolicy(tok, steps=(2,)).generate, [{"prompt": PROMPT, "target": 13}], params, n=1)[0]
+    assert t.error == "reset raised RuntimeError: no such level"  # that instance is let go
+    runs = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, rows, params, n=1)
+    assert own_envs.CountedEnv.made == 3 and sorted(t.state["serial"] for (t,) in runs) == [1, 3]
+    ep.close()
+
+
+def test_an_environments_thread_ends_when_it_leaves_the_pool_even_one_that_overran(tok):
+    """Each environment has a thread of its own for its calls; it stays with the environment in the pool and ends
+    when the environment leaves it (a failure, or the episodes closed), and one left in a call past its time limit
+    ends when that call returns (then the environment is let go): none is left behind."""
     import threading
     import time
 
@@ -185,7 +210,7 @@ def test_an_environments_thread_ends_with_its_episode_even_one_that_overran(tok)
     rows = [{"prompt": PROMPT, "target": 13}, {"prompt": PROMPT, "target": 5}, {"prompt": PROMPT, "target": 5}]
     runs = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, rows, SamplingParams(n=1, max_tokens=300), n=1)
     assert [t.error is None for (t,) in runs] == [False, True, True]
-    assert holds_within(lambda: not new_env_threads(), timeout=2)  # every episode's ended, the failed reset's too
+    assert holds_within(lambda: len(new_env_threads()) == 2, timeout=2)  # the failed reset's ended; two pooled
 
     def engine_down(ids, params):
         raise ConnectionError("the engine went away")
@@ -211,6 +236,10 @@ def test_an_environments_thread_ends_with_its_episode_even_one_that_overran(tok)
     assert t.error.startswith("tool increment did not return within 0.5 s")
     assert len(new_env_threads()) == 1  # still in the call that overran
     assert holds_within(lambda: not new_env_threads(), timeout=5)  # it returned, and its thread ended
+    ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, rows[1:], SamplingParams(n=1, max_tokens=300), n=1)
+    assert len(new_env_threads()) == 2
+    ep.close()
+    assert holds_within(lambda: not new_env_threads(), timeout=2)  # the episodes closed: the pool's threads ended
 
 
 def test_an_environment_factory_need_not_be_a_class(tok):

@@ -6,7 +6,8 @@ What runs where:
 
 * The episode loop (episode.py) runs where the tokens are made: in each worker agent, around its engine (vLLM or
   transformers), for remote rollouts; in the learner's process for ``rollout=sync``. Environments and tools run
-  there too, one instance per rollout, each call with a time limit (``task.environment_timeout_s``); never in the
+  there too, one instance per rollout at a time (TRL's instances pooled and reset for later rollouts, as TRL pools
+  them; SkyRL's made for each), each call with a time limit (``task.environment_timeout_s``); never in the
   coordinator's process.
 * A worker is sent each group's dataset row (``reset(**row)`` and SkyRL's ``extras`` need it) with its prompt ids,
   and returns per rollout: the token ids after the prompt with a mask (1: the model's, 0: the environment's), the

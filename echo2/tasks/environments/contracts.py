@@ -1,7 +1,8 @@
 """The two environment contracts, each driven as its own trainer drives it, and the plain-data spec a run ships.
 
 * TRL's (``GRPOTrainer(environment_factory=...)``): a class, or any factory, called with no argument, one instance per
-  rollout (a factory that is not a class is probed once, as TRL probes it, to read its instances' class);
+  rollout at a time, kept after a clean episode and reset for a later one (TRL's pool: construct once, reset often;
+  a factory that is not a class is probed once, as TRL probes it, to read its instances' class);
   ``reset(**row)`` returns ``None`` or text appended to the prompt's last message; every public method (not ``reset``,
   not ``get_reward``, not ``_private``) is a tool, its schema read from its type hints and docstring; an optional
   ``get_reward()`` is the environment's own reward, read once the episode is over. Plain ``tools`` (functions) work

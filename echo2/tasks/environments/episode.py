@@ -26,6 +26,7 @@ it again (a mismatch: ``TranscriptMismatch``).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -117,6 +118,9 @@ class Episodes:
         self.tools = list(spec.tool_schemas) or None
         self._base_ids: list[int] | None = None
         self._classes: tuple | None = None
+        # TRL's pool: environments that ended cleanly, each with the thread that made it, for later rollouts' reset
+        self._idle: list[tuple[Any, Calls]] = []
+        self._idle_lock = threading.Lock()
 
     # ------------------------------------------------------------------ rendering (as TRL and SkyRL render)
 
@@ -219,9 +223,10 @@ class Episodes:
         return left
 
     def _start(self, env_cls: type | None, tools: list[Any], row: dict) -> Trajectory:
-        calls = Calls(factory_name(env_cls))
+        env, calls = self._take() if env_cls is not None and self.spec.contract == "trl" else (None, None)
+        calls = calls or Calls(factory_name(env_cls))
         try:
-            session = open_session(self.spec, env_cls, tools, row, calls)
+            session = open_session(self.spec, env_cls, tools, row, calls, env)
             prompt = session.start(row)
             t = Trajectory(prompt=prompt, prompt_ids=self.prompt_ids(prompt), session=session)
         except BaseException as e:
@@ -268,17 +273,43 @@ class Episodes:
             return False
         return True
 
+    # ------------------------------------------------------------------ TRL's pool of environments
+
+    def _take(self) -> tuple[Any, Calls | None]:
+        """An idle environment and its thread, or (None, None): the rollout makes one."""
+        with self._idle_lock:
+            return self._idle.pop() if self._idle else (None, None)
+
+    def _release(self, session: Any, clean: bool) -> None:
+        """After an episode: TRL's environment back to the pool if the episode ended cleanly (TRL reuses every
+        instance; one that raised or overran is not trusted with another rollout here), else its thread ended."""
+        env = session.reusable() if clean and session.calls.stuck is None else None
+        if env is None:
+            session.calls.close()
+            return
+        with self._idle_lock:
+            self._idle.append((env, session.calls))
+
+    def close(self) -> None:
+        """End the pooled environments' threads (the process's episodes are over: a worker re-registering, or
+        leaving)."""
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for _, calls in idle:
+            calls.close()
+
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _finish(self, t: Trajectory) -> None:
         if t.session is not None:
+            session, t.session = t.session, None
             try:
-                t.reward, t.state = t.session.finish()
+                t.reward, t.state = session.finish()
             except EnvironmentFailed as e:
                 t.error = t.error or str(e)
-            t.metrics = t.session.metrics
-            t.session = None
+            t.metrics = session.metrics
+            self._release(session, t.error is None)
         if t.error is not None:
             log.warning("an episode ended early: %s", t.error)
         if not t.token_ids:  # it failed before the model's first turn: one masked token stands for it

@@ -10,7 +10,8 @@ model turn with observation messages (or ending the episode), and giving its rew
 
 Each call into the environment goes through the ``Calls`` the session is handed (the environment's own thread, its
 time limit; the episode that opens a session closes it if the session fails to start); an ``EnvironmentFailed`` out
-of any of them ends the trajectory. ``finish`` ends the thread.
+of any of them ends the trajectory. After ``finish`` the episodes (episode.py) keep a TRL environment that ended
+cleanly, with its thread, for a later rollout's ``reset`` (TRL pools its instances), and end any other's thread.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ class TrlSession:
     done = False  # TRL's episode ends when a turn calls no tool (act returns None)
     metrics: dict = {}
 
-    def __init__(self, spec: EpisodeSpec, env_cls: type | None, tools: list[Any], calls: Calls):
+    def __init__(self, spec: EpisodeSpec, env_cls: type | None, tools: list[Any], calls: Calls, env: Any = None):
+        """``env``: an instance from the pool (made by ``calls``' thread for an earlier rollout), reset for this one."""
         self.spec, self.calls = spec, calls
-        self.env = calls.call(f"{factory_name(env_cls)}()", spec.timeout_s, env_cls) if env_cls else None
+        if env is None and env_cls is not None:
+            env = calls.call(f"{factory_name(env_cls)}()", spec.timeout_s, env_cls)
+        self.env = env
         methods = [getattr(self.env, name) for name in tool_names(type(self.env))] if env_cls else []
         self.tools = {t.__name__: t for t in [*tools, *methods]}
         self.tool_calls = self.tool_errors = 0
@@ -99,13 +103,14 @@ class TrlSession:
 
     def finish(self) -> tuple[float | None, dict]:
         reward = None
-        try:
-            if self.env is not None and callable(getattr(self.env, "get_reward", None)):
-                value = self.calls.call("get_reward", self.spec.timeout_s, self.env.get_reward)
-                reward = None if value is None else float(value)
-        finally:
-            self.calls.close()
+        if self.env is not None and callable(getattr(self.env, "get_reward", None)):
+            value = self.calls.call("get_reward", self.spec.timeout_s, self.env.get_reward)
+            reward = None if value is None else float(value)
         return reward, public_state(self.env) if self.env is not None else {}
+
+    def reusable(self) -> Any:
+        """The instance, for the next rollout's ``reset`` (TRL's pool: construct once, reset often); None: none."""
+        return self.env
 
 
 def _tool_message(name: str, result: Any) -> dict:
@@ -151,21 +156,23 @@ class SkyrlSession:
         return list(out.get("observations") or [])
 
     def finish(self) -> tuple[float | None, dict]:
-        try:  # as SkyRL's generator: the episode's metrics, then close; a failure of either leaves the reward standing
-            for name in ("get_metrics", "close"):
-                if callable(method := getattr(self.env, name, None)):
-                    try:
-                        value = self.calls.call(name, self.spec.timeout_s, method)
-                    except EnvironmentFailed as e:
-                        log.warning("%s", e)
-                        continue
-                    if name == "get_metrics":
-                        self.metrics = episode_metrics(value)
-        finally:
-            self.calls.close()
+        # as SkyRL's generator: the episode's metrics, then close; a failure of either leaves the reward standing
+        for name in ("get_metrics", "close"):
+            if callable(method := getattr(self.env, name, None)):
+                try:
+                    value = self.calls.call(name, self.spec.timeout_s, method)
+                except EnvironmentFailed as e:
+                    log.warning("%s", e)
+                    continue
+                if name == "get_metrics":
+                    self.metrics = episode_metrics(value)
         state = public_state(self.env)
         state.pop("tool_groups", None), state.pop("tool_to_toolgroup", None)
         return (sum(self.rewards) if self.rewards else None), state
+
+    def reusable(self) -> None:
+        """None: SkyRL's generator makes an environment for every trajectory (``skyrl_gym.make``), closed after it."""
+        return None
 
 
 MAX_METRICS = 32  # an episode's metrics kept (SkyRL's get_metrics): names of at most 64 characters, numbers
@@ -192,9 +199,9 @@ def episode_metrics(metrics: Any) -> dict[str, float]:
 
 
 def open_session(spec: EpisodeSpec, env_cls: type | None, tools: list[Any], row: dict[str, Any],
-                 calls: Calls) -> Any:
-    """A new environment for one rollout (one instance per rollout, as both trainers make them), called through
-    ``calls``."""
+                 calls: Calls, env: Any = None) -> Any:
+    """One rollout's environment, called through ``calls``: SkyRL's made new; TRL's ``env`` (a pooled instance, made
+    on ``calls``' thread) or a new one. One instance serves one rollout at a time, as in both trainers."""
     if spec.contract == "skyrl":
         return SkyrlSession(spec, env_cls, row, calls)
-    return TrlSession(spec, env_cls, tools, calls)
+    return TrlSession(spec, env_cls, tools, calls, env)
