@@ -65,6 +65,15 @@ def _absolute(data_files: Any) -> Any:
     return [_absolute(f) for f in data_files] if data_files is not None else None
 
 
+PLACEHOLDER_ROWS = 1024
+"""Rows of an empty prompt when a TRL environment owns the data (no dataset): each rollout's prompt is what its
+``reset`` returns, so the number only sets how often an epoch passes (TRL makes one generation batch's worth)."""
+
+
+def _placeholder(n: int) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * n})
+
+
 class DatasetTask(Task):
     def __init__(self, path: str | None = None, data_files: str | list[str] | dict[str, Any] | None = None,
                  config_name: str | None = None, train_split: str = "train", eval_split: str | None = None,
@@ -77,9 +86,6 @@ class DatasetTask(Task):
                  max_turn_tokens: int | None = None, environment_timeout_s: float = 60.0,
                  environment_reward: bool = True):
         self.data_files = _absolute(plain(data_files))
-        if path is None and not self.data_files and type(self).source is DatasetTask.source:
-            raise ValueError("task=dataset: set task.path (a hub id or a local folder) or task.data_files (local json, "
-                             "jsonl, csv or parquet files)")
         if path is not None and Path(path).expanduser().exists():
             path = str(Path(path).expanduser().resolve())
         self.path, self.config_name = path, config_name
@@ -97,6 +103,14 @@ class DatasetTask(Task):
         self._episodes: dict[int, Any] = {}  # per tokenizer (id): the runtime of the episodes
         self.spec = self._spec(environment, list(plain(tools) or []), plain(environment_config), max_turns,
                                max_turn_tokens, environment_timeout_s, environment_reward)
+        # TRL's environment that owns its data: no dataset, rows of an empty prompt that reset() fills
+        self.placeholder = path is None and not self.data_files and type(self).source is DatasetTask.source
+        if self.placeholder and not (self.spec and self.spec.contract == "trl" and self.spec.environment):
+            raise ValueError("task=dataset: set task.path (a hub id or a local folder) or task.data_files (local json, "
+                             "jsonl, csv or parquet files); only a TRL environment (task.environment) may go without "
+                             "one, its reset() making each rollout's prompt")
+        if self.placeholder:
+            self.name = f"environment:{self.spec.environment.rsplit(':', 1)[-1].rsplit('.', 1)[-1]}"
         # fail here, in the learner, on a reward function that does not import (not in the coordinator's processes)
         names = unique_names(self.reward_funcs())
         if not names and not (self.spec and self.spec.environment_reward):
@@ -178,6 +192,10 @@ class DatasetTask(Task):
 
     def _load(self) -> tuple[Dataset, Dataset | None]:
         if self._splits is not None:
+            return self._splits
+        if self.placeholder:  # TRL's placeholder rows (GRPOTrainer without a train_dataset); held-out ones alike
+            train = self._rows(_placeholder(PLACEHOLDER_ROWS))
+            self._splits = train, (self._rows(_placeholder(self.eval_size)) if self.eval_size else None)
             return self._splits
         splits = self.source()
         if self.train_split not in splits:

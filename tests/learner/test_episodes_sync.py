@@ -38,6 +38,36 @@ def test_sync_episodes_train_on_the_models_tokens_only(tmp_path):
     assert (batch["old_per_token_logps"][tool_mask == 0] == 0).all()
 
 
+def test_an_environment_that_owns_its_data_trains_without_a_dataset(tmp_path):
+    """TRL's GRPOTrainer takes no train_dataset when the environment makes each prompt in reset(): rows of an empty
+    user message, the environment's text appended. Before, task=dataset refused to start without task.path or
+    task.data_files."""
+    cfg, trainer, source, step_log = build_run(tmp_path, [
+        "rollout=sync", "model.path.tool_chat=true", "model.path.max_position_embeddings=2048", "task=dataset",
+        "task.eval_size=4", "task.environment=own_envs:DrawEnv", "task.max_completion_length=300",
+        "rollout.group_size=2", "rollout.prompts_per_step=2", "run.steps=2", "learner.micro_batch_size=2"])
+    task = source.task
+    assert task.name == "environment:DrawEnv" and len(task.eval_dataset()) == 4
+    assert task.train_dataset()[0]["prompt"] == [{"role": "user", "content": ""}]
+    source.engine = ScriptedEngine(ScriptedPolicy(trainer.processing_class, steps=(2, 3)))
+    trainer.train()
+    step_log.sink.close()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["rollout/turns_mean"] for r in records] == [3.0, 3.0] and all("reward/DrawEnv" in r for r in records)
+    assert {r["reward/DrawEnv"] for r in records} != {1.0}  # the targets it drew (4 or 5) decide, not the rows
+
+
+def test_a_dataset_is_still_needed_without_an_environment_that_owns_the_data():
+    import pytest
+
+    from echo2.tasks.dataset import DatasetTask
+
+    with pytest.raises(ValueError, match="only a TRL environment"):
+        DatasetTask(reward_funcs=["trl.rewards.accuracy_reward"])
+    with pytest.raises(ValueError, match="only a TRL environment"):
+        DatasetTask(environment="own_envs:StepsEnv")  # SkyRL's init(prompt) needs the row's prompt
+
+
 def test_a_skyrl_environments_own_metrics_reach_the_learners_log(tmp_path):
     """What SkyRL's get_metrics() returns after each episode is averaged per step, as SkyRL averages it, into
     rollout/environment/<name>; what is not a number is left out."""
