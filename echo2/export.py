@@ -27,10 +27,12 @@ def checkpoint_of(path: str) -> Path:
     weights = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json")
     if any((p / w).is_file() for w in weights):
         return p
-    found = sorted((p / "trainer").glob("checkpoint-*"), key=lambda c: int(c.name.rpartition("-")[2]))
+    from echo2.learner.callbacks import checkpoint_dirs
+
+    found = [c for _, c in sorted(checkpoint_dirs(p / "trainer").items()) if any((c / w).is_file() for w in weights)]
     if not found:
         raise FileNotFoundError(f"{path}: neither a checkpoint (no {weights[0]} or {weights[1]}) nor a run directory "
-                                "with trainer/checkpoint-*")
+                                "with trainer/checkpoint-<step> holding weights")
     return found[-1]
 
 

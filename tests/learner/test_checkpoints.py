@@ -126,3 +126,23 @@ def test_a_checkpoint_state_that_cannot_be_read_keeps_the_whole_journal(tmp_path
     SourceVersions(trainer, keep_checkpoints=2).on_save(
         SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=2, is_world_process_zero=True), None)
     assert told == [None] and "keeps everything" in caplog.text
+
+
+def test_a_stray_checkpoint_folder_is_passed_over_by_resume_and_export(tmp_path):
+    """A folder named checkpoint-<not a number> (a copy, a backup) beside the real ones: resume and export stopped
+    with ValueError on it (each globbed checkpoint-* and read the step as an int); now they skip it, as the rotation
+    does. Export takes the newest checkpoint holding weights (one cut short by a kill holds none)."""
+    from omegaconf import OmegaConf
+
+    import train
+    from echo2.export import checkpoint_of
+
+    trainer_dir = tmp_path / "trainer"
+    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-old", "checkpoint-12"):
+        (trainer_dir / name).mkdir(parents=True)
+    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-old"):
+        (trainer_dir / name / CHECKPOINT_STATE).write_text("{}")
+        (trainer_dir / name / "model.safetensors").write_bytes(b"")
+    cfg = OmegaConf.create({"run": {"resume": "auto"}})
+    assert train.find_checkpoint(cfg, str(tmp_path)) == str(trainer_dir / "checkpoint-10")
+    assert checkpoint_of(str(tmp_path)) == trainer_dir / "checkpoint-10"
