@@ -50,11 +50,12 @@ class RewardFunctions:
         self.weights = list(getattr(task, "reward_weights_override", None) or task.reward_weights())
         if len(self.weights) != len(self.funcs):
             raise ValueError(f"task {task.name}: {len(self.funcs)} reward funcs but {len(self.weights)} weights")
-        # a multi-turn task's environment reward: one more column, weight 1 (as TRL adds get_reward)
+        # a multi-turn task's environment reward: one more column, weight 1 (as TRL adds get_reward); with several
+        # environments one per class, each scoring only its own environment's rollouts (None for the others, as TRL)
         self.spec = task.episode_spec()
-        self.env_column = self.spec.environment_reward if self.spec is not None else None
-        self.names = self.func_names + ([self.env_column] if self.env_column else [])
-        self.weights += [1.0] if self.env_column else []
+        self.env_columns = self.spec.reward_columns() if self.spec is not None else []
+        self.names = self.func_names + self.env_columns
+        self.weights += [1.0] * len(self.env_columns)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.state = TrainerStateView(max_steps=max_steps)
         self._reported: set[tuple[str, str]] = set()  # (function, error) pairs already logged
@@ -76,10 +77,11 @@ class RewardFunctions:
             return
         if self._episodes is None:
             self._episodes = self.task.episodes(tokenizer)
+        environment = self.spec.environment_of(group.row)
         for r in group.rollouts:
             c = r.completion
             r.episode["messages"] = self._episodes.transcript(r.prompt_ids, c.token_ids, c.mask or [1] * len(
-                c.token_ids), r.episode, group.row.get("prompt"))
+                c.token_ids), r.episode, group.row.get("prompt"), environment)
             error = r.episode.get("error")
             if error and ("environment", error) not in self._reported and len(self._reported) < MAX_REPORTED:
                 self._reported.add(("environment", error))
@@ -117,10 +119,11 @@ class RewardFunctions:
         kwargs = {k: [v] * n for k, v in row.items() if k not in EXCLUDED_COLUMNS}
         kwargs.update(prompts=prompts, completions=completions, completion_ids=job["completion_ids"],
                       trainer_state=job["state"])
-        if episodes and self.spec is not None and self.spec.environment:
+        environment = self.spec.environment_of(row) if self.spec is not None else None
+        if episodes and self.spec is not None and self.spec.path(environment):
             from echo2.tasks.environments import EnvironmentView
 
-            name = self.spec.environment.replace(":", ".").rpartition(".")[2]
+            name = self.spec.path(environment).replace(":", ".").rpartition(".")[2]
             kwargs["environments"] = [EnvironmentView(name, e.get("state") or {}, e.get("reward"), e.get("error"))
                                       for e in episodes]
         logs = RewardLog()
@@ -128,9 +131,10 @@ class RewardFunctions:
         if self.funcs and len(logs.errors) == len(self.funcs):
             raise RewardsFailed("every reward function failed: " + "; ".join(f"{k}: {v}" for k, v in
                                                                               logs.errors.items()))
-        if self.env_column:
-            rewards[self.env_column] = [math.nan if e.get("reward") is None else float(e["reward"])
-                                        for e in (episodes or [{}] * n)]
+        own = self.spec.reward_column(environment) if self.spec is not None else None
+        for column in self.env_columns:  # the row's environment's own reward; NaN in the others' columns
+            rewards[column] = [math.nan if column != own or e.get("reward") is None else float(e["reward"])
+                               for e in (episodes or [{}] * n)]
         for i, e in enumerate(episodes or []):
             if e.get("error"):  # the environment failed: nothing to learn from this one
                 for values in rewards.values():
@@ -144,7 +148,7 @@ class RewardFunctions:
         its threshold (``correct_when``), NaN (not correct) where every reward failed. The learner's evaluator and the
         coordinator's (workers) both judge here."""
         if job.get("episodes"):
-            name, threshold = self.task.correct_when()
+            name, threshold = self.task.correct_when(job["row"])
             try:
                 values = [float(v) for v in self.compute_job(job)["rewards"][name]]
             except RewardsFailed:

@@ -128,6 +128,27 @@ class DrawEnv(CounterEnv):
         return super().reset(target=self.draws.choice((4, 5)))
 
 
+class SumEnv:
+    """A second TRL environment, with a tool of its own (``add``), for a task of several environments by name."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.keys, self.total, self.target = sorted(kwargs), 0, int(kwargs["target"])
+        return f" Sum to {self.target}."
+
+    def add(self, a: int, b: int) -> str:
+        """Add two numbers to the sum.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        self.total += a + b
+        return f"sum={self.total}"
+
+    def get_reward(self) -> float:
+        return float(self.total == self.target)
+
+
 def make_counter() -> CounterEnv:
     """An environment_factory that is not a class (TRL takes any callable)."""
     return CounterEnv()
@@ -186,6 +207,13 @@ class ScriptedPolicy:
             out.append([Completion(new, [-0.5] * len(new), finish)] * params.n)
         return out
 
+
+class EitherPolicy(ScriptedPolicy):
+    """Calls whichever tool its prompt shows: increment(step) or add(a=2, b=step)."""
+
+    def text(self, context: str) -> str:
+        self.tool = "increment" if '"name": "increment"' in context else "add"
+        return super().text(context)
 
 
 class StepsEnv(BaseTextEnv):

@@ -62,7 +62,7 @@ class Evaluator:
             rows = self.rows[start : start + self.batch_size]
             for row, (t,) in zip(rows, episodes.run(greedy, rows, self.params, 1, context), strict=True):
                 record = {**t.record(), "messages": episodes.transcript(t.prompt_ids, t.token_ids, t.mask,
-                                                                         t.record(), row["prompt"])}
+                                                                         t.record(), row["prompt"], t.environment)}
                 job = {"row": row, "texts": [self.tokenizer.decode(t.token_ids, skip_special_tokens=True)],
                        "completion_ids": [t.token_ids], "state": scorer.state, "episodes": [record]}
                 judged = scorer.judge_job(job)

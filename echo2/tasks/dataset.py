@@ -81,7 +81,7 @@ class DatasetTask(Task):
                  reward_funcs: list[Any] | None = None, reward_weights: list[float] | None = None,
                  eval_reward: str | None = None, eval_threshold: float = 1.0,
                  chat_template_kwargs: dict[str, Any] | None = None, max_completion_length: int = 256, seed: int = 0,
-                 environment: str | None = None, tools: list[str] | None = None,
+                 environment: str | dict[str, str] | None = None, tools: list[str] | None = None,
                  environment_config: dict[str, Any] | None = None, max_turns: int | None = None,
                  max_turn_tokens: int | None = None, environment_timeout_s: float = 60.0,
                  environment_reward: bool = True):
@@ -101,10 +101,14 @@ class DatasetTask(Task):
         self._funcs: list[RewardFunc] | None = None
         self._splits: tuple[Dataset, Dataset | None] | None = None
         self._episodes: dict[int, Any] = {}  # per tokenizer (id): the runtime of the episodes
-        self.spec = self._spec(environment, list(plain(tools) or []), plain(environment_config), max_turns,
+        self.spec = self._spec(plain(environment), list(plain(tools) or []), plain(environment_config), max_turns,
                                max_turn_tokens, environment_timeout_s, environment_reward)
         # TRL's environment that owns its data: no dataset, rows of an empty prompt that reset() fills
         self.placeholder = path is None and not self.data_files and type(self).source is DatasetTask.source
+        if self.placeholder and self.spec and self.spec.environments:
+            raise ValueError("task.environment names several environments: each row's environment column picks one, "
+                             "so the task needs a dataset (task.path or task.data_files), as TRL's dict "
+                             "environment_factory needs a train_dataset")
         if self.placeholder and not (self.spec and self.spec.contract == "trl" and self.spec.environment):
             raise ValueError("task=dataset: set task.path (a hub id or a local folder) or task.data_files (local json, "
                              "jsonl, csv or parquet files); only a TRL environment (task.environment) may go without "
@@ -113,7 +117,7 @@ class DatasetTask(Task):
             self.name = f"environment:{self.spec.environment.rsplit(':', 1)[-1].rsplit('.', 1)[-1]}"
         # fail here, in the learner, on a reward function that does not import (not in the coordinator's processes)
         names = unique_names(self.reward_funcs())
-        if not names and not (self.spec and self.spec.environment_reward):
+        if not names and not (self.spec and self.spec.reward_columns()):
             raise ValueError("task.reward_funcs is empty: name at least one reward function, e.g. "
                              "'task.reward_funcs=[trl.rewards.accuracy_reward]' (or an environment with its own "
                              "reward)")
@@ -125,7 +129,7 @@ class DatasetTask(Task):
         if eval_reward is not None and eval_reward not in names:
             raise ValueError(f"task.eval_reward={eval_reward!r}: not one of the reward functions ({', '.join(names)})")
 
-    def _spec(self, environment: str | None, tools: list[str], config: dict | None, max_turns: int | None,
+    def _spec(self, environment: str | dict | None, tools: list[str], config: dict | None, max_turns: int | None,
               max_turn_tokens: int | None, timeout_s: float, environment_reward: bool) -> Any:
         """The episodes' spec (echo2/tasks/environments/), read here from the classes and functions named, so that an
         import path that does not import fails at once; None without an environment or tools."""
@@ -146,7 +150,9 @@ class DatasetTask(Task):
         spec = spec_for(environment, tools, self.max_completion_length, max_turns=max_turns,
                         max_turn_tokens=max_turn_tokens, timeout_s=timeout_s,
                         environment_config=dict(config or {}), chat_template_kwargs=dict(self.chat_template_kwargs))
-        return spec if environment_reward else replace(spec, environment_reward=None)
+        if environment_reward:
+            return spec
+        return replace(spec, environment_reward=None, environment_rewards=dict.fromkeys(spec.environment_rewards))
 
     def __getstate__(self) -> dict[str, Any]:
         # sent to the coordinator and its reward processes: they rebuild the functions and reload the data
@@ -170,7 +176,9 @@ class DatasetTask(Task):
 
     def prompt_ids(self, tokenizer: Any, row: dict[str, Any]) -> list[int]:
         episodes = self.episodes(tokenizer)
-        return episodes.prompt_ids(row["prompt"]) if episodes is not None else super().prompt_ids(tokenizer, row)
+        if episodes is None:
+            return super().prompt_ids(tokenizer, row)
+        return episodes.prompt_ids(row["prompt"], self.spec.environment_of(row))
 
     # ------------------------------------------------------------------ data
 
@@ -236,6 +244,15 @@ class DatasetTask(Task):
             ds = ds.map(lambda r: {"prompt": [system, *[m for m in r["prompt"] if m["role"] != "system"]]})
         if self.spec is not None and self.spec.contract == "skyrl" and "env_class" in ds.column_names:
             self._check_env_classes(ds.unique("env_class"))
+        if self.spec is not None and self.spec.environments:
+            if "environment" not in ds.column_names:
+                raise ValueError(f"task.environment names several environments ({', '.join(self.spec.environments)}):"
+                                 " each row's environment column picks its own, and the dataset has none (columns: "
+                                 f"{', '.join(ds.column_names)})")
+            unknown = sorted({str(n) for n in ds.unique("environment")} - set(self.spec.environments))
+            if unknown:
+                raise ValueError(f"the dataset's rows name environment {', '.join(unknown)}: not among "
+                                 f"task.environment's {', '.join(self.spec.environments)}")
         return ds
 
     def _check_env_classes(self, names: list[Any]) -> None:
@@ -275,11 +292,12 @@ class DatasetTask(Task):
     def reward_weights(self) -> list[float]:
         return list(self.weights)
 
-    def correct_when(self) -> tuple[str, float]:
+    def correct_when(self, row: dict[str, Any] | None = None) -> tuple[str, float]:
         """What counts as correct on held-out rows: the reward column (``eval_reward``; default: the first reward
-        function, else the environment's own reward) and the value it must reach."""
+        function, else the environment's own reward, the row's environment's among several) and the value it must
+        reach."""
         names = unique_names(self.reward_funcs())
-        name = self.eval_reward or (names[0] if names else self.spec.environment_reward)
+        name = self.eval_reward or (names[0] if names else self.spec.reward_column(self.spec.environment_of(row)))
         return name, self.eval_threshold
 
     def is_correct(self, completion: str, row: dict[str, Any], completion_ids: list[int] | None = None,

@@ -448,3 +448,58 @@ def test_a_coroutine_that_is_only_slow_keeps_the_loop():
     with pytest.raises(Overran) as e:
         Calls("slow").gather("tool slow", 0.2, [slow()])
     assert "blocked" not in str(e.value) and rewards.event_loop() is loop
+
+
+def test_several_environments_by_name_as_trls_dict_environment_factory(tok, tmp_path):
+    """TRL's GRPOTrainer(environment_factory={name: factory}): each row's environment column picks its environment,
+    its prompt shows the plain tools and that environment's own, reset gets the row without the control column, the
+    turns are parsed with those tools, and each environment class that has get_reward is a reward column of its own,
+    scored on its own environment's rollouts only (NaN, TRL's None, on the others'). Before, task.environment took one
+    import path."""
+    from own_envs import EitherPolicy
+
+    spec = spec_for({"count": "own_envs:CounterEnv", "sum": "own_envs:SumEnv"}, [], 300)
+    assert (spec.environment, spec.reward_columns()) == (None, ["CounterEnv", "SumEnv"])
+    assert [s["function"]["name"] for s in spec.schemas("count")] == ["increment"]
+    assert [s["function"]["name"] for s in spec.schemas("sum")] == ["add"]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "Go."}], "target": 5, "environment": "count"}\n'
+                    '{"prompt": [{"role": "user", "content": "Go."}], "target": 9, "environment": "sum"}\n')
+    task = DatasetTask(data_files=str(rows), eval_size=0,
+                       environment={"count": "own_envs:CounterEnv", "sum": "own_envs:SumEnv"})
+    count_row, sum_row = task.train_dataset()
+    assert '"name": "add"' in tok.decode(task.prompt_ids(tok, sum_row))
+    assert '"name": "increment"' not in tok.decode(task.prompt_ids(tok, sum_row))
+    ep = task.episodes(tok)
+    (c,), (s,) = ep.run(EitherPolicy(tok, steps=(2, 3)).generate, [count_row, sum_row],
+                        SamplingParams(n=1, max_tokens=300), n=1)
+    assert (c.prompt[-1]["content"], c.reward, c.state["total"]) == ("Go. Reach 5.", 1.0, 5)
+    assert (s.prompt[-1]["content"], s.reward, s.state["total"]) == ("Go. Sum to 9.", 1.0, 9)
+    assert s.state["keys"] == ["prompt", "target"]  # no environment column handed to reset, as in TRL
+    messages = ep.transcript(s.prompt_ids, s.token_ids, s.mask, s.record(), sum_row["prompt"], "sum")
+    assert messages[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 2}}
+    scorer = Scorer(task, tok)
+    assert scorer.names == ["CounterEnv", "SumEnv"]
+    for row, t in ((count_row, c), (sum_row, s)):
+        rollout = Rollout(t.prompt_ids, Completion(t.token_ids, t.logprobs, t.finish_reason, t.mask), 0,
+                          episode=t.record())
+        (r,) = scorer.score(RolloutGroup(row=row, rollouts=[rollout])).rollouts
+        own, other = ("CounterEnv", "SumEnv") if row is count_row else ("SumEnv", "CounterEnv")
+        assert r.rewards[own] == 1.0 and math.isnan(r.rewards[other]) and r.reward == 1.0
+    assert task.correct_when(sum_row) == ("SumEnv", 1.0)
+
+
+def test_rows_must_name_one_of_the_tasks_environments(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "Go."}], "target": 5, "environment": "count"}\n'
+                    '{"prompt": [{"role": "user", "content": "Go."}], "target": 9, "environment": "chess"}\n')
+    envs = {"count": "own_envs:CounterEnv", "sum": "own_envs:SumEnv"}
+    with pytest.raises(ValueError, match="rows name environment chess: not among"):
+        DatasetTask(data_files=str(rows), eval_size=0, environment=envs).train_dataset()
+    rows.write_text('{"prompt": [{"role": "user", "content": "Go."}], "target": 5}\n')
+    with pytest.raises(ValueError, match="the dataset has none"):
+        DatasetTask(data_files=str(rows), eval_size=0, environment=envs).train_dataset()
+    with pytest.raises(ValueError, match="needs a dataset"):
+        DatasetTask(environment=envs)
+    with pytest.raises(TypeError, match="several environments by name are TRL's contract"):
+        spec_for({"steps": "own_envs:StepsEnv"}, [], 300)

@@ -164,3 +164,46 @@ def test_an_episodes_own_metrics_travel_from_the_worker_with_its_rollouts(plane)
         assert [r.episode["metrics"] for r in group.rollouts] == [{"steps": 2.0, "solved": 1.0}] * G
     finally:
         agent.receiver.close()
+
+
+def test_several_environments_by_name_run_on_the_worker_through_the_coordinator(tmp_path, echo2_cache):
+    """TRL's dict environment_factory across the rollout plane: the worker gets the spec of every environment, runs
+    each row's in its own, and the coordinator reads each transcript with that environment's tools and scores each
+    environment's reward column on its own rows only."""
+    import math
+
+    from echo2.coordinator.coordinator import Coordinator
+    from echo2.models.tiny import build_tiny
+    from echo2.models.tokenizer import load_tokenizer
+    from echo2.scoring import Scorer
+    from echo2.settings import CoordinatorSettings
+    from echo2.tasks.dataset import DatasetTask
+    from own_envs import EitherPolicy
+
+    tok = load_tokenizer(build_tiny(tool_chat=True, max_position_embeddings=2048))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "Go."}], "target": 5, "environment": "count"}\n'
+                    '{"prompt": [{"role": "user", "content": "Go."}], "target": 9, "environment": "sum"}\n')
+    task = DatasetTask(data_files=str(rows), eval_size=0, max_completion_length=300,
+                       environment={"count": "own_envs:CounterEnv", "sum": "own_envs:SumEnv"})
+    settings = CoordinatorSettings(token="secret", staleness=1, prompts_per_step=2, group_size=G, vocab_size=len(tok),
+                                   long_poll_s=0.0, episode=task.episode_spec().as_dict(),
+                                   sampling={"max_tokens": 300, "temperature": 1.0, "top_p": 1.0, "top_k": 0})
+    coord = Coordinator(task.train_dataset(), Scorer(task, tok), tok, settings,
+                        encode=functools.partial(task.prompt_ids, tok)).start()
+    engine = ScriptedWorkerEngine(tok)
+    engine.policy = EitherPolicy(tok, steps=(2, 3))
+    agent = agent_for(coord, tok, engine)
+    try:
+        agent._step(SamplingParams(n=G, max_tokens=300))
+        agent.flush()
+        groups = {g.row["environment"]: g for g in coord.take(2, timeout_s=5)}
+    finally:
+        agent.receiver.close()
+        agent.episodes.close()
+        coord.close()
+    for name, own, other, tool in (("count", "CounterEnv", "SumEnv", "increment"), ("sum", "SumEnv", "CounterEnv",
+                                                                                      "add")):
+        for r in groups[name].rollouts:
+            assert r.rewards[own] == 1.0 and math.isnan(r.rewards[other])
+            assert r.episode["messages"][0]["tool_calls"][0]["function"]["name"] == tool

@@ -1,5 +1,6 @@
 """Multi-turn environments: TRL's ``environment_factory`` / ``tools`` contract and SkyRL-gym's ``BaseTextEnv``, each
-running unchanged, on the dataset task (``task.environment=pkg.module:Class``, ``task.tools=[pkg.module:function]``;
+running unchanged, on the dataset task (``task.environment=pkg.module:Class``, or TRL's several by name
+``{name: pkg.module:Class}`` picked by each row's ``environment`` column; ``task.tools=[pkg.module:function]``;
 docs/tasks.md).
 
 What runs where:

@@ -68,6 +68,11 @@ class EpisodeSpec:
     chat_template: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
     environment_reward: str | None = None  # the reward column of the environment's own reward (its class name)
+    # TRL's dict environment_factory: {name: import path}; each row's ``environment`` column picks one (then
+    # ``environment`` is None, ``tool_schemas`` the plain tools' alone, ``environment_reward`` None)
+    environments: dict = field(default_factory=dict)
+    environment_tool_schemas: dict = field(default_factory=dict)  # {name: the plain tools' schemas and its tools'}
+    environment_rewards: dict = field(default_factory=dict)  # {name: its reward column (class name), or None}
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,7 +81,38 @@ class EpisodeSpec:
     def from_dict(cls, d: dict[str, Any]) -> "EpisodeSpec":
         d = dict(d)
         d["tools"], d["tool_schemas"] = tuple(d.get("tools") or ()), tuple(d.get("tool_schemas") or ())
+        d["environment_tool_schemas"] = {k: tuple(v) for k, v in (d.get("environment_tool_schemas") or {}).items()}
         return cls(**d)
+
+    # Each row's environment: the task's one, or, with several (TRL's dict environment_factory), the row's
+    # ``environment`` column's; None names the task's one.
+
+    def environment_of(self, row: dict[str, Any] | None) -> str | None:
+        """The name of ``row``'s environment (None: the task's one environment, or plain tools). ValueError if the
+        row names none of the task's several, or names one where the task has one."""
+        if not self.environments:
+            return None
+        name = (row or {}).get("environment")
+        if name not in self.environments:
+            raise ValueError(f"a row's environment column is {name!r}: the task's environments are "
+                             f"{', '.join(sorted(self.environments))} (task.environment)")
+        return name
+
+    def path(self, name: str | None) -> str | None:
+        return self.environments[name] if name is not None else self.environment
+
+    def schemas(self, name: str | None) -> tuple[dict, ...]:
+        """The tools a prompt of environment ``name`` is rendered with (TRL shows each example its own)."""
+        return tuple(self.environment_tool_schemas[name]) if name is not None else self.tool_schemas
+
+    def reward_column(self, name: str | None) -> str | None:
+        """The reward column of environment ``name``'s own reward (None: it has none, or it is not scored)."""
+        return self.environment_rewards.get(name) if name is not None else self.environment_reward
+
+    def reward_columns(self) -> list[str]:
+        """Every environment's reward column, once each (two names of one class share one, as in TRL)."""
+        columns = [self.environment_reward] + list(self.environment_rewards.values())
+        return list(dict.fromkeys(c for c in columns if c))
 
 
 def contract_of(cls: type) -> str:
@@ -131,23 +167,35 @@ def environment_path(name: str) -> str:
     return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
 
 
-def spec_for(environment: str | None, tools: list[str], max_completion_length: int, **options: Any) -> EpisodeSpec:
-    """The spec of a task's episodes: the contract and tool schemas read from the classes and functions named."""
+def spec_for(environment: str | dict[str, str] | None, tools: list[str], max_completion_length: int,
+             **options: Any) -> EpisodeSpec:
+    """The spec of a task's episodes: the contract and tool schemas read from the classes and functions named.
+    ``environment``: an import path, or, as TRL's dict ``environment_factory``, ``{name: import path}`` (each row's
+    ``environment`` column picks one; TRL's contract only)."""
     standalone = [import_object(t) for t in tools]
     schemas = [tool_schema(t) for t in standalone]
+    timeout_s = options.get("timeout_s", EpisodeSpec.timeout_s)
+    if isinstance(environment, dict):
+        if not environment:
+            raise ValueError("task.environment={}: name at least one environment (name: package.module:Class)")
+        paths, own_schemas, rewards = {}, {}, {}
+        for name, path in environment.items():
+            path = environment_path(str(path))
+            cls = _environment_class(path, timeout_s)
+            if contract_of(cls) != "trl":
+                raise TypeError(f"task.environment.{name}={path} is a SkyRL-gym environment: several environments "
+                                "by name are TRL's contract (dict environment_factory); SkyRL picks a row's "
+                                "environment by its env_class, and echo2 runs one SkyRL environment a task")
+            paths[str(name)] = path
+            own_schemas[str(name)] = tuple(schemas + [tool_schema(getattr(cls, n)) for n in tool_names(cls)])
+            rewards[str(name)] = cls.__name__ if callable(getattr(cls, "get_reward", None)) else None
+        return EpisodeSpec(contract="trl", environment=None, tools=tuple(tools), tool_schemas=tuple(schemas),
+                           max_completion_length=max_completion_length, environments=paths,
+                           environment_tool_schemas=own_schemas, environment_rewards=rewards, **options)
     contract, reward = "trl", None
     if environment is not None:
         environment = environment_path(environment)
-        cls = import_object(environment)
-        if not isinstance(cls, type) and callable(cls):  # TRL takes any factory: probe one instance, as TRL does
-            probe = Calls(factory_name(cls))
-            try:
-                cls = type(probe.call(f"{environment}()", options.get("timeout_s", EpisodeSpec.timeout_s), cls))
-            finally:
-                probe.close()
-            if contract_of(cls) != "trl":
-                raise TypeError(f"{environment} made a {cls.__qualname__}: a factory function is TRL's contract (a "
-                                "SkyRL-gym environment is named by its class, which echo2 constructs as SkyRL does)")
+        cls = _environment_class(environment, timeout_s)
         contract = contract_of(cls)
         if contract == "trl":
             schemas += [tool_schema(getattr(cls, name)) for name in tool_names(cls)]
@@ -158,6 +206,22 @@ def spec_for(environment: str | None, tools: list[str], max_completion_length: i
             reward = cls.__name__  # its step rewards
     return EpisodeSpec(contract=contract, environment=environment, tools=tuple(tools), tool_schemas=tuple(schemas),
                        max_completion_length=max_completion_length, environment_reward=reward, **options)
+
+
+def _environment_class(path: str, timeout_s: float) -> type:
+    """The class of the environments ``path`` makes: the class itself, or, for a factory that is not one (TRL takes
+    any callable), the class of one instance it makes (probed once, as TRL probes it)."""
+    cls = import_object(path)
+    if not isinstance(cls, type) and callable(cls):
+        probe = Calls(factory_name(cls))
+        try:
+            cls = type(probe.call(f"{path}()", timeout_s, cls))
+        finally:
+            probe.close()
+        if contract_of(cls) != "trl":
+            raise TypeError(f"{path} made a {cls.__qualname__}: a factory function is TRL's contract (a "
+                            "SkyRL-gym environment is named by its class, which echo2 constructs as SkyRL does)")
+    return cls
 
 
 # ---------------------------------------------------------------------- calls with a time limit

@@ -70,6 +70,7 @@ class Trajectory:
     state: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)  # the environment's own (SkyRL's get_metrics), numbers by name
     session: Any = None
+    environment: str | None = None  # the row's, among several (TRL's dict environment_factory); None: the task's
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.token_ids += ids
@@ -103,7 +104,8 @@ class Episodes:
         from trl.chat_template_utils import (add_response_schema, get_training_chat_template,
                                              is_chat_template_prefix_preserving)
 
-        if spec.contract == "trl" and spec.tool_schemas and getattr(tokenizer, "response_template", None) is None \
+        any_tools = spec.tool_schemas or any(spec.environment_tool_schemas.values())
+        if spec.contract == "trl" and any_tools and getattr(tokenizer, "response_template", None) is None \
                 and getattr(tokenizer, "response_schema", None) is None:
             add_response_schema(tokenizer)
         # Appending an answer's tokens needs a template that renders earlier messages the same whatever follows
@@ -115,11 +117,10 @@ class Episodes:
                 log.warning("the model's chat template is not prefix-preserving and TRL has no training template for "
                             "it: environment answers are rendered with it as it is")
         self.spec, self.tokenizer = spec, tokenizer
-        self.tools = list(spec.tool_schemas) or None
         self._base_ids: list[int] | None = None
         self._classes: tuple | None = None
         # TRL's pool: environments that ended cleanly, each with the thread that made it, for later rollouts' reset
-        self._idle: list[tuple[Any, Calls]] = []
+        self._idle: dict[str | None, list[tuple[Any, Calls]]] = {}
         self._idle_lock = threading.Lock()
 
     # ------------------------------------------------------------------ rendering (as TRL and SkyRL render)
@@ -130,10 +131,15 @@ class Episodes:
                                                  **self.spec.chat_template_kwargs)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def prompt_ids(self, prompt: list[dict]) -> list[int]:
+    def tools(self, environment: str | None = None) -> list[dict] | None:
+        """The tools' schemas a prompt of ``environment`` is rendered with and its turns are parsed with (TRL shows
+        each example the plain tools and its own environment's); None: none."""
+        return list(self.spec.schemas(environment)) or None
+
+    def prompt_ids(self, prompt: list[dict], environment: str | None = None) -> list[int]:
         """The prompt's token ids: TRL's _tokenize_prompts (the tools' schemas, the training template, the task's
         chat template arguments); SkyRL's generator renders without tools."""
-        return self._template(prompt, True, self.tools if self.spec.contract == "trl" else None)
+        return self._template(prompt, True, self.tools(environment) if self.spec.contract == "trl" else None)
 
     def observation_ids(self, messages: list[dict], final: bool = False) -> list[int]:
         """The tokens of the environment's answer, up to the next turn's generation prompt (``final``: the episode
@@ -154,35 +160,41 @@ class Episodes:
             return [] if final else self._template(BASE_CONVERSATION, True)[len(bare):]
         return self._template([*BASE_CONVERSATION, *messages], not final)[len(self._base_ids):]
 
-    def parse_turn(self, ids: list[int], prefix: list[int]) -> dict:
+    def parse_turn(self, ids: list[int], prefix: list[int], environment: str | None = None) -> dict:
         """A model turn as a chat message: TRL's parse_response (tool calls included) for TRL's contract, the decoded
         text for SkyRL's."""
-        if self.spec.contract == "trl" and self.tools:
+        tools = self.tools(environment)
+        if self.spec.contract == "trl" and tools:
             from trl.chat_template_utils import parse_response
 
-            return parse_response(self.tokenizer, ids, prefix=prefix, tools=self.tools)
+            return parse_response(self.tokenizer, ids, prefix=prefix, tools=tools)
         return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
 
     # ------------------------------------------------------------------ the loop
 
-    def imports(self) -> tuple[type | None, list[Any]]:
-        """The environment class and the tools, imported where episodes run (a worker, or the learner)."""
+    def imports(self) -> tuple[dict[str | None, Any], list[Any]]:
+        """The environment factories by name (None: the task's one; None there: plain tools) and the tools,
+        imported where episodes run (a worker, or the learner)."""
         if self._classes is None:
-            env_cls = import_object(self.spec.environment) if self.spec.environment else None
-            self._classes = env_cls, [import_object(t) for t in self.spec.tools]
+            if self.spec.environments:
+                factories = {name: import_object(path) for name, path in self.spec.environments.items()}
+            else:
+                factories = {None: import_object(self.spec.environment) if self.spec.environment else None}
+            self._classes = factories, [import_object(t) for t in self.spec.tools]
         return self._classes
 
     def run(self, generate: Generate, rows: list[dict], params: SamplingParams, n: int,
             context_tokens: int | None = None) -> list[list[Trajectory]]:
         """``n`` episodes of each row; returns them per row. ``context_tokens``: the engine's context (an answer
         that would reach it ends the episode, as in TRL)."""
-        env_cls, tools = self.imports()
+        factories, tools = self.imports()
         episodes: list[list[Trajectory]] = []
         try:
             for row in rows:
+                name = self.spec.environment_of(row)
                 episodes.append([])
                 for _ in range(n):
-                    episodes[-1].append(self._start(env_cls, tools, row))
+                    episodes[-1].append(self._start(name, factories[name], tools, row))
             self._play(generate, episodes, params, context_tokens)
         finally:  # an error that ends the batch (the engine failing, say) ends every environment it started
             for t in (t for group in episodes for t in group if t.session is not None):
@@ -222,18 +234,22 @@ class Episodes:
             left = min(left, self.spec.max_turn_tokens)
         return left
 
-    def _start(self, env_cls: type | None, tools: list[Any], row: dict) -> Trajectory:
-        env, calls = self._take() if env_cls is not None and self.spec.contract == "trl" else (None, None)
+    def _start(self, name: str | None, env_cls: Any, tools: list[Any], row: dict) -> Trajectory:
+        env, calls = self._take(name) if env_cls is not None and self.spec.contract == "trl" else (None, None)
         calls = calls or Calls(factory_name(env_cls))
+        if self.spec.environments:  # TRL's control field: not handed to reset
+            row = {k: v for k, v in row.items() if k != "environment"}
         try:
             session = open_session(self.spec, env_cls, tools, row, calls, env)
             prompt = session.start(row)
-            t = Trajectory(prompt=prompt, prompt_ids=self.prompt_ids(prompt), session=session)
+            t = Trajectory(prompt=prompt, prompt_ids=self.prompt_ids(prompt, name), session=session,
+                           environment=name)
         except BaseException as e:
             calls.close()
             if not isinstance(e, EnvironmentFailed):
                 raise
-            t = Trajectory(prompt=row["prompt"], prompt_ids=self.prompt_ids(row["prompt"]), error=str(e))
+            t = Trajectory(prompt=row["prompt"], prompt_ids=self.prompt_ids(row["prompt"], name), error=str(e),
+                           environment=name)
         return t
 
     def _turn(self, t: Trajectory, turn: Completion, left: int, context_tokens: int | None) -> bool:
@@ -250,7 +266,7 @@ class Episodes:
         if last and self.spec.contract == "trl":
             return False  # TRL's max_tool_calling_iterations: the last turn's tool calls are not run
         try:
-            answer = t.session.act(self.parse_turn(ids, context) if ids else {}, self._text(ids))
+            answer = t.session.act(self.parse_turn(ids, context, t.environment) if ids else {}, self._text(ids))
         except EnvironmentFailed as e:
             t.error = str(e)
             return False
@@ -275,12 +291,13 @@ class Episodes:
 
     # ------------------------------------------------------------------ TRL's pool of environments
 
-    def _take(self) -> tuple[Any, Calls | None]:
-        """An idle environment and its thread, or (None, None): the rollout makes one."""
+    def _take(self, name: str | None) -> tuple[Any, Calls | None]:
+        """An idle environment of ``name`` and its thread, or (None, None): the rollout makes one."""
         with self._idle_lock:
-            return self._idle.pop() if self._idle else (None, None)
+            idle = self._idle.get(name)
+            return idle.pop() if idle else (None, None)
 
-    def _release(self, session: Any, clean: bool) -> None:
+    def _release(self, name: str | None, session: Any, clean: bool) -> None:
         """After an episode: TRL's environment back to the pool if the episode ended cleanly (TRL reuses every
         instance; one that raised or overran is not trusted with another rollout here), else its thread ended."""
         env = session.reusable() if clean and session.calls.stuck is None else None
@@ -288,14 +305,14 @@ class Episodes:
             session.calls.close()
             return
         with self._idle_lock:
-            self._idle.append((env, session.calls))
+            self._idle.setdefault(name, []).append((env, session.calls))
 
     def close(self) -> None:
         """End the pooled environments' threads (the process's episodes are over: a worker re-registering, or
         leaving)."""
         with self._idle_lock:
-            idle, self._idle = self._idle, []
-        for _, calls in idle:
+            idle, self._idle = self._idle, {}
+        for _, calls in (pair for pairs in idle.values() for pair in pairs):
             calls.close()
 
     def _text(self, ids: list[int]) -> str:
@@ -309,7 +326,7 @@ class Episodes:
             except EnvironmentFailed as e:
                 t.error = t.error or str(e)
             t.metrics = session.metrics
-            self._release(session, t.error is None)
+            self._release(t.environment, session, t.error is None)
         if t.error is not None:
             log.warning("an episode ended early: %s", t.error)
         if not t.token_ids:  # it failed before the model's first turn: one masked token stands for it
@@ -318,13 +335,13 @@ class Episodes:
     # ------------------------------------------------------------------ reading a trajectory back
 
     def transcript(self, prompt_ids: list[int], token_ids: list[int], mask: list[int], record: dict,
-                   row_prompt: Any = None) -> list[dict]:
+                   row_prompt: Any = None, environment: str | None = None) -> list[dict]:
         """The completion as TRL hands it to reward functions: the model's turns parsed from its tokens, the
         environment's messages between them; each environment segment (and a prompt the environment changed) checked
-        against its tokens (TranscriptMismatch)."""
+        against its tokens (TranscriptMismatch). ``environment``: the row's, among several."""
         prompt = record.get("prompt")
         if prompt is not None and prompt != row_prompt:
-            if self.prompt_ids(prompt) != list(prompt_ids):
+            if self.prompt_ids(prompt, environment) != list(prompt_ids):
                 raise TranscriptMismatch("the prompt the episode reports does not render to its prompt tokens")
             if self.spec.contract == "trl" and row_prompt is not None and not _extends(prompt, row_prompt):
                 raise TranscriptMismatch("the prompt is not the row's with an observation appended (TRL's reset)")
@@ -336,7 +353,7 @@ class Episodes:
                 j += 1
             ids = list(token_ids[i:j])
             if mask[i]:
-                messages.append(self.parse_turn(ids, context))
+                messages.append(self.parse_turn(ids, context, environment))
             elif k < len(observations):
                 # the last segment may be SkyRL's final observations, rendered without a generation prompt
                 final = j == len(token_ids) and self.spec.contract == "skyrl"
