@@ -23,6 +23,8 @@ How it differs from TRL, and why:
 * ``log_metric(name, value)`` and ``log_extra(column, values)`` are collected where the function runs and travel
   back with the scored group to the learner, which logs them as TRL does (``train/<name>``, averaged over the step;
   the extra columns beside the step's completions).
+* Each call scores one group (one prompt's G completions) as it comes back from a worker, not a whole generation
+  batch as TRL's one call per batch does: a function comparing completions across prompts sees one prompt's.
 * A function that raises, or returns the wrong number of values, abstains for that group (NaN for each of its
   completions) and its error is booked with the group (``reward/errors``, and a warning naming it) instead of
   stopping the run; the group is dropped (``reward_error``) only when every function failed on it. TRL raises.
