@@ -35,9 +35,10 @@ first), finds the learner in RUN_DIR/coordinator.json
     slow_reward   a worker pushing well-formed groups whose every completion is slow to score and then scores 0
                   (the stand-in for math-verify on a crafted answer: benchmarks/slow_task.py, which the soak's
                   learner runs), as many as it is handed
-    smuggler, ca_bomb, ca_trickler, churner
+    smuggler, ca_bomb, ca_trickler, churner, bulk_pusher
                   two Authorization headers on every route; GET /ca with a 16 MiB or chunked body; connections that
-                  trickle GET /ca from another address; register/leave in a loop (benchmarks/hostile_wire.py)
+                  trickle GET /ca from another address; register/leave in a loop; many pushes of the largest body
+                  at once under one credential (benchmarks/hostile_wire.py)
 
 Every agent-based kind (invalid, liar, forger, relay_orders, hung_relay) is echo2's own worker agent
 (echo2/worker/agent.py) with a fake engine and the one behaviour changed; it joins over TLS with the pinned CA,
@@ -74,7 +75,7 @@ from echo2.worker.agent import Agent  # noqa: E402
 from echo2.records import Completion, SamplingParams  # noqa: E402
 from echo2.net.http import BadRequest, Client, RemoteError  # noqa: E402
 from echo2.net.tls import LEARNER_NAME, PEER_NAME, join  # noqa: E402
-from benchmarks.hostile_wire import CaBomb, CaTrickler, Churner, Smuggler  # noqa: E402
+from benchmarks.hostile_wire import BulkPusher, CaBomb, CaTrickler, Churner, Smuggler  # noqa: E402
 
 RETRY_S = 5.0  # a refused client knocks again this often
 HUGE_BYTES = 400 << 20  # the body an outsider declares
@@ -588,7 +589,8 @@ class Outsider:
 
 KINDS = {"absurd": Absurd, "hoarder": Hoarder, "invalid": Invalid, "liar": Liar, "forger": Forger,
          "outsider": Outsider, "relay_orders": RelayOrders, "hung_relay": HungRelay, "slow_reward": SlowReward,
-         "smuggler": Smuggler, "ca_bomb": CaBomb, "ca_trickler": CaTrickler, "churner": Churner}
+         "smuggler": Smuggler, "ca_bomb": CaBomb, "ca_trickler": CaTrickler, "churner": Churner,
+         "bulk_pusher": BulkPusher}
 OUTSIDERS = ("outsider", "ca_bomb", "ca_trickler")  # no credential: they find the run in its directory only
 
 
@@ -606,6 +608,7 @@ def main() -> None:
                    help="ca_bomb, ca_trickler: connect from this local address (127.0.0.2: another host, as the "
                         "coordinator sees it)")
     p.add_argument("--trickle-s", type=float, default=2.0, help="ca_trickler: one byte a connection this often")
+    p.add_argument("--bulk", type=int, default=16, help="bulk_pusher: pushes of the largest body at once")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][hostile %(name)s][%(levelname)s] %(message)s")
     stop = threading.Event()

@@ -11,6 +11,10 @@ hostile.py (``python benchmarks/hostile.py KIND ...``), which hands it the run a
                  sees it): --half-open connections at once, each trickling GET /ca's request line and headers a byte
                  every --trickle-s, re-opened as the server drops them
     churner      a worker credential registering and leaving in a loop, as fast as it is answered
+    bulk_pusher  a worker credential sending --bulk pushes at once, each declaring the largest body the push route takes
+                 (read off its 413) and trickled at 4 KiB/s, so that each is held as long as the coordinator lets it:
+                 the credential's requests may hold at most its body budget (two of the largest) at once, the rest
+                 refused unread (503)
 
 Each ``serve(stop)`` runs until ``stop`` is set; ``report()`` says what it was told.
 """
@@ -18,9 +22,11 @@ Each ``serve(stop)`` runs until ``stop`` is set; ``report()`` says what it was t
 from __future__ import annotations
 
 import json
+import re
 import select
 import socket
 import ssl
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -262,3 +268,70 @@ class Churner:
 
     def report(self) -> dict:
         return {"statuses": dict(self.statuses), "ids_registered": self.ids}
+
+
+class BulkPusher:
+    ROUND_S = 40.0  # each push is trickled this long at most, then let go
+    RATE_BYTES_PER_S = 4096  # above the coordinator's minimum body rate (1 KiB/s), so only the budget stops it
+
+    def __init__(self, run, args):
+        self.run, self.args = run, args
+        self.raw = _Raw(run.url, ca_file=run.trust.ca_file)
+        self.statuses: Counter = Counter()
+        self.admitted_per_round: list[int] = []  # pushes of a round not refused at once (held by the coordinator)
+        self.limit: int | None = None
+
+    def _head(self, size: int) -> bytes:
+        return (b"POST /push HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % (self.run.token.encode(), size))
+
+    def _find_limit(self) -> int | None:
+        """The push route's limit, as its refusal of a larger body states it."""
+        status, reply = self.raw.request(self._head(1 << 40))
+        found = re.search(r"the (\d+)-byte limit", str(reply.get("error", "")))
+        return int(found.group(1)) if status == "413" and found else None
+
+    def _push(self, out: list) -> None:
+        """One push of the largest body, trickled: ("refused", status) if answered before ROUND_S, else ("held", 0)."""
+        try:
+            sock = self.raw.connect()
+        except OSError as e:
+            out.append(("error", type(e).__name__))
+            return
+        t0, piece = time.monotonic(), b" " * (self.RATE_BYTES_PER_S // 4)
+        try:
+            sock.sendall(self._head(self.limit))
+            while time.monotonic() - t0 < self.ROUND_S:
+                readable, _, _ = select.select([sock], [], [], 0.25)
+                if readable:
+                    data = sock.recv(4096)
+                    out.append(("refused", data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/1.1 ")
+                                else "closed"))
+                    return
+                sock.sendall(piece)
+            out.append(("held", "0"))
+        except OSError as e:
+            out.append(("held" if time.monotonic() - t0 >= 1.0 else "error", type(e).__name__))
+        finally:
+            sock.close()
+
+    def serve(self, stop) -> None:
+        self.limit = self._find_limit()
+        if self.limit is None:
+            raise RuntimeError("the push route's limit could not be read off a 413")
+        while not stop.is_set():
+            out: list = []
+            threads = [threading.Thread(target=self._push, args=(out,), daemon=True) for _ in range(self.args.bulk)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for kind, status in out:
+                self.statuses[f"{kind} {status}"] += 1
+            self.admitted_per_round.append(sum(1 for kind, status in out if not (kind == "refused" and status == "503")))
+            stop.wait(self.args.period_s)
+
+    def report(self) -> dict:
+        return {"push_limit_bytes": self.limit, "statuses": dict(self.statuses),
+                "admitted_per_round": self.admitted_per_round}
+

@@ -324,7 +324,7 @@ def table(r: dict) -> str:
 # ---------------------------------------------------------------------- --hostile: a soak with hostile clients
 
 HOSTILE_KINDS = ("absurd", "hoarder", "invalid", "liar", "forger", "outsider", "relay_orders", "hung_relay",
-                 "slow_reward", "smuggler", "ca_bomb", "ca_trickler", "churner")
+                 "slow_reward", "smuggler", "ca_bomb", "ca_trickler", "churner", "bulk_pusher")
 OUTSIDERS = {"outsider": "127.0.0.2", "ca_bomb": "127.0.0.3", "ca_trickler": "127.0.0.4"}
 """The kinds with no credential, and the address each connects from: a host of its own, as the coordinator sees it
 (capped per address, unlike 127.0.0.1, the learner host itself)."""
@@ -862,7 +862,7 @@ def second_round_verdicts(kinds: dict, c: dict, untrained, refused_all, args) ->
     from echo2.coordinator.bounds import REGISTER_BURST, REGISTER_EVERY_S
     from echo2.net.httpd import Limits
 
-    smug, bomb, trick, churn = c["smuggler"], c["ca_bomb"], c["ca_trickler"], c["churner"]
+    smug, bomb, trick, churn, bulk = c["smuggler"], c["ca_bomb"], c["ca_trickler"], c["churner"], c["bulk_pusher"]
     hostile_s = (args.minutes - args.calm_minutes) * 60
     limits = Limits()
     return {
@@ -885,6 +885,9 @@ def second_round_verdicts(kinds: dict, c: dict, untrained, refused_all, args) ->
                         and trick["held_s_max"] <= limits.header_timeout_s + 5},
         "churner": {"registering again and again slowed to the bucket's rate": churn.get("statuses", {}).get("429", 0) > 0,
                     "its ids bounded": churn.get("ids_registered", 0) <= REGISTER_BURST + hostile_s / REGISTER_EVERY_S + 2},
+        "bulk_pusher": {"its pushes held at most two of the largest body at once (the credential's budget)":
+                            bool(bulk.get("admitted_per_round")) and max(bulk["admitted_per_round"]) <= 2,
+                        "the rest refused unread (503)": bulk.get("statuses", {}).get("refused 503", 0) > 0},
     }
 
 

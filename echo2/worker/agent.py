@@ -406,7 +406,8 @@ class Agent:
             raise EngineError(f"this run's environment or tools cannot be imported on this worker ({e}): a slim "
                               "worker install needs ./install.sh --worker --env for a multi-turn task, and the "
                               "package of an environment of your own (the learner imports the same paths)") from e
-        log.info("multi-turn task: environment %s, tools %s (%s contract)", spec.get("environment"),
+        log.info("multi-turn task: environment %s, tools %s (%s contract)",
+                 spec.get("environment") or spec.get("environments"),
                  list(spec.get("tools") or []), spec.get("contract"))
         return episodes
 
