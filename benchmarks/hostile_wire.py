@@ -292,13 +292,14 @@ class BulkPusher:
         return int(found.group(1)) if status == "413" and found else None
 
     def _push(self, out: list) -> None:
-        """One push of the largest body, trickled: ("refused", status) if answered before ROUND_S, else ("held", 0)."""
+        """One push of the largest body, trickled: (outcome, status, seconds): ("refused", its status) if answered
+        before ROUND_S, else ("held", "0")."""
+        t0, piece = time.monotonic(), b" " * (self.RATE_BYTES_PER_S // 4)
         try:
             sock = self.raw.connect()
         except OSError as e:
-            out.append(("error", type(e).__name__))
+            out.append(("error", type(e).__name__, time.monotonic() - t0))
             return
-        t0, piece = time.monotonic(), b" " * (self.RATE_BYTES_PER_S // 4)
         try:
             sock.sendall(self._head(self.limit))
             while time.monotonic() - t0 < self.ROUND_S:
@@ -306,12 +307,12 @@ class BulkPusher:
                 if readable:
                     data = sock.recv(4096)
                     out.append(("refused", data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/1.1 ")
-                                else "closed"))
+                                else "closed", time.monotonic() - t0))
                     return
                 sock.sendall(piece)
-            out.append(("held", "0"))
+            out.append(("held", "0", time.monotonic() - t0))
         except OSError as e:
-            out.append(("held" if time.monotonic() - t0 >= 1.0 else "error", type(e).__name__))
+            out.append(("error", type(e).__name__, time.monotonic() - t0))
         finally:
             sock.close()
 
@@ -326,12 +327,13 @@ class BulkPusher:
                 t.start()
             for t in threads:
                 t.join()
-            for kind, status in out:
+            for kind, status, _ in out:
                 self.statuses[f"{kind} {status}"] += 1
-            self.admitted_per_round.append(sum(1 for kind, status in out if not (kind == "refused" and status == "503")))
+            # admitted: its body was being read (held to the end, or answered after a second of it)
+            self.admitted_per_round.append(sum(1 for kind, status, s in out if kind == "held" or (
+                kind != "error" and status != "503" and s >= 1.0)))
             stop.wait(self.args.period_s)
 
     def report(self) -> dict:
         return {"push_limit_bytes": self.limit, "statuses": dict(self.statuses),
                 "admitted_per_round": self.admitted_per_round}
-

@@ -148,9 +148,11 @@ class RewardFunctions:
         its threshold (``correct_when``), NaN (not correct) where every reward failed. The learner's evaluator and the
         coordinator's (workers) both judge here."""
         if job.get("episodes"):
-            name, threshold = self.task.correct_when(job["row"])
-            try:
-                values = [float(v) for v in self.compute_job(job)["rewards"][name]]
+            takes_row = len(inspect.signature(self.task.correct_when).parameters) > 0
+            name, threshold = self.task.correct_when(job["row"]) if takes_row else self.task.correct_when()
+            try:  # no column (a row whose environment has no reward of its own): nothing solves it, as TRL's None
+                values = [float(v) for v in self.compute_job(job)["rewards"].get(name) or [math.nan] * len(
+                    job["texts"])]
             except RewardsFailed:
                 values = [math.nan] * len(job["texts"])
             return {"correct": [bool(v >= threshold) for v in values], "values": values}

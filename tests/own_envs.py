@@ -149,6 +149,12 @@ class SumEnv:
         return float(self.total == self.target)
 
 
+class PlainEnv(CounterEnv):
+    """A TRL environment without a reward of its own."""
+
+    get_reward = None
+
+
 def make_counter() -> CounterEnv:
     """An environment_factory that is not a class (TRL takes any callable)."""
     return CounterEnv()
@@ -206,6 +212,13 @@ class ScriptedPolicy:
             finish = "stop" if new and new[-1] == self.tok.eos_token_id else "length"
             out.append([Completion(new, [-0.5] * len(new), finish)] * params.n)
         return out
+
+
+class OddRewardEnv(CounterEnv):
+    """get_reward answers what is not a number (for target 13)."""
+
+    def get_reward(self):
+        return "full marks" if self.target == 13 else super().get_reward()
 
 
 class EitherPolicy(ScriptedPolicy):

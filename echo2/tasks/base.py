@@ -76,3 +76,7 @@ class Task:
     def is_correct(self, completion: str, row: dict[str, Any]) -> bool:
         """Whether a completion solves the row's problem (what ``eval/accuracy`` counts)."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """The run is over in this process: let go of what the task holds here (a multi-turn task's pooled
+        environments). Called by the learner's rollout source as it closes."""

@@ -70,10 +70,6 @@ PLACEHOLDER_ROWS = 1024
 ``reset`` returns, so the number only sets how often an epoch passes (TRL makes one generation batch's worth)."""
 
 
-def _placeholder(n: int) -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * n})
-
-
 class DatasetTask(Task):
     def __init__(self, path: str | None = None, data_files: str | list[str] | dict[str, Any] | None = None,
                  config_name: str | None = None, train_split: str = "train", eval_split: str | None = None,
@@ -113,6 +109,9 @@ class DatasetTask(Task):
             raise ValueError("task=dataset: set task.path (a hub id or a local folder) or task.data_files (local json, "
                              "jsonl, csv or parquet files); only a TRL environment (task.environment) may go without "
                              "one, its reset() making each rollout's prompt")
+        if self.placeholder and (eval_split is not None or prompt_column != "prompt"):
+            raise ValueError("task.eval_split / task.prompt_column name a dataset's: without one (the environment "
+                             "owns the data) held-out rows are task.eval_size draws of the environment's")
         if self.placeholder:
             self.name = f"environment:{self.spec.environment.rsplit(':', 1)[-1].rsplit('.', 1)[-1]}"
         # fail here, in the learner, on a reward function that does not import (not in the coordinator's processes)
@@ -174,6 +173,11 @@ class DatasetTask(Task):
             self._episodes[id(tokenizer)] = Episodes(self.spec, tokenizer)
         return self._episodes[id(tokenizer)]
 
+    def close(self) -> None:
+        """End the pooled environments of this process's episodes (the learner's, for rollout=sync and evaluation)."""
+        for episodes in self._episodes.values():
+            episodes.close()
+
     def prompt_ids(self, tokenizer: Any, row: dict[str, Any]) -> list[int]:
         episodes = self.episodes(tokenizer)
         if episodes is None:
@@ -202,8 +206,8 @@ class DatasetTask(Task):
         if self._splits is not None:
             return self._splits
         if self.placeholder:  # TRL's placeholder rows (GRPOTrainer without a train_dataset); held-out ones alike
-            train = self._rows(_placeholder(PLACEHOLDER_ROWS))
-            self._splits = train, (self._rows(_placeholder(self.eval_size)) if self.eval_size else None)
+            self._splits = self._placeholder(PLACEHOLDER_ROWS), (self._placeholder(self.eval_size) if self.eval_size
+                                                                  else None)
             return self._splits
         splits = self.source()
         if self.train_split not in splits:
@@ -223,6 +227,11 @@ class DatasetTask(Task):
             train, held_out = parts["train"], parts["test"]
         self._splits = train, held_out
         return self._splits
+
+    def _placeholder(self, n: int) -> Dataset:
+        """``n`` rows of an empty user message (after ``system_prompt``, if set), for ``reset()`` to fill."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+        return Dataset.from_dict({"prompt": [[*system, {"role": "user", "content": ""}]] * n})
 
     def _rows(self, ds: Dataset) -> Dataset:
         """TRL's layout: the prompt in ``prompt`` (renamed from ``prompt_column``), a system message first if asked."""

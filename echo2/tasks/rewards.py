@@ -38,6 +38,7 @@ import inspect
 import logging
 import math
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -149,6 +150,7 @@ def _loggable(value: Any) -> Any:
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_thread: threading.Thread | None = None
 _loop_lock = threading.Lock()
+_loop_generation = 0
 
 
 def event_loop() -> asyncio.AbstractEventLoop:
@@ -185,8 +187,9 @@ def replace_if_wedged(loop: asyncio.AbstractEventLoop, probe_s: float = WEDGE_PR
 
     TRL runs every async tool and reward on one daemon loop, and one coroutine that blocks it stalls every rollout's
     tools until it returns; here only the rollout whose coroutine overran fails. The old loop's thread cannot be
-    stopped: it finishes what it holds once the blocking call returns, and is given nothing new."""
-    global _loop_thread
+    stopped while it is blocked: once the blocking call returns it finishes what it holds (``_stop_when_idle``) and
+    ends; it is given nothing new."""
+    global _loop, _loop_thread, _loop_generation
     ran = threading.Event()
     try:
         loop.call_soon_threadsafe(ran.set)
@@ -197,18 +200,35 @@ def replace_if_wedged(loop: asyncio.AbstractEventLoop, probe_s: float = WEDGE_PR
     with _loop_lock:
         if _loop is not loop:  # another caller replaced it already
             return True
-        _loop_thread = None  # event_loop() starts a new one
-    asyncio.run_coroutine_threadsafe(_stop_when_idle(), loop)  # its thread ends once what it holds is done
+        _loop, _loop_thread = None, None  # event_loop() starts a new one
+        _loop_generation += 1
+    asyncio.run_coroutine_threadsafe(_stop_when_idle(), loop)
     log.warning("a coroutine blocked the process's event loop for over %g s (blocking code in an async tool or "
                 "reward: time.sleep, a blocking client); later coroutines run on a new loop", probe_s)
     return True
 
 
+def loop_generation() -> int:
+    """How many times the process's loop was replaced: what an object bound to the loop of its time (an environment
+    kept for later rollouts, with its clients) compares, to know it is bound to an abandoned one."""
+    return _loop_generation
+
+
+STOP_GRACE_S = 30.0
+"""How long an abandoned loop, unblocked, lets the tasks it holds finish before it cancels them (a client's
+keep-alive task never would) and stops."""
+
+
 async def _stop_when_idle(poll_s: float = 0.1) -> None:
-    """On an abandoned loop: stop it once no other task is left on it (its thread then closes it and ends)."""
-    me = asyncio.current_task()
-    while any(t is not me for t in asyncio.all_tasks()):
+    """On an abandoned loop, once it runs again: let its other tasks finish for up to STOP_GRACE_S, cancel what is
+    left, then stop it (its thread then closes it and ends)."""
+    me, deadline = asyncio.current_task(), time.monotonic() + STOP_GRACE_S
+    while (others := [t for t in asyncio.all_tasks() if t is not me]) and time.monotonic() < deadline:
         await asyncio.sleep(poll_s)
+    for t in others:
+        t.cancel()
+    if others:
+        await asyncio.wait(others, timeout=poll_s * 10)
     asyncio.get_running_loop().stop()
 
 

@@ -131,18 +131,19 @@ def test_a_checkpoint_state_that_cannot_be_read_keeps_the_whole_journal(tmp_path
 def test_a_stray_checkpoint_folder_is_passed_over_by_resume_and_export(tmp_path):
     """A folder named checkpoint-<not a number> (a copy, a backup) beside the real ones: resume and export stopped
     with ValueError on it (each globbed checkpoint-* and read the step as an int); now they skip it, as the rotation
-    does. Export takes the newest checkpoint holding weights (one cut short by a kill holds none)."""
+    does. Export takes the newest complete checkpoint (one cut short by a kill may hold no weights, or torn ones)."""
     from omegaconf import OmegaConf
 
     import train
     from echo2.export import checkpoint_of
 
     trainer_dir = tmp_path / "trainer"
-    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-old", "checkpoint-12"):
+    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-old", "checkpoint-11", "checkpoint-12"):
         (trainer_dir / name).mkdir(parents=True)
-    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-old"):
-        (trainer_dir / name / CHECKPOINT_STATE).write_text("{}")
+    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-old", "checkpoint-11"):
         (trainer_dir / name / "model.safetensors").write_bytes(b"")
+    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-old"):  # checkpoint-11: weights, its save cut short
+        (trainer_dir / name / CHECKPOINT_STATE).write_text("{}")
     cfg = OmegaConf.create({"run": {"resume": "auto"}})
     assert train.find_checkpoint(cfg, str(tmp_path)) == str(trainer_dir / "checkpoint-10")
     assert checkpoint_of(str(tmp_path)) == trainer_dir / "checkpoint-10"

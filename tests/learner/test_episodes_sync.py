@@ -42,6 +42,9 @@ def test_an_environment_that_owns_its_data_trains_without_a_dataset(tmp_path):
     """TRL's GRPOTrainer takes no train_dataset when the environment makes each prompt in reset(): rows of an empty
     user message, the environment's text appended. Before, task=dataset refused to start without task.path or
     task.data_files."""
+    import own_envs
+
+    own_envs.DrawEnv.draws.seed(0)  # its draws, whatever ran before
     cfg, trainer, source, step_log = build_run(tmp_path, [
         "rollout=sync", "model.path.tool_chat=true", "model.path.max_position_embeddings=2048", "task=dataset",
         "task.eval_size=4", "task.environment=own_envs:DrawEnv", "task.max_completion_length=300",
@@ -66,6 +69,8 @@ def test_a_dataset_is_still_needed_without_an_environment_that_owns_the_data():
         DatasetTask(reward_funcs=["trl.rewards.accuracy_reward"])
     with pytest.raises(ValueError, match="only a TRL environment"):
         DatasetTask(environment="own_envs:StepsEnv")  # SkyRL's init(prompt) needs the row's prompt
+    with pytest.raises(ValueError, match="task.eval_split / task.prompt_column"):
+        DatasetTask(environment="own_envs:DrawEnv", eval_split="test")
 
 
 def test_a_skyrl_environments_own_metrics_reach_the_learners_log(tmp_path):

@@ -402,7 +402,7 @@ def test_a_worker_keeps_only_the_metrics_the_coordinator_takes():
     assert episode_metrics(["not", "a", "dict"]) == {}
 
 
-def test_a_coroutine_that_blocks_the_event_loop_fails_alone():
+def test_a_coroutine_that_blocks_the_event_loop_fails_alone(monkeypatch):
     """An async tool that calls blocking code (time.sleep, not asyncio.sleep) holds the process's one event loop, on
     which every rollout's coroutines run (TRL's one daemon loop): before, every other rollout's async tools then
     overran too, for as long as it blocked. Now the rollout whose coroutine overran fails, the loop is replaced, the
@@ -413,7 +413,12 @@ def test_a_coroutine_that_blocks_the_event_loop_fails_alone():
     from echo2.tasks import rewards
     from echo2.tasks.environments.contracts import Calls, Overran
 
+    async def forever():  # a client's keep-alive task: it never ends by itself
+        while True:
+            await asyncio.sleep(0.05)
+
     async def blocks():
+        blocks.keepalive = asyncio.get_running_loop().create_task(forever())
         time.sleep(3)
         return "late"
 
@@ -421,6 +426,7 @@ def test_a_coroutine_that_blocks_the_event_loop_fails_alone():
         await asyncio.sleep(0)
         return "ok"
 
+    monkeypatch.setattr(rewards, "STOP_GRACE_S", 0.5)
     wedger, honest = Calls("wedger"), Calls("honest")
     old = rewards.event_loop()
     with pytest.raises(Overran, match="blocked the event loop"):
@@ -431,7 +437,8 @@ def test_a_coroutine_that_blocks_the_event_loop_fails_alone():
     deadline = time.monotonic() + 10
     while not old.is_closed() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert old.is_closed()  # its thread ended with it: nothing left behind
+    assert old.is_closed() and blocks.keepalive.cancelled()  # its keep-alive cancelled, its thread ended
+    assert wedger.stuck == "tool blocks"  # the environment is let go: its coroutine ran on past its limit
 
 
 def test_a_coroutine_that_is_only_slow_keeps_the_loop():
@@ -503,3 +510,62 @@ def test_rows_must_name_one_of_the_tasks_environments(tmp_path):
         DatasetTask(environment=envs)
     with pytest.raises(TypeError, match="several environments by name are TRL's contract"):
         spec_for({"steps": "own_envs:StepsEnv"}, [], 300)
+
+
+def test_a_get_reward_that_is_not_a_number_ends_its_episode_not_the_batch(tok):
+    """A get_reward() answering a string raised ValueError out of the episode loop (the whole batch failed, and the
+    environment's thread was left running): now that episode ends with the reason, the others are scored, and every
+    thread ends."""
+    import threading
+
+    from conftest import holds_within
+
+    before = set(threading.enumerate())
+    ep = episodes(tok, env="own_envs:OddRewardEnv")
+    rows = [{"prompt": PROMPT, "target": 13}, {"prompt": PROMPT, "target": 5}]
+    (odd,), (fine,) = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, rows, SamplingParams(n=1, max_tokens=300), n=1)
+    assert odd.error.startswith("get_reward returned str, not a number") and (fine.reward, fine.error) == (1.0, None)
+    ep.close()
+    assert holds_within(lambda: not [t for t in threading.enumerate() if t.name.startswith("env:")
+                                     and t.is_alive() and t not in before], timeout=2)
+
+
+def test_pooled_environments_made_before_the_loop_was_replaced_are_let_go(tok):
+    """Their clients are bound to the abandoned loop: reusing them would fail every later async call."""
+    import own_envs
+    from echo2.tasks import rewards
+
+    own_envs.CountedEnv.made = 0
+    ep = episodes(tok, env="own_envs:CountedEnv")
+    rows = [{"prompt": PROMPT, "target": 5}]
+    params = SamplingParams(n=1, max_tokens=300)
+    ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, rows, params, n=1)
+    ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, rows, params, n=1)
+    assert own_envs.CountedEnv.made == 1
+    rewards._loop_generation += 1  # as replace_if_wedged does
+    ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, rows, params, n=1)
+    assert own_envs.CountedEnv.made == 2
+    ep.close()
+    ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, rows, params, n=1)  # closed: nothing kept from now on
+    assert not ep._idle
+
+
+def test_held_out_rows_of_an_environment_without_a_reward_of_its_own_are_not_correct(tok, tmp_path):
+    """Several environments, one with get_reward and one without, no reward functions: a held-out row of the one
+    without had no column to be judged by (KeyError, the evaluation failed); now it is not correct (NaN)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "Go."}], "target": 5, "environment": "count"}\n'
+                    '{"prompt": [{"role": "user", "content": "Go."}], "target": 5, "environment": "plain"}\n')
+    task = DatasetTask(data_files=str(rows), eval_size=0,
+                       environment={"count": "own_envs:CounterEnv", "plain": "own_envs:PlainEnv"})
+    scorer = Scorer(task, tok)
+    assert scorer.names == ["CounterEnv"]
+    ep = task.episodes(tok)
+    for row, correct in zip(task.train_dataset(), (True, False), strict=True):
+        (t,) = ep.run(ScriptedPolicy(tok, steps=(2, 3)).generate, [row], SamplingParams(n=1, max_tokens=300), n=1)[0]
+        record = {**t.record(), "messages": ep.transcript(t.prompt_ids, t.token_ids, t.mask, t.record(),
+                                                          row["prompt"], t.environment)}
+        judged = scorer.judge_job({"row": row, "texts": ["x"], "completion_ids": [t.token_ids],
+                                   "state": scorer.state, "episodes": [record]})
+        assert judged["correct"] == [correct]
+    ep.close()

@@ -366,6 +366,7 @@ class AsyncRolloutSource:
         return out
 
     def close(self) -> dict[str, Any]:
+        getattr(self.task, "close", lambda: None)()  # the learner's own episodes (its evaluation)
         self.pool.stop()
         try:
             accounting = self.coordinator.close()

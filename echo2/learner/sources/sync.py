@@ -84,6 +84,7 @@ class SyncRolloutSource:
 
     def close(self) -> dict[str, Any]:
         """Every rollout generated here is consumed by the step that asked for it."""
+        getattr(self.task, "close", lambda: None)()  # a task of one's own may have no close()
         n = self._generated
         return {"dispatched": n, "received": n, "consumed": n, "dropped": {}, "lost": {}, "in_flight": 0,
                 "buffered": 0}

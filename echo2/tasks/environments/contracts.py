@@ -93,6 +93,7 @@ class EpisodeSpec:
         if not self.environments:
             return None
         name = (row or {}).get("environment")
+        name = None if name is None else str(name)  # as the load check compares them (config keys are strings)
         if name not in self.environments:
             raise ValueError(f"a row's environment column is {name!r}: the task's environments are "
                              f"{', '.join(sorted(self.environments))} (task.environment)")
@@ -287,6 +288,7 @@ class Calls:
         except TimeoutError:
             future.cancel()
             if replace_if_wedged(loop):
+                self.stuck = what  # its coroutine still runs the environment's code, on the old loop: let it go
                 raise Overran(f"{what} did not return within {timeout_s:g} s (task.environment_timeout_s) and "
                               "blocked the event loop (blocking code in a coroutine)") from None
             raise _overran(what, timeout_s) from None

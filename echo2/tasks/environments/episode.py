@@ -34,6 +34,7 @@ from typing import Any, Callable
 from echo2.records import Completion, SamplingParams
 from echo2.tasks.environments.contracts import Calls, EnvironmentFailed, EpisodeSpec, factory_name, import_object
 from echo2.tasks.environments.sessions import open_session
+from echo2.tasks.rewards import loop_generation
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,11 @@ class Episodes:
         self.spec, self.tokenizer = spec, tokenizer
         self._base_ids: list[int] | None = None
         self._classes: tuple | None = None
-        # TRL's pool: environments that ended cleanly, each with the thread that made it, for later rollouts' reset
-        self._idle: dict[str | None, list[tuple[Any, Calls]]] = {}
+        # TRL's pool: environments that ended cleanly, each with the thread that made it and the event loop
+        # generation it was made under, for later rollouts' reset
+        self._idle: dict[str | None, list[tuple[Any, Calls, int]]] = {}
         self._idle_lock = threading.Lock()
+        self._closed = False
 
     # ------------------------------------------------------------------ rendering (as TRL and SkyRL render)
 
@@ -235,12 +238,14 @@ class Episodes:
         return left
 
     def _start(self, name: str | None, env_cls: Any, tools: list[Any], row: dict) -> Trajectory:
-        env, calls = self._take(name) if env_cls is not None and self.spec.contract == "trl" else (None, None)
+        env, calls, generation = self._take(name) if env_cls is not None and self.spec.contract == "trl" else (
+            None, None, loop_generation())
         calls = calls or Calls(factory_name(env_cls))
         if self.spec.environments:  # TRL's control field: not handed to reset
             row = {k: v for k, v in row.items() if k != "environment"}
         try:
             session = open_session(self.spec, env_cls, tools, row, calls, env)
+            session.generation = generation
             prompt = session.start(row)
             t = Trajectory(prompt=prompt, prompt_ids=self.prompt_ids(prompt, name), session=session,
                            environment=name)
@@ -291,28 +296,35 @@ class Episodes:
 
     # ------------------------------------------------------------------ TRL's pool of environments
 
-    def _take(self, name: str | None) -> tuple[Any, Calls | None]:
-        """An idle environment of ``name`` and its thread, or (None, None): the rollout makes one."""
-        with self._idle_lock:
-            idle = self._idle.get(name)
-            return idle.pop() if idle else (None, None)
+    def _take(self, name: str | None) -> tuple[Any, Calls | None, int]:
+        """An idle environment of ``name``, its thread and its loop generation, or (None, None, now's generation):
+        the rollout makes one. Those made before the event loop was replaced are let go (their clients are bound to
+        the abandoned loop)."""
+        now = loop_generation()
+        while True:
+            with self._idle_lock:
+                idle = self._idle.get(name)
+                env, calls, generation = idle.pop() if idle else (None, None, now)
+            if generation == now:
+                return env, calls, generation
+            calls.close()
 
     def _release(self, name: str | None, session: Any, clean: bool) -> None:
         """After an episode: TRL's environment back to the pool if the episode ended cleanly (TRL reuses every
         instance; one that raised or overran is not trusted with another rollout here), else its thread ended."""
         env = session.reusable() if clean and session.calls.stuck is None else None
-        if env is None:
-            session.calls.close()
-            return
         with self._idle_lock:
-            self._idle.setdefault(name, []).append((env, session.calls))
+            if env is not None and not self._closed:
+                self._idle.setdefault(name, []).append((env, session.calls, session.generation))
+                return
+        session.calls.close()
 
     def close(self) -> None:
-        """End the pooled environments' threads (the process's episodes are over: a worker re-registering, or
-        leaving)."""
+        """End the pooled environments' threads, and every later one's with its episode (the process's episodes are
+        over: the worker leaving, the learner's run ending)."""
         with self._idle_lock:
-            idle, self._idle = self._idle, {}
-        for _, calls in (pair for pairs in idle.values() for pair in pairs):
+            idle, self._idle, self._closed = self._idle, {}, True
+        for _, calls, _ in (entry for entries in idle.values() for entry in entries):
             calls.close()
 
     def _text(self, ids: list[int]) -> str:
@@ -325,6 +337,9 @@ class Episodes:
                 t.reward, t.state = session.finish()
             except EnvironmentFailed as e:
                 t.error = t.error or str(e)
+            except BaseException:
+                session.calls.close()
+                raise
             t.metrics = session.metrics
             self._release(t.environment, session, t.error is None)
         if t.error is not None:

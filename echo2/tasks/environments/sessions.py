@@ -34,6 +34,7 @@ class TrlSession:
 
     done = False  # TRL's episode ends when a turn calls no tool (act returns None)
     metrics: dict = {}
+    generation = 0  # the event loop generation its environment was made under (episode.py's pool)
 
     def __init__(self, spec: EpisodeSpec, env_cls: type | None, tools: list[Any], calls: Calls, env: Any = None):
         """``env``: an instance from the pool (made by ``calls``' thread for an earlier rollout), reset for this one."""
@@ -105,7 +106,10 @@ class TrlSession:
         reward = None
         if self.env is not None and callable(getattr(self.env, "get_reward", None)):
             value = self.calls.call("get_reward", self.spec.timeout_s, self.env.get_reward)
-            reward = None if value is None else float(value)
+            try:
+                reward = None if value is None else float(value)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise EnvironmentFailed(f"get_reward returned {type(value).__name__}, not a number: {e}") from e
         return reward, public_state(self.env) if self.env is not None else {}
 
     def reusable(self) -> Any:
@@ -124,6 +128,7 @@ class SkyrlSession:
     warned_postprocessed = False
     done = False
     metrics: dict = {}
+    generation = 0
 
     def __init__(self, spec: EpisodeSpec, env_cls: type, row: dict[str, Any], calls: Calls):
         from omegaconf import OmegaConf
@@ -145,9 +150,13 @@ class SkyrlSession:
 
     def act(self, message: dict, text: str) -> list[dict] | None:
         out = self.calls.call("step", self.spec.timeout_s, self.env.step, text)
-        if out.get("reward") is not None:
-            self.rewards.append(float(out["reward"]))
-        self.metadata = dict(out.get("metadata") or {})
+        try:
+            reward = None if out.get("reward") is None else float(out["reward"])
+            self.metadata = dict(out.get("metadata") or {})
+        except (AttributeError, TypeError, ValueError, OverflowError) as e:
+            raise EnvironmentFailed(f"step returned what BaseTextEnvStepOutput is not ({type(e).__name__}: {e})") from e
+        if reward is not None:
+            self.rewards.append(reward)
         if out.get("postprocessed_action") is not None and not SkyrlSession.warned_postprocessed:
             SkyrlSession.warned_postprocessed = True  # token in, token out: the model's own tokens are kept
             log.warning("a SkyRL environment returned postprocessed_action: ignored (the trajectory keeps the tokens "
