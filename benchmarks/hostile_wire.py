@@ -271,7 +271,7 @@ class Churner:
 
 
 class BulkPusher:
-    ROUND_S = 40.0  # each push is trickled this long at most, then let go
+    ROUND_S = 30.0  # each push is trickled this long at most, then let go
     RATE_BYTES_PER_S = 4096  # above the coordinator's minimum body rate (1 KiB/s), so only the budget stops it
 
     def __init__(self, run, args):
@@ -291,7 +291,7 @@ class BulkPusher:
         found = re.search(r"the (\d+)-byte limit", str(reply.get("error", "")))
         return int(found.group(1)) if status == "413" and found else None
 
-    def _push(self, out: list) -> None:
+    def _push(self, out: list, stop) -> None:
         """One push of the largest body, trickled: (outcome, status, seconds): ("refused", its status) if answered
         before ROUND_S, else ("held", "0")."""
         t0, piece = time.monotonic(), b" " * (self.RATE_BYTES_PER_S // 4)
@@ -302,14 +302,16 @@ class BulkPusher:
             return
         try:
             sock.sendall(self._head(self.limit))
-            while time.monotonic() - t0 < self.ROUND_S:
-                readable, _, _ = select.select([sock], [], [], 0.25)
-                if readable:
+            sock.settimeout(0.25)  # not select(): a TLS socket is readable for records that carry no answer
+            while time.monotonic() - t0 < self.ROUND_S and not stop.is_set():
+                try:
                     data = sock.recv(4096)
-                    out.append(("refused", data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/1.1 ")
-                                else "closed", time.monotonic() - t0))
-                    return
-                sock.sendall(piece)
+                except (TimeoutError, ssl.SSLWantReadError):
+                    sock.sendall(piece)
+                    continue
+                out.append(("refused", data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/1.1 ")
+                            else "closed", time.monotonic() - t0))
+                return
             out.append(("held", "0", time.monotonic() - t0))
         except OSError as e:
             out.append(("error", type(e).__name__, time.monotonic() - t0))
@@ -322,7 +324,7 @@ class BulkPusher:
             raise RuntimeError("the push route's limit could not be read off a 413")
         while not stop.is_set():
             out: list = []
-            threads = [threading.Thread(target=self._push, args=(out,), daemon=True) for _ in range(self.args.bulk)]
+            threads = [threading.Thread(target=self._push, args=(out, stop), daemon=True) for _ in range(self.args.bulk)]
             for t in threads:
                 t.start()
             for t in threads:
