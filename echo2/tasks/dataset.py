@@ -251,22 +251,23 @@ class DatasetTask(Task):
                 raise ValueError("task.system_prompt needs conversational prompts (lists of chat messages)")
             system = {"role": "system", "content": self.system_prompt}
             ds = ds.map(lambda r: {"prompt": [system, *[m for m in r["prompt"] if m["role"] != "system"]]})
-        if self.spec is not None and self.spec.contract == "skyrl" and "env_class" in ds.column_names:
-            self._check_env_classes(ds.unique("env_class"))
         if self.spec is not None and self.spec.environments:
-            if "environment" not in ds.column_names:
+            column = self.spec.selector
+            if column not in ds.column_names:
                 raise ValueError(f"task.environment names several environments ({', '.join(self.spec.environments)}):"
-                                 " each row's environment column picks its own, and the dataset has none (columns: "
+                                 f" each row's {column} column picks its own, and the dataset has none (columns: "
                                  f"{', '.join(ds.column_names)})")
-            unknown = sorted({str(n) for n in ds.unique("environment")} - set(self.spec.environments))
+            unknown = sorted({str(n) for n in ds.unique(column)} - set(self.spec.environments))
             if unknown:
-                raise ValueError(f"the dataset's rows name environment {', '.join(unknown)}: not among "
+                raise ValueError(f"the dataset's rows name {column} {', '.join(unknown)}: not among "
                                  f"task.environment's {', '.join(self.spec.environments)}")
+        elif self.spec is not None and self.spec.contract == "skyrl" and "env_class" in ds.column_names:
+            self._check_env_classes(ds.unique("env_class"))
         return ds
 
     def _check_env_classes(self, names: list[Any]) -> None:
-        """SkyRL picks each row's environment by its ``env_class``; echo2 runs the task's one environment on every
-        row, so rows that name another are refused here rather than run in the wrong one."""
+        """SkyRL picks each row's environment by its ``env_class``; a task of one environment runs it on every row,
+        so rows that name another are refused here rather than run in the wrong one."""
         from echo2.tasks.environments.contracts import environment_path
 
         def path(name: str) -> str | None:
@@ -278,8 +279,8 @@ class DatasetTask(Task):
         other = sorted({str(n) for n in names if n is not None and path(str(n)) != self.spec.environment})
         if other:
             raise ValueError(f"the dataset's rows name env_class {', '.join(other)}, but the task runs "
-                             f"task.environment={self.spec.environment} on every row (one environment per task): "
-                             "split the dataset by env_class, or name the rows' environment")
+                             f"task.environment={self.spec.environment} on every row: name every env_class the rows "
+                             "use, task.environment={env_class: package.module:Class or a registered id, ...}")
 
     def train_dataset(self) -> Dataset:
         return self._load()[0]

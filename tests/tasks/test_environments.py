@@ -508,8 +508,41 @@ def test_rows_must_name_one_of_the_tasks_environments(tmp_path):
         DatasetTask(data_files=str(rows), eval_size=0, environment=envs).train_dataset()
     with pytest.raises(ValueError, match="needs a dataset"):
         DatasetTask(environment=envs)
-    with pytest.raises(TypeError, match="several environments by name are TRL's contract"):
-        spec_for({"steps": "own_envs:StepsEnv"}, [], 300)
+    with pytest.raises(TypeError, match="mixes the two contracts"):
+        spec_for({"count": "own_envs:CounterEnv", "steps": "own_envs:StepsEnv"}, [], 300)
+
+
+def test_several_skyrl_environments_picked_by_each_rows_env_class(tok, tmp_path):
+    """SkyRL's way to mix environments: each row names its env_class, the generator makes that environment with its
+    own env_config (skyrl_gym[env_class]). Before, a task ran one SkyRL environment and refused rows naming another."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": PROMPT, "env_class": c, "reward_spec": {"ground_truth": "7"}}) + "\n"
+                            for c in ("steps", "verdict")))
+    task = DatasetTask(data_files=str(rows), eval_size=0, reward_funcs=[], max_turns=2, max_completion_length=300,
+                       environment={"steps": "own_envs:StepsEnv", "verdict": "own_envs:VerdictEnv"},
+                       environment_config={"steps": {"suffix": "!"}})
+    assert task.spec.contract == "skyrl" and task.spec.reward_columns() == ["StepsEnv", "VerdictEnv"]
+
+    def gen(ids, params):  # answers "7" each turn
+        return [[Completion(tok("7<|im_end|>", add_special_tokens=False)["input_ids"], [-0.1] * 2, "stop")]
+                for _ in ids]
+
+    ep = task.episodes(tok)
+    steps_row, verdict_row = task.train_dataset()
+    (s,), (v,) = ep.run(gen, [steps_row, verdict_row], SamplingParams(n=1, max_tokens=300), n=1)
+    assert s.observations[0] == [{"role": "user", "content": "1!"}]  # its own env_config
+    assert v.metrics and not s.metrics  # VerdictEnv's get_metrics: that row ran in its own environment
+    scorer = Scorer(task, tok)
+    for row, t, own, other in ((steps_row, s, "StepsEnv", "VerdictEnv"), (verdict_row, v, "VerdictEnv", "StepsEnv")):
+        rollout = Rollout(t.prompt_ids, Completion(t.token_ids, t.logprobs, t.finish_reason, t.mask), 0,
+                          episode=t.record())
+        (r,) = scorer.score(RolloutGroup(row=row, rollouts=[rollout])).rollouts
+        assert r.rewards[own] == 2.0 and math.isnan(r.rewards[other])
+    rows.write_text(json.dumps({"prompt": PROMPT, "env_class": "aime", "reward_spec": {"ground_truth": "7"}}) + "\n")
+    with pytest.raises(ValueError, match="rows name env_class aime: not among"):
+        DatasetTask(data_files=str(rows), eval_size=0, reward_funcs=[],
+                    environment={"steps": "own_envs:StepsEnv"}).train_dataset()
+    ep.close()
 
 
 def test_a_get_reward_that_is_not_a_number_ends_its_episode_not_the_batch(tok):

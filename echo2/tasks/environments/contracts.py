@@ -84,20 +84,30 @@ class EpisodeSpec:
         d["environment_tool_schemas"] = {k: tuple(v) for k, v in (d.get("environment_tool_schemas") or {}).items()}
         return cls(**d)
 
-    # Each row's environment: the task's one, or, with several (TRL's dict environment_factory), the row's
-    # ``environment`` column's; None names the task's one.
+    # Each row's environment: the task's one, or, with several, the one its column names (TRL's dict
+    # environment_factory: ``environment``; SkyRL: ``env_class``); None names the task's one.
+
+    @property
+    def selector(self) -> str:
+        """The column a row names its environment in, among several: TRL's ``environment``, SkyRL's ``env_class``."""
+        return "env_class" if self.contract == "skyrl" else "environment"
 
     def environment_of(self, row: dict[str, Any] | None) -> str | None:
         """The name of ``row``'s environment (None: the task's one environment, or plain tools). ValueError if the
-        row names none of the task's several, or names one where the task has one."""
+        row names none of the task's several."""
         if not self.environments:
             return None
-        name = (row or {}).get("environment")
+        name = (row or {}).get(self.selector)
         name = None if name is None else str(name)  # as the load check compares them (config keys are strings)
         if name not in self.environments:
-            raise ValueError(f"a row's environment column is {name!r}: the task's environments are "
+            raise ValueError(f"a row's {self.selector} column is {name!r}: the task's environments are "
                              f"{', '.join(sorted(self.environments))} (task.environment)")
         return name
+
+    def config_of(self, name: str | None) -> dict:
+        """SkyRL's env_config of environment ``name``: among several, ``environment_config``'s entry by that name
+        (SkyRL's ``skyrl_gym[env_class]``), else the task's one."""
+        return dict(self.environment_config.get(name) or {}) if name is not None else dict(self.environment_config)
 
     def path(self, name: str | None) -> str | None:
         return self.environments[name] if name is not None else self.environment
@@ -171,26 +181,33 @@ def environment_path(name: str) -> str:
 def spec_for(environment: str | dict[str, str] | None, tools: list[str], max_completion_length: int,
              **options: Any) -> EpisodeSpec:
     """The spec of a task's episodes: the contract and tool schemas read from the classes and functions named.
-    ``environment``: an import path, or, as TRL's dict ``environment_factory``, ``{name: import path}`` (each row's
-    ``environment`` column picks one; TRL's contract only)."""
+    ``environment``: an import path, or several, ``{name: import path}``, all of one contract: TRL's dict
+    ``environment_factory`` (each row's ``environment`` column picks one) or SkyRL's environments by the ``env_class``
+    its rows name (a name may be a SkyRL-gym registered id)."""
     standalone = [import_object(t) for t in tools]
     schemas = [tool_schema(t) for t in standalone]
     timeout_s = options.get("timeout_s", EpisodeSpec.timeout_s)
     if isinstance(environment, dict):
         if not environment:
             raise ValueError("task.environment={}: name at least one environment (name: package.module:Class)")
-        paths, own_schemas, rewards = {}, {}, {}
+        paths, own_schemas, rewards, contracts = {}, {}, {}, {}
         for name, path in environment.items():
             path = environment_path(str(path))
             cls = _environment_class(path, timeout_s)
-            if contract_of(cls) != "trl":
-                raise TypeError(f"task.environment.{name}={path} is a SkyRL-gym environment: several environments "
-                                "by name are TRL's contract (dict environment_factory); SkyRL picks a row's "
-                                "environment by its env_class, and echo2 runs one SkyRL environment a task")
-            paths[str(name)] = path
-            own_schemas[str(name)] = tuple(schemas + [tool_schema(getattr(cls, n)) for n in tool_names(cls)])
-            rewards[str(name)] = cls.__name__ if callable(getattr(cls, "get_reward", None)) else None
-        return EpisodeSpec(contract="trl", environment=None, tools=tuple(tools), tool_schemas=tuple(schemas),
+            contracts[str(name)], paths[str(name)] = contract_of(cls), path
+            if contracts[str(name)] == "trl":
+                own_schemas[str(name)] = tuple(schemas + [tool_schema(getattr(cls, n)) for n in tool_names(cls)])
+                rewards[str(name)] = cls.__name__ if callable(getattr(cls, "get_reward", None)) else None
+            else:
+                own_schemas[str(name)], rewards[str(name)] = (), cls.__name__  # its step rewards
+        contract = next(iter(contracts.values()))
+        if set(contracts.values()) != {contract}:
+            raise TypeError("task.environment mixes the two contracts (" + ", ".join(
+                f"{n}: {c}" for n, c in contracts.items()) + "): several environments are TRL's dict "
+                "environment_factory (rows pick by their environment column) or SkyRL's (rows pick by env_class)")
+        if contract == "skyrl" and tools:
+            raise ValueError("task.tools are TRL's: a SkyRL-gym environment parses its own tool calls in step()")
+        return EpisodeSpec(contract=contract, environment=None, tools=tuple(tools), tool_schemas=tuple(schemas),
                            max_completion_length=max_completion_length, environments=paths,
                            environment_tool_schemas=own_schemas, environment_rewards=rewards, **options)
     contract, reward = "trl", None

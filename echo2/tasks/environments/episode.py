@@ -241,7 +241,7 @@ class Episodes:
         env, calls, generation = self._take(name) if env_cls is not None and self.spec.contract == "trl" else (
             None, None, loop_generation())
         calls = calls or Calls(factory_name(env_cls))
-        if self.spec.environments:  # TRL's control field: not handed to reset
+        if self.spec.environments and self.spec.contract == "trl":  # TRL's control field: not handed to reset
             row = {k: v for k, v in row.items() if k != "environment"}
         try:
             session = open_session(self.spec, env_cls, tools, row, calls, env)
