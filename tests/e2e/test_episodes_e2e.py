@@ -31,3 +31,27 @@ def test_multi_turn_episodes_through_a_vllm_worker(tmp_path, monkeypatch):
     assert all(r["reward/VerdictEnv"] == r["rollout/env_reward_mean"] for r in records)  # its reward, as a column
     assert all(1 <= r["rollout/environment/steps"] <= 3 for r in records)  # its get_metrics(), from the worker
     assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["rollout/consumed"] == 4 * 2 * 4
+
+
+def test_several_environments_through_a_worker_process(tmp_path, monkeypatch):
+    """SkyRL's environments mixed by each row's env_class, across processes: the spec of both reaches a worker
+    process (hf engine: no vLLM start-up), each row runs in its own environment, and each environment's reward column
+    scores its own rows only."""
+    import json
+
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{ROOT / 'tests'}")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{a}="}], "env_class": c,
+                                        "reward_spec": {"ground_truth": str(2 * a)}}) + "\n"
+                            for a in range(4) for c in ("steps", "verdict")))
+    _, _, _, acc, records = train(tmp_path, [
+        "pool.engine=hf", "pool.workers=1", "task=dataset", f"task.data_files={rows}", "task.eval_size=0",
+        "task.environment={steps: own_envs:StepsEnv, verdict: own_envs:VerdictEnv}",
+        "+task.environment_config.steps={suffix: '!'}", "task.max_turns=3", "task.max_completion_length=40",
+        "rollout.prompts_per_step=2", "rollout.group_size=2", "run.steps=3"])
+    assert len(records) == 3 and balanced(acc), acc
+    assert all("reward/StepsEnv" in r and "reward/VerdictEnv" in r for r in records)
+    assert all(r["rollout/env_errors"] == 0 and r["rollout/turns_mean"] > 1 for r in records)
+    completions = read_jsonl(tmp_path / "completions.jsonl")
+    assert {(c["StepsEnv"] is None, c["VerdictEnv"] is None) for c in completions} <= {(True, False), (False, True)}
+    assert any("rollout/environment/steps" in r for r in records)  # VerdictEnv's get_metrics, from its rows
