@@ -102,8 +102,8 @@ class DatasetTask(Task):
         # TRL's environment that owns its data: no dataset, rows of an empty prompt that reset() fills
         self.placeholder = path is None and not self.data_files and type(self).source is DatasetTask.source
         if self.placeholder and self.spec and self.spec.environments:
-            raise ValueError("task.environment names several environments: each row's environment column picks one, "
-                             "so the task needs a dataset (task.path or task.data_files), as TRL's dict "
+            raise ValueError(f"task.environment names several environments: each row's {self.spec.selector} column "
+                             "picks one, so the task needs a dataset (task.path or task.data_files), as TRL's dict "
                              "environment_factory needs a train_dataset")
         if self.placeholder and not (self.spec and self.spec.contract == "trl" and self.spec.environment):
             raise ValueError("task=dataset: set task.path (a hub id or a local folder) or task.data_files (local json, "
