@@ -37,7 +37,7 @@ register_configs()
 def find_checkpoint(cfg: DictConfig, run_dir: str) -> str | None:
     """The checkpoint to resume from (run.resume): ``auto``, the newest complete one in the run dir (one whose
     echo2 state was written: a run killed mid-save falls back to the one before); ``never``; or a path."""
-    from echo2.learner.callbacks import CHECKPOINT_STATE, checkpoint_dirs
+    from echo2.learner.callbacks import CHECKPOINT_STATE, complete_checkpoints
 
     choice = str(cfg.run.resume)
     if choice == "never":
@@ -46,8 +46,7 @@ def find_checkpoint(cfg: DictConfig, run_dir: str) -> str | None:
         if not (Path(choice) / CHECKPOINT_STATE).is_file():
             raise FileNotFoundError(f"run.resume={choice}: not an echo2 checkpoint (no {CHECKPOINT_STATE} in it)")
         return choice
-    found = [p for _, p in sorted(checkpoint_dirs(Path(run_dir, "trainer")).items())]
-    complete = [p for p in found if (p / CHECKPOINT_STATE).is_file()]
+    complete = complete_checkpoints(Path(run_dir, "trainer"))
     return str(complete[-1]) if complete else None
 
 

@@ -27,13 +27,13 @@ def checkpoint_of(path: str) -> Path:
     weights = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json")
     if any((p / w).is_file() for w in weights):
         return p
-    from echo2.learner.callbacks import CHECKPOINT_STATE, checkpoint_dirs
+    from echo2.learner.callbacks import CHECKPOINT_STATE, checkpoint_dirs, complete_checkpoints
 
     found = [c for _, c in sorted(checkpoint_dirs(p / "trainer").items()) if any((c / w).is_file() for w in weights)]
     if not found:
         raise FileNotFoundError(f"{path}: neither a checkpoint (no {weights[0]} or {weights[1]}) nor a run directory "
                                 "with trainer/checkpoint-<step> holding weights")
-    complete = [c for c in found if (c / CHECKPOINT_STATE).is_file()]  # a save cut short has weights, maybe torn
+    complete = [c for c in complete_checkpoints(p / "trainer") if c in found]  # a save cut short: weights maybe torn
     if not complete:
         log.warning("%s: no checkpoint was completed (%s); exporting the newest with weights, %s", path,
                     CHECKPOINT_STATE, found[-1])

@@ -53,14 +53,18 @@ def checkpoint_dirs(output_dir: Path) -> dict[int, Path]:
             if p.name.rpartition("-")[2].isdigit()}
 
 
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """The ``checkpoint-<step>`` folders whose echo2 state was written (a save cut short has none), oldest first."""
+    return [p for _, p in sorted(checkpoint_dirs(output_dir).items()) if (p / CHECKPOINT_STATE).is_file()]
+
+
 def kept_source_states(output_dir: Path, keep: int | None) -> list[dict[str, Any]] | None:
     """What the rollout source saved in each checkpoint a resume may still use once the next one is saved: the
     newest ``keep`` complete ones now (the rotation after the next save keeps a subset of them; should that save fail,
     exactly them). None where every checkpoint is kept."""
     if not keep:
         return None
-    complete = sorted((s, p) for s, p in checkpoint_dirs(output_dir).items() if (p / CHECKPOINT_STATE).is_file())
-    return [json.loads((p / CHECKPOINT_STATE).read_text())["source"] for _, p in complete[-keep:]]
+    return [json.loads((p / CHECKPOINT_STATE).read_text())["source"] for p in complete_checkpoints(output_dir)[-keep:]]
 
 
 class SourceVersions(TrainerCallback):

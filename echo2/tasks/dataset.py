@@ -101,18 +101,18 @@ class DatasetTask(Task):
                                max_turn_tokens, environment_timeout_s, environment_reward)
         # TRL's environment that owns its data: no dataset, rows of an empty prompt that reset() fills
         self.placeholder = path is None and not self.data_files and type(self).source is DatasetTask.source
-        if self.placeholder and self.spec and self.spec.environments:
-            raise ValueError(f"task.environment names several environments: each row's {self.spec.selector} column "
-                             "picks one, so the task needs a dataset (task.path or task.data_files), as TRL's dict "
-                             "environment_factory needs a train_dataset")
-        if self.placeholder and not (self.spec and self.spec.contract == "trl" and self.spec.environment):
-            raise ValueError("task=dataset: set task.path (a hub id or a local folder) or task.data_files (local json, "
-                             "jsonl, csv or parquet files); only a TRL environment (task.environment) may go without "
-                             "one, its reset() making each rollout's prompt")
-        if self.placeholder and (eval_split is not None or prompt_column != "prompt"):
-            raise ValueError("task.eval_split / task.prompt_column name a dataset's: without one (the environment "
-                             "owns the data) held-out rows are task.eval_size draws of the environment's")
         if self.placeholder:
+            if self.spec and self.spec.environments:
+                raise ValueError(f"task.environment names several environments: each row's {self.spec.selector} "
+                                 "column picks one, so the task needs a dataset (task.path or task.data_files), as "
+                                 "TRL's dict environment_factory needs a train_dataset")
+            if not (self.spec and self.spec.contract == "trl" and self.spec.environment):
+                raise ValueError("task=dataset: set task.path (a hub id or a local folder) or task.data_files (local "
+                                 "json, jsonl, csv or parquet files); only a TRL environment (task.environment) may go "
+                                 "without one, its reset() making each rollout's prompt")
+            if eval_split is not None or prompt_column != "prompt":
+                raise ValueError("task.eval_split / task.prompt_column name a dataset's: without one (the environment "
+                                 "owns the data) held-out rows are task.eval_size draws of the environment's")
             self.name = f"environment:{self.spec.environment.rsplit(':', 1)[-1].rsplit('.', 1)[-1]}"
         # fail here, in the learner, on a reward function that does not import (not in the coordinator's processes)
         names = unique_names(self.reward_funcs())

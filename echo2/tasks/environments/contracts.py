@@ -68,8 +68,9 @@ class EpisodeSpec:
     chat_template: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
     environment_reward: str | None = None  # the reward column of the environment's own reward (its class name)
-    # TRL's dict environment_factory: {name: import path}; each row's ``environment`` column picks one (then
-    # ``environment`` is None, ``tool_schemas`` the plain tools' alone, ``environment_reward`` None)
+    # several environments, {name: import path}: each row's ``selector`` column picks one (TRL's dict
+    # environment_factory, SkyRL's env_class); then ``environment`` is None, ``tool_schemas`` the plain tools' alone,
+    # ``environment_reward`` None
     environments: dict = field(default_factory=dict)
     environment_tool_schemas: dict = field(default_factory=dict)  # {name: the plain tools' schemas and its tools'}
     environment_rewards: dict = field(default_factory=dict)  # {name: its reward column (class name), or None}
@@ -192,14 +193,14 @@ def spec_for(environment: str | dict[str, str] | None, tools: list[str], max_com
             raise ValueError("task.environment={}: name at least one environment (name: package.module:Class)")
         paths, own_schemas, rewards, contracts = {}, {}, {}, {}
         for name, path in environment.items():
-            path = environment_path(str(path))
+            name, path = str(name), environment_path(str(path))
             cls = _environment_class(path, timeout_s)
-            contracts[str(name)], paths[str(name)] = contract_of(cls), path
-            if contracts[str(name)] == "trl":
-                own_schemas[str(name)] = tuple(schemas + [tool_schema(getattr(cls, n)) for n in tool_names(cls)])
-                rewards[str(name)] = cls.__name__ if callable(getattr(cls, "get_reward", None)) else None
+            contracts[name], paths[name] = contract_of(cls), path
+            if contracts[name] == "trl":
+                own_schemas[name] = tuple(schemas + [tool_schema(getattr(cls, n)) for n in tool_names(cls)])
+                rewards[name] = cls.__name__ if callable(getattr(cls, "get_reward", None)) else None
             else:
-                own_schemas[str(name)], rewards[str(name)] = (), cls.__name__  # its step rewards
+                own_schemas[name], rewards[name] = (), cls.__name__  # its step rewards
         contract = next(iter(contracts.values()))
         if set(contracts.values()) != {contract}:
             raise TypeError("task.environment mixes the two contracts (" + ", ".join(

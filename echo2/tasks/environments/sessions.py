@@ -137,7 +137,7 @@ class SkyrlSession:
         extras = {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
         if spec.max_turns is not None:
             extras["max_turns"] = spec.max_turns  # SkyRL's generator hands its max_turns the same way
-        config = OmegaConf.create(spec.config_of(spec.environment_of(row) if spec.environments else None))
+        config = OmegaConf.create(spec.config_of(spec.environment_of(row)))
         self.env = calls.call(f"{env_cls.__name__}(env_config, extras)", spec.timeout_s, env_cls,
                               env_config=config, extras=extras)
         self.rewards: list[float] = []
