@@ -22,9 +22,9 @@ The relay key (``new_relay_key``) is random, made by the learner's broadcaster, 
 its orders and replaced when a worker credential is revoked: a request for bytes carries ``request_mac`` under
 it, and the answer ``serve_proof``, so a revoked worker can neither pull from a peer nor pass for a source. A
 worker answering an order proves it holds the snapshot (``possession_proof`` over a slice the learner picks at
-random), so it cannot claim one it never fetched to look fast. Each order also carries a ticket
-(``relay_ticket``): the learner's signature that this worker may fetch this version, which its sources check
-before they give it a connection slot that lasts (broadcast/relay_slots.py).
+random), so it cannot claim one it never fetched to look fast. Each order also carries tickets
+(``relay_ticket``), one per source: the learner's signature that this worker may fetch this version from that
+source, which the source checks before it gives the worker a connection slot that lasts (broadcast/relay_slots.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import hmac
 import json
 import os
 import secrets
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -160,28 +161,44 @@ def possession_proof(challenge: str, blob: bytes | memoryview) -> str:
 # ---------------------------------------------------------------------- relay tickets
 
 
-def relay_ticket(signer: Ed25519PrivateKey, holder: str, version: int, base: int, lanes: int) -> str:
+def source_tag(source: tuple[str, int]) -> str:
+    """How a ticket names the relay source it is for: that source's ``host:port`` as the learner's orders name it,
+    hashed (32 hex digits, so that no host name or IPv6 address can break a ticket's dotted form)."""
+    host, port = source
+    return hashlib.sha256(f"{host}:{int(port)}".encode()).hexdigest()[:32]
+
+
+def relay_ticket(signer: Ed25519PrivateKey, holder: str, version: int, base: int, lanes: int,
+                 source: tuple[str, int]) -> str:
     """The learner's word, in an order, that ``holder`` may fetch ``version`` (``base``) over ``lanes`` connections
-    per source: shown with each request for its bytes, it earns a lasting connection slot at the source
-    (broadcast/relay_slots.py). ``holder.version.base.lanes.signature``."""
-    body = {"ticket": holder, "version": version, "base": base, "lanes": lanes}
-    return f"{holder}.{version}.{base}.{lanes}.{signer.sign(_canonical(body)).hex()}"
+    from ``source``: shown with each request for its bytes there, it earns a lasting connection slot
+    (broadcast/relay_slots.py). One per source, so a source cannot show what it was shown to another source and
+    take the holder's slots there. ``holder.version.base.lanes.source_tag.signature``."""
+    tag = source_tag(source)
+    body = {"ticket": holder, "version": version, "base": base, "lanes": lanes, "source": tag}
+    return f"{holder}.{version}.{base}.{lanes}.{tag}.{signer.sign(_canonical(body)).hex()}"
+
+
+def relay_tickets(signer: Ed25519PrivateKey, holder: str, version: int, base: int, lanes: int,
+                  sources: Iterable[tuple[str, int]]) -> list[list]:
+    """An order's tickets: ``[host, port, ticket]`` for each of its sources (``Fetcher.fetch(tickets=)``)."""
+    return [[host, port, relay_ticket(signer, holder, version, base, lanes, (host, port))] for host, port in sources]
 
 
 @functools.lru_cache(maxsize=4096)
-def check_ticket(key: str | None, ticket: str) -> tuple[str, int, int, int]:
-    """(holder, version, base, lanes) of a ticket the learner (public key ``key``) signed; else BadSnapshot.
-    Cached: a fetcher shows the same ticket with every request of its fetch."""
+def check_ticket(key: str | None, ticket: str) -> tuple[str, int, int, int, str]:
+    """(holder, version, base, lanes, source_tag) of a ticket the learner (public key ``key``) signed; else
+    BadSnapshot. Cached: a fetcher shows the same ticket with every request of its fetch."""
     try:
-        holder, version, base, lanes, sig = ticket.rsplit(".", 4)
+        holder, version, base, lanes, tag, sig = ticket.rsplit(".", 5)
         version, base, lanes = int(version), int(base), int(lanes)
-        body = {"ticket": holder, "version": version, "base": base, "lanes": lanes}
+        body = {"ticket": holder, "version": version, "base": base, "lanes": lanes, "source": tag}
         if not key:
             raise ValueError("no key")
         _public(key).verify(bytes.fromhex(sig), _canonical(body))
     except (InvalidSignature, ValueError, TypeError):
         raise BadSnapshot("not a ticket of this run's learner") from None
-    return holder, version, base, lanes
+    return holder, version, base, lanes, tag
 
 
 # ---------------------------------------------------------------------- the learner's orders

@@ -31,9 +31,9 @@ node has yet to receive waits up to ``key_wait_s`` for it; one under a replaced 
 
 Hostile or broken connections. The server holds at most ``max_conns`` connections, given out by broadcast/relay_slots.py:
 a connection must complete its TLS handshake and a valid request within ``request_timeout_s`` (each request frame
-too, once its first byte is in); only one whose request showed the learner's ticket for a version held here
-(``Fetcher.fetch(ticket=)``, from the order) may then idle ``idle_timeout_s`` until the next and is never evicted
-for a newcomer, others are evicted oldest first when the server is full; a connection answered with an error is
+too, once its first byte is in); only one whose request showed the learner's ticket for this source and a version
+held here (``Fetcher.fetch(tickets=)``, from the order) may then idle ``idle_timeout_s`` until the next and is never
+evicted for a newcomer, others are evicted oldest first when the server is full; a connection answered with an error is
 dropped; a child that stops reading for ``stall_timeout_s`` is dropped. The fetcher gives a source ``connect_timeout_s`` to accept and ``answer_timeout_s``
 to answer (its manifest, or a frame saying it still waits for it).
 
@@ -53,10 +53,12 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from echo2.broadcast.framing import PIECE_BYTES, drain, recv_exact, recv_frame, send_frame, tcp_rtt_s
-from echo2.broadcast.manifest import FULL, BadSnapshot, key_id, request_mac, serve_proof, verify_manifest
+from echo2.broadcast.manifest import (FULL, BadSnapshot, key_id, request_mac, serve_proof, source_tag,
+                                      verify_manifest)
 from echo2.broadcast.relay_slots import PER_ADDRESS, Slots, ticket_of
 from echo2.broadcast.store import Snapshot, Store
 from echo2.broadcast.suspects import SUSPECT_S, Suspects  # noqa: F401  (SUSPECT_S: the broadcaster's too)
@@ -136,7 +138,8 @@ class RelayServer:
         """``token``: the relay key (None: none yet, every request waits for one). ``tls``: an ``ssl.SSLContext``
         to serve with (None: plain TCP). ``link``: the lab's emulated link. ``ticket_key``: the learner's public key,
         which tickets are checked against (None: none is, and no connection earns a lasting slot). The rest: the
-        module's constants and relay_slots.py's."""
+        module's constants and relay_slots.py's. Tickets are for this server's ``address`` (the bound one until its
+        owner says how the learner's orders name it: ``advertise``)."""
         self.store, self.link, self.tls = store, link, tls
         self.token, self.past_keys = token, set()  # ids of the keys this node held before ``token``
         self.key_cond = threading.Condition()
@@ -146,6 +149,7 @@ class RelayServer:
         self.slots = Slots(max_conns, per_address)
         self.sock = socket.create_server((host, port))
         self.addr = self.sock.getsockname()[:2]
+        self.advertise(self.addr)
         self.closed = False
         self.conns: set[socket.socket] = set()
         self.sockets: dict[socket.socket, socket.socket] = {}  # accepted socket -> the one served (after TLS)
@@ -158,6 +162,11 @@ class RelayServer:
     def start(self) -> "RelayServer":
         self.thread.start()
         return self
+
+    def advertise(self, address: tuple[str, int]) -> None:
+        """How the learner's orders name this server (its advertised host and port): the only tickets it takes are
+        the ones made for that address (manifest.relay_ticket)."""
+        self.address, self.own_tag = address, source_tag(address)
 
     def use_key(self, token: str) -> None:
         """Serve under relay key ``token`` from now on; requests under the previous one are refused."""
@@ -263,7 +272,7 @@ class RelayServer:
     def _ticket(self, conn: socket.socket, req: dict, plain: socket.socket) -> None:
         """The request's ticket earns its connection a lasting slot; none leaves it evictable (relay_slots.py)."""
         try:
-            ticket = ticket_of(self.ticket_key, req)
+            ticket = ticket_of(self.ticket_key, req, self.own_tag)
         except ValueError as e:
             self._refuse(conn, str(e))
             raise ConnectionError("refused a request") from None
@@ -360,7 +369,7 @@ class Fetcher:
         self.gen_lock = threading.Lock()
         self.generation = 0  # bumped by each fetch: a running one that sees it change stops (Superseded)
         self.last_rtt_s: float | None = None  # TCP's smoothed RTT to the source of the last fetch (diagnostics)
-        self.ticket: str | None = None  # the running fetch's (its order's), shown with each request
+        self.tickets: dict[tuple[str, int], str] = {}  # the running fetch's (its order's): each source is shown its own
 
     @property
     def last_failed(self) -> list[tuple[str, int]]:
@@ -369,19 +378,20 @@ class Fetcher:
 
     def fetch(self, version: int, sources: list[tuple[str, int]], base: int = FULL, epoch: str | None = None,
               deadline_s: float | None = None, stripes: list[Lane] | None = None,
-              ticket: str | None = None) -> Snapshot:
+              tickets: Iterable[Sequence] = ()) -> Snapshot:
         """Fetch ``version`` (or its delta against ``base``) of learner epoch ``epoch`` completely and verified,
         trying ``sources`` in order; raises if none can serve it. With ``stripes`` ([(lo, hi, sources)], byte ranges
         tiling the snapshot: topology.plan_stripes), each range is pulled at once from its own sources, in a thread
         of its own, and ``sources`` serve only repairs. With ``deadline_s``, a source (but a list's last) whose rate
         would finish its range past that many seconds from now is left for the next. A fetch started meanwhile on
         this node supersedes this one (it raises Superseded, keeping what arrived, from which the newer one
-        resumes). ``ticket``: the order's (manifest.relay_ticket), shown to every source."""
+        resumes). ``tickets``: the order's ([host, port, ticket]: manifest.relay_tickets), each shown to its own
+        source."""
         with self.gen_lock:
             self.generation += 1
             gen = self.generation
         with self.lock:
-            self.ticket = ticket
+            self.tickets = {(host, port): ticket for host, port, ticket in tickets}
             deadline = None if deadline_s is None else time.monotonic() + deadline_s
             snap = self._held(version, base, epoch, gen)
             if snap is not None and snap.complete:
@@ -519,7 +529,8 @@ class Fetcher:
             mac = request_mac(token, version, base, start, end)
             try:
                 frame = {"version": version, "base": base, "start": start, "end": end, "key": key_id(token), "mac": mac}
-                send_frame(conn, {**frame, "ticket": self.ticket} if self.ticket else frame)
+                ticket = self.tickets.get(tuple(key[0]))
+                send_frame(conn, {**frame, "ticket": ticket} if ticket else frame)
                 reply = self._reply(conn, deadline)
                 break
             except socket.timeout:
@@ -556,7 +567,7 @@ class Fetcher:
         """Bytes [start, end) of (version, base) from ``src`` alone, on a connection of their own, dropped after
         (the learner's check of a relay a peer blames: blame.py)."""
         key = (src, -1)
-        self.ticket = ticket
+        self.tickets = {tuple(src): ticket} if ticket else {}
         try:
             conn, _ = self._request(key, version, base, start, end, epoch)
             return recv_exact(conn, end - start)

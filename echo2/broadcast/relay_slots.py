@@ -3,7 +3,8 @@
 A relay server (a worker's, and the learner's origin) serves a bounded number of connections, one thread each.
 Anyone who can reach its port can open one, and anyone holding the relay key (every worker) can make valid
 requests; what earns a slot that lasts is a **ticket**: the learner's signature on "holder h may fetch version v
-(base b) over k lanes" (manifest.relay_ticket), carried by every order and shown with each request. So:
+(base b) over k lanes from this source" (manifest.relay_ticket), one per source in every order, shown with each
+request to that source alone. So:
 
     accept ──► unticketed ── request with a valid ticket for a version held here ──► ticketed (holder h, v)
       │          │  (its handshake and first request within request_timeout_s;        idles up to
@@ -19,7 +20,8 @@ an insider with a valid order cannot take more. One whose version is stale is ev
 unticketed one. An outsider reconnecting as each deadline passes, or an insider parking connections with one
 request each, then holds only evictable slots: an honest fetcher, which shows its ticket in its first request
 within a round trip, always gets in, unless strangers arrive faster than max_conns per round trip: the rate per
-address makes that take many addresses.
+address makes that take many addresses. A ticket names its source, so a source that is an attacker's worker cannot
+show the ticket it was shown at the holder's other sources and take the holder's slots there.
 """
 
 from __future__ import annotations
@@ -42,22 +44,28 @@ source per snapshot and keeps them; a stranger evicting newcomers as fast as it 
 MAX_BUCKETS = 4096
 """Addresses whose rate is tracked at once; past it, those whose allowance is full again are forgotten."""
 
+MAX_TICKET_CHARS = 512
+"""The longest ticket read: a worker id, three numbers, a source tag and a signature (manifest.relay_ticket)."""
+
 SPARE_PER_HOLDER = 2
 """Ticketed connections a holder gets beyond its lanes: one for repairs (re-fetching a bad chunk), one spare (a
 connection being replaced)."""
 
 
-def ticket_of(key: str | None, req: dict) -> tuple[str, int, int] | None:
+def ticket_of(key: str | None, req: dict, own_tag: str | None) -> tuple[str, int, int] | None:
     """(holder, version, lanes) of the ticket a relay request shows; None if it shows none (or ``key``, the
-    learner's public key, is not known here). ValueError if the ticket is not the learner's, or is for another
-    version than the request asks for."""
+    learner's public key, or ``own_tag``, this source's manifest.source_tag, is not known here). ValueError if the
+    ticket is not the learner's, is for another source (a source showing what its fetcher showed it), or is for
+    another version than the request asks for."""
     ticket = req.get("ticket")
-    if ticket is None or key is None:
+    if ticket is None or key is None or own_tag is None:
         return None
     try:
-        holder, version, base, lanes = check_ticket(key, str(ticket)[:512])
+        holder, version, base, lanes, tag = check_ticket(key, str(ticket)[:MAX_TICKET_CHARS])
     except BadSnapshot as e:
         raise ValueError(str(e)) from None
+    if tag != own_tag:
+        raise ValueError("a ticket for another relay source: tickets are not passed on")
     if (version, base) != (req.get("version"), req.get("base")):
         raise ValueError(f"a ticket for v{version} (base {base}), not for the version asked for")
     return holder, version, lanes

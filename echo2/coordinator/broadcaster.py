@@ -4,7 +4,7 @@
     publish(v, bytes) ─► (its thread) signed manifest; sparse delta against v' if smaller (broadcast/delta.py)
                       ─► round: plan (broadcast/topology.py) over the idle peers lacking v: those holding v' get the
                          delta, the rest the full snapshot, each group along its own layout (chain, tree, stripes)
-                      ─► POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge, ticket} to
+                      ─► POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge, tickets} to
                          each, in parallel, each signed for that peer alone (manifest.order_credential)
                       ◄─ each answers once it holds v, verified (a delta is applied, then checked against the full
                          snapshot's signed chunk digests), with a proof that it does (manifest.possession_proof)
@@ -63,7 +63,8 @@ from typing import Any
 from echo2.broadcast import delta
 from echo2.broadcast import topology as topo
 from echo2.broadcast.manifest import (FULL, MAX_SOURCES, make_manifest, manifest_digest, new_relay_key,
-                                      order_credential, possession_proof, relay_ticket, signing_key, verify_key)
+                                      order_credential, possession_proof, relay_ticket, relay_tickets, signing_key,
+                                      verify_key)
 from echo2.broadcast.relay import MAX_CONNS, SUSPECT_S, Fetcher, RelayServer
 from echo2.broadcast.store import Snapshot, Store
 from echo2.coordinator import blame
@@ -153,6 +154,7 @@ class RelayBroadcaster:
                                   ticket_key=self.public_key).start()
         # Bound to every interface (0.0.0.0), it is reached at this machine's name unless told otherwise.
         self.origin = (advertise_host or reachable_host(self.server.addr[0]), self.server.addr[1])
+        self.server.advertise(self.origin)  # what its tickets name (orders name the origin so)
         self.peers: dict[str, Peer] = {}
         self.latest: int | None = None
         self.full_manifest: dict | None = None  # of the latest version
@@ -315,17 +317,17 @@ class RelayBroadcaster:
                 sources = parents[:MAX_SOURCES - len(extra)] + extra
                 bounds = topo.stripe_bounds(wire_bytes, len(lanes), _align(wire_bytes, self.chunk_bytes, len(lanes)))
                 stripes = [[lo, hi, [list(a) for a in lane]] for (lo, hi), lane in zip(bounds, per_lane)]
+            every_source = tuple(dict.fromkeys(tuple(a) for lane in [sources, *per_lane] for a in lane))
             body = {"epoch": self.epoch, "key": self.token, "version": version, "base": base,
                     "sources": [list(a) for a in sources], "deadline_s": deadline_s, "challenge": challenge,
-                    # its sources give it a lasting connection slot for this version (broadcast/relay_slots.py)
-                    "ticket": relay_ticket(self.signer, pid, version, base, len(lanes))}
+                    # each source gives it a lasting connection slot for this version (broadcast/relay_slots.py)
+                    "tickets": relay_tickets(self.signer, pid, version, base, len(lanes), every_source)}
             if stripes is not None:
                 body["stripes"] = stripes
             if base != FULL:
                 body["full_manifest"] = full.manifest
             order = Order(version, base, wire_bytes, time.monotonic(), deadline_s,
-                          possession_proof(challenge, full.buf), max(len(a) for a in lanes),
-                          tuple(dict.fromkeys(tuple(a) for lane in [sources, *per_lane] for a in lane)))
+                          possession_proof(challenge, full.buf), max(len(a) for a in lanes), every_source)
             peer.busy = order
             return peer, body, self._credential(peer.url, body, full_digest), order
 
@@ -386,7 +388,7 @@ class RelayBroadcaster:
         if own is None:  # collected since: nothing to compare with
             return
         fetcher = Fetcher(Store(), self.token, trust=self.trust, manifest_key=self.public_key)
-        ticket = relay_ticket(self.signer, "origin", version, base, 1)
+        ticket = relay_ticket(self.signer, "origin", version, base, 1, claim.source)
         read = lambda lo, hi: fetcher.read(claim.source, version, base, lo, hi, self.epoch, ticket)  # noqa: E731
         try:
             borne_out = blame.borne_out(claim, read, own.buf, own.chunk_bytes)

@@ -1,6 +1,6 @@
 """A worker's end of the broadcast: a relay node (store, server, fetcher) and the routes the broadcaster calls.
 
-    broadcaster ──POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge, ticket}──► receiver
+    broadcaster ──POST /fetch {epoch, key, v, base, sources, [stripes], deadline_s, challenge, tickets}──► receiver
                   (signed by the learner, for this node)      │  pull v (or its delta vs base) from sources[0],
                                                               │  else the next ──► ... (with stripes: each byte
                                                               │  range from its own sources, all at once)
@@ -34,6 +34,7 @@ from echo2.broadcast import delta
 from echo2.broadcast.manifest import (FULL, MAX_SOURCES, BadSnapshot, check_order, order_digest, possession_proof,
                                       verify_key, verify_manifest)
 from echo2.broadcast.relay import Fetcher, RelayServer, Superseded
+from echo2.broadcast.relay_slots import MAX_TICKET_CHARS
 from echo2.broadcast.store import Snapshot, Store
 from echo2.net.http import BadRequest, JsonServer, Unauthorized
 
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 
 MAX_STRIPES = 16
 """Stripes one order may name (topology.MAX_STRIPES is what the broadcaster plans; a few more are accepted)."""
+
+MAX_TICKETS = MAX_SOURCES * (MAX_STRIPES + 1)
+"""Tickets one order may carry: one for each source it names, in its sources and in its stripes."""
 
 
 class SnapshotReceiver:
@@ -63,7 +67,9 @@ class SnapshotReceiver:
         self.control = JsonServer(host, control_port, "", routes={"POST /fetch": self._fetch, "POST /key": self._key},
                                   name="snapshots", tls=server_tls, authorize=self._authorize)
         self.url = self.control.url(advertise_host)
-        self.relay_addr = f"{advertise_host or self.relay_server.addr[0]}:{self.relay_server.addr[1]}"
+        relay = (advertise_host or self.relay_server.addr[0], self.relay_server.addr[1])
+        self.relay_server.advertise(relay)  # the learner's orders, and so the tickets for it, name it so
+        self.relay_addr = f"{relay[0]}:{relay[1]}"
         self.orders = threading.Lock()
         self.last: dict[str, int] = {}  # route -> seq of the newest order taken there (older ones are replays)
         self.key_seq = 0  # seq of the newest order of all: its relay key and epoch are this node's
@@ -136,7 +142,7 @@ class SnapshotReceiver:
     def _fetch(self, body: dict, headers) -> dict:
         epoch = self._take("POST /fetch", body, headers)
         version, base, sources = body.get("version"), body.get("base", FULL), body.get("sources")
-        deadline_s, challenge, ticket = body.get("deadline_s"), body.get("challenge"), body.get("ticket")
+        deadline_s, challenge = body.get("deadline_s"), body.get("challenge")
         if type(version) is not int or version < 0 or type(base) is not int or base >= version:
             raise BadRequest("'version' must be a non-negative integer and 'base' an older one (or -1)")
         if not _addresses(sources):
@@ -146,18 +152,17 @@ class SnapshotReceiver:
             raise BadRequest("'deadline_s' must be a positive number")
         if not (isinstance(challenge, str) and len(challenge) == 32):
             raise BadRequest("'challenge' must be 32 hex digits")
-        if not (ticket is None or isinstance(ticket, str) and len(ticket) <= 512):
-            raise BadRequest("'ticket' must be a string of at most 512 characters")
+        tickets = _tickets(body.get("tickets", []))
         sources = [tuple(s) for s in sources]
         t0 = time.perf_counter()
         try:
             if base == FULL:
                 snap = self.fetcher.fetch(version, sources, epoch=epoch, deadline_s=deadline_s, stripes=stripes,
-                                          ticket=ticket)
+                                          tickets=tickets)
                 wire_bytes = snap.size
             else:
                 snap, wire_bytes = self._fetch_delta(version, base, sources, body.get("full_manifest"), epoch,
-                                                     deadline_s, stripes, ticket)
+                                                     deadline_s, stripes, tickets)
         except (ConnectionError, OSError, BadSnapshot, ValueError) as e:
             if not isinstance(e, Superseded):  # a newer order goes on with it: children may still wait for it
                 self.store.abandon(version, base)
@@ -176,7 +181,7 @@ class SnapshotReceiver:
                                    for src in self.fetcher.last_failed]}
 
     def _fetch_delta(self, version: int, base: int, sources, full_manifest, epoch: str | None,
-                     deadline_s: float | None, stripes=None, ticket: str | None = None) -> tuple[Snapshot, int]:
+                     deadline_s: float | None, stripes=None, tickets=()) -> tuple[Snapshot, int]:
         """Pull the delta of ``version`` against ``base`` (held here), apply it, and check the result against the
         full snapshot's signed chunk digests before anyone may use or relay it as ``version``."""
         held = self.store.get(base)
@@ -186,7 +191,7 @@ class SnapshotReceiver:
         if (manifest["version"], manifest["base"], manifest.get("epoch")) != (version, FULL, epoch):
             raise BadSnapshot("full_manifest is not the full snapshot of this version and epoch")
         d = self.fetcher.fetch(version, sources, base=base, epoch=epoch, deadline_s=deadline_s, stripes=stripes,
-                               ticket=ticket)
+                               tickets=tickets)
         full = Snapshot(manifest)
         full.buf[:] = delta.apply(held.buf, d.buf)
         full.fill()
@@ -216,6 +221,17 @@ def _addresses(sources) -> bool:
     """Whether ``sources`` is a list of 1 to MAX_SOURCES [host, port]."""
     return isinstance(sources, list) and 0 < len(sources) <= MAX_SOURCES and all(
         isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and type(s[1]) is int for s in sources)
+
+
+def _tickets(tickets) -> list:
+    """An order's tickets, [host, port, ticket] for each source it names (a ticket is checked by its source)."""
+    ok = isinstance(tickets, list) and len(tickets) <= MAX_TICKETS and all(
+        isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) and type(t[1]) is int and isinstance(t[2], str)
+        and len(t[2]) <= MAX_TICKET_CHARS for t in tickets)
+    if not ok:
+        raise BadRequest(f"'tickets' must be a list of at most {MAX_TICKETS} [host, port, ticket], each ticket at "
+                         f"most {MAX_TICKET_CHARS} characters")
+    return tickets
 
 
 def _stripes(stripes) -> list | None:

@@ -14,9 +14,9 @@ import pytest
 from conftest import closed_by_server, holds_within
 from echo2.broadcast.framing import recv_frame, send_frame
 from echo2.broadcast.manifest import (FULL, BadSnapshot, check_ticket, key_id, make_manifest, relay_ticket,
-                                      request_mac, signing_key, verify_key)
+                                      relay_tickets, request_mac, signing_key, source_tag, verify_key)
 from echo2.broadcast.relay import Fetcher, RelayServer
-from echo2.broadcast.relay_slots import Slots, address_key
+from echo2.broadcast.relay_slots import Slots, address_key, ticket_of
 from echo2.broadcast.store import Snapshot, Store
 
 SECRET = "secret"
@@ -69,13 +69,27 @@ def test_a_holder_gets_its_lanes_and_two_more():
 
 
 def test_tickets_are_the_learners_and_name_what_they_allow():
-    ticket = relay_ticket(SIGNER, "w7", 3, FULL, 2)
-    assert check_ticket(KEY, ticket) == ("w7", 3, FULL, 2)
+    ticket = relay_ticket(SIGNER, "w7", 3, FULL, 2, ("10.0.0.5", 9000))
+    assert check_ticket(KEY, ticket) == ("w7", 3, FULL, 2, source_tag(("10.0.0.5", 9000)))
     holder, rest = ticket.split(".", 1)
-    for forged in [f"w8.{rest}", ticket.replace(".3.", ".4.", 1), relay_ticket(signing_key("other"), "w7", 3, FULL, 2),
-                   "junk", ""]:
+    other_source = relay_ticket(SIGNER, "w7", 3, FULL, 2, ("10.0.0.6", 9000)).split(".")[4]
+    for forged in [f"w8.{rest}", ticket.replace(".3.", ".4.", 1), ticket.replace(ticket.split(".")[4], other_source),
+                   relay_ticket(signing_key("other"), "w7", 3, FULL, 2, ("10.0.0.5", 9000)), "junk", ""]:
         with pytest.raises(BadSnapshot):
             check_ticket(KEY, forged)
+
+
+def test_a_ticket_is_taken_only_by_the_source_it_names():
+    """Before, one ticket named the holder alone and every source of the order was shown it: a source that is an
+    attacker's worker could show it at the holder's other sources and take the holder's lasting slots there. A ticket
+    now names its source, and a request showing another source's ticket is refused."""
+    mine, other = ("127.0.0.1", 7001), ("127.0.0.1", 7002)
+    req = {"version": 3, "base": FULL}
+    assert ticket_of(KEY, {**req, "ticket": relay_ticket(SIGNER, "w1", 3, FULL, 2, mine)}, source_tag(mine)) == (
+        "w1", 3, 2)
+    with pytest.raises(ValueError, match="another relay source"):
+        ticket_of(KEY, {**req, "ticket": relay_ticket(SIGNER, "w1", 3, FULL, 2, other)}, source_tag(mine))
+    assert ticket_of(KEY, {**req, "ticket": relay_ticket(SIGNER, "w1", 3, FULL, 2, mine)}, None) is None
 
 
 # ---------------------------------------------------------------------- a server under attack
@@ -142,7 +156,8 @@ def honest_fetches(server: RelayServer, blob: bytes, n: int, tries: int = 1) -> 
         for _ in range(tries):
             f = Fetcher(Store(), TOKEN, manifest_key=KEY, connect_timeout_s=2, answer_timeout_s=2)
             try:
-                got = bytes(f.fetch(1, [server.addr], ticket=relay_ticket(SIGNER, f"w{i}", 1, FULL, 1)).buf) == blob
+                tickets = relay_tickets(SIGNER, f"w{i}", 1, FULL, 1, [server.addr])
+                got = bytes(f.fetch(1, [server.addr], tickets=tickets).buf) == blob
             except (OSError, ConnectionError):
                 got = False
             finally:
@@ -195,15 +210,83 @@ def test_only_a_ticket_buys_a_long_idle():
     server = server_with(blob, request_timeout_s=1.0, idle_timeout_s=60.0)
     plain, ticketed = (socket.create_connection(server.addr, timeout=5) for _ in range(2))
     try:
-        for s, ticket in ((plain, None), (ticketed, relay_ticket(SIGNER, "w1", 1, FULL, 1))):
+        for s, ticket in ((plain, None), (ticketed, relay_ticket(SIGNER, "w1", 1, FULL, 1, server.addr))):
             send_frame(s, request(1, ticket=ticket))
             assert "manifest" in recv_frame(s)
             assert s.recv(1) == blob[:1]
         assert closed_by_server(plain, 3)
         assert not closed_by_server(ticketed, 2)
-        send_frame(ticketed, request(1, ticket=relay_ticket(SIGNER, "w1", 2, FULL, 1)))  # a ticket for v2, not v1
+        send_frame(ticketed, request(1, ticket=relay_ticket(SIGNER, "w1", 2, FULL, 1, server.addr)))  # v2's, not v1's
         assert "error" in recv_frame(ticketed) and closed_by_server(ticketed, 2)
     finally:
         plain.close()
         ticketed.close()
         server.close()
+
+
+def test_a_ticket_shown_at_another_source_is_refused_there():
+    """What an attacker's worker could do with the ticket its fetcher showed it: show it at the holder's other source.
+    That source refuses the request and drops the connection, which gets no slot."""
+    blob = os.urandom(4 * CHUNK)
+    server, elsewhere = server_with(blob), server_with(blob)
+    s = socket.create_connection(server.addr, timeout=5)
+    try:
+        send_frame(s, request(1, ticket=relay_ticket(SIGNER, "w1", 1, FULL, 1, elsewhere.addr)))
+        assert "another relay source" in recv_frame(s)["error"]
+        assert closed_by_server(s, 2)
+        assert not any(slot.holder for slot in server.slots.slots.values())
+    finally:
+        s.close()
+        server.close()
+        elsewhere.close()
+
+
+def test_each_source_of_an_order_takes_the_ticket_made_for_it():
+    """Through the learner's broadcaster and workers' receivers (a chain of three): each worker's relay server and
+    the origin refuse nothing, and each holds its child's connection as ticketed, so the order's tickets name the
+    sources as the sources name themselves: here by a name ("localhost"), not the address they are bound to."""
+    from echo2.coordinator.broadcaster import RelayBroadcaster
+    from echo2.worker.peer import SnapshotReceiver
+
+    delivered = []
+    bc = RelayBroadcaster(SECRET, topology="chain", chunk_mb=CHUNK / (1 << 20), advertise_host="localhost")
+    bc.on_delivered = lambda peer, v: delivered.append((peer, v))
+    peers = {n: SnapshotReceiver.of_run(SECRET, lambda v, b, m: None, advertise_host="localhost").start()
+             for n in ("p0", "p1", "p2")}
+    try:
+        for n, r in peers.items():
+            bc.add_peer(n, r.url, r.relay_addr)
+        bc.publish(1, os.urandom(8 * CHUNK))
+        assert holds_within(lambda: len(delivered) == 3, 20), delivered
+        servers = {"origin": bc.server, **{n: r.relay_server for n, r in peers.items()}}
+        assert {n: s.refused for n, s in servers.items()} == dict.fromkeys(servers, 0)
+        holders = {n: {slot.holder for slot in s.slots.slots.values()} - {None} for n, s in servers.items()}
+        assert set().union(*holders.values()) == set(peers), holders  # every fetcher held a ticketed slot somewhere
+    finally:
+        bc.close()
+        for r in peers.values():
+            r.close()
+
+
+def test_an_orders_tickets_are_bounded_before_use():
+    """A malformed tickets field is a 400 at the worker's snapshot control, before anything is fetched."""
+    from echo2.broadcast.manifest import order_credential
+    from echo2.net.http import Client, RemoteError
+    from echo2.worker.peer import MAX_TICKETS, SnapshotReceiver
+
+    got = []
+    r = SnapshotReceiver.of_run(SECRET, lambda v, b, m: got.append(v)).start()
+    try:
+        body = {"epoch": None, "key": TOKEN, "version": 1, "base": FULL, "sources": [["127.0.0.1", 9]],
+                "deadline_s": 10.0, "challenge": "0" * 32}
+        ticket = relay_ticket(SIGNER, "w1", 1, FULL, 1, ("127.0.0.1", 9))
+        for seq, tickets in enumerate([{"127.0.0.1:9": ticket}, [["127.0.0.1", 9]], [["127.0.0.1", "9", ticket]],
+                                       [["127.0.0.1", 9, "x" * 513]], [["127.0.0.1", 9, ticket]] * (MAX_TICKETS + 1)],
+                                      start=1):
+            bad = {**body, "tickets": tickets}
+            with pytest.raises(RemoteError, match="'tickets' must be") as e:
+                Client(r.url, order_credential(SIGNER, r.url, seq, bad)).post("/fetch", bad)
+            assert e.value.status == 400
+        assert not got
+    finally:
+        r.close()
