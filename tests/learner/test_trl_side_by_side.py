@@ -9,12 +9,14 @@ tokens, which is what is compared. The rows each step takes come from TRL's samp
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from conftest import ScriptedEngine, build_run, read_jsonl
 from echo2.learner import trainer as _trainer  # noqa: F401 (imports DeepSpeed, which runs `uname`, at collection)
 from echo2.records import SamplingParams
-from own_envs import CounterEnv, ScriptedPolicy, reach_target
+from own_envs import CounterEnv, EitherPolicy, ScriptedPolicy, SumEnv, reach_target
 
 G, P, BUDGET, STEPS = 2, 2, 300, 3
 
@@ -84,3 +86,52 @@ def test_the_same_reward_at_each_of_the_first_steps_as_trl(tmp_path):
     assert len(ours) == len(theirs) == STEPS
     assert ours == theirs, (ours, theirs)
     assert len(set(ours)) > 1 or ours[0] not in (0.0, 2.0)  # the steps drew different rows: a real comparison
+
+
+ENVS = {"count": CounterEnv, "sum": SumEnv}
+
+
+def test_several_environments_give_the_same_batch_as_trls_dict_environment_factory(tmp_path):
+    """TRL's GRPOTrainer(environment_factory={name: factory}) and echo2's task.environment={name: path} on the same
+    rows, two of each environment (one reaching its target, one not), through one scripted policy that calls the
+    tool its prompt shows: the same prompts (each showing its own environment's tools), completions, masks, per-class
+    reward columns (NaN on the other environment's rows in both) and advantages."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(f'{{"prompt": [{{"role": "user", "content": "Go."}}], "target": {t}, '
+                            f'"environment": "{e}"}}\n' for e, t in (("count", 5), ("sum", 9), ("count", 4),
+                                                                      ("sum", 8))))
+    envs = "{" + ", ".join(f"{n}: own_envs:{c.__name__}" for n, c in ENVS.items()) + "}"
+    cfg, echo2, source, _ = build_run(tmp_path / "echo2", [
+        "rollout=sync", "model.path.tool_chat=true", "model.path.max_position_embeddings=2048", "task=dataset",
+        f"task.data_files={path}", "task.eval_size=0", f"task.environment={envs}",
+        f"task.max_completion_length={BUDGET}", "rollout.group_size=2", "rollout.prompts_per_step=4", "run.steps=1"])
+    source.engine = ScriptedEngine(EitherPolicy(echo2.processing_class, steps=(2, 3)))
+    dataset = source.task.train_dataset()
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, num_generations=2,
+                      max_completion_length=BUDGET, max_steps=1, learning_rate=1e-4, report_to="none", use_cpu=True,
+                      seed=0, loss_type="dapo", beta=0.0, save_strategy="no", disable_tqdm=True)
+    trl = GRPOTrainer(model=echo2.model.name_or_path, processing_class=echo2.processing_class, args=args,
+                      train_dataset=dataset, environment_factory=ENVS)
+    policy = EitherPolicy(echo2.processing_class, steps=(2, 3))
+
+    def one_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        turns = policy.generate(prompt_ids, SamplingParams(n=1, max_tokens=BUDGET))
+        return [c.token_ids for (c,) in turns], [c.logprobs for (c,) in turns]
+
+    trl._generate_single_turn = one_turn
+    inputs = [dataset[i] for i in range(4) for _ in range(2)]
+    echo2.model.train(), trl.model.train()
+    theirs = trl._generate_and_score_completions([dict(r) for r in inputs])
+    ours = echo2._generate_and_score_completions([dict(r) for r in inputs])
+    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", "advantages"):
+        assert torch.equal(theirs[key].cpu(), ours[key].cpu()), key
+    text = [echo2.processing_class.decode(ids) for ids in ours["prompt_ids"][::2]]
+    assert ['"name": "add"' in t for t in text] == [False, True, False, True]  # each row shows its own tools
+    rollouts = [r for g in echo2.last_groups for r in g.rollouts]
+    for name in ("CounterEnv", "SumEnv"):
+        t, o = list(trl._logs["rewards"][name]), [r.rewards[name] for r in rollouts]
+        assert [math.isnan(x) for x in t] == [math.isnan(x) for x in o], name
+        assert [x for x in t if not math.isnan(x)] == [x for x in o if not math.isnan(x)], name
+    assert [r.reward for r in rollouts] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
