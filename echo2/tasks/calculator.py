@@ -12,7 +12,9 @@ add_response_schema: Qwen2.5/Qwen3, Llama 3.1/3.2, GLM-4, gpt-oss, ...): Qwen3-0
 
     python train.py task=calculator model=qwen3_0.6b '+task.chat_template_kwargs.enable_thinking=false'
 
-SmolLM2's template has no tool-call format. Offline, the tiny model built with Qwen3's template
+SmolLM2's template has no tool-call format, and given Qwen3's (TRL's ``qwen3_chat_template``) SmolLM2-135M made no
+tool call in 32 samples at temperature 1 on a calculator question: with nothing to reinforce, RL cannot teach it one.
+Offline, the tiny model built with Qwen3's template
 (``model.path.tool_chat=true``) runs the same loop (it calls no tool: it is random), and the tests drive it with a
 scripted policy that does.
 """
