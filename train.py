@@ -54,8 +54,8 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     """Build every component from the config, one log line each. Returns (trainer, source, step_log): step_log
     writes the summary, and its ``stop`` ends the run after a step. ``resume``: a checkpoint to resume from
     (find_checkpoint); the trainer loads it in ``train()``."""
-    from echo2.learner.args import (free_memory_gib, grpo_config, learning_rate_warning, micro_batch_advice, peft_config,
-                                    resolve_precision)
+    from echo2.learner.args import (free_memory_gib, grpo_config, learning_rate_warning, longest_prompt,
+                                    micro_batch_advice, peft_config, resolve_precision)
     from echo2.learner import callbacks, trl_fields
     from echo2.learner.samples import CompletionsTable
     from echo2.learner.trainer import Echo2GRPOTrainer
@@ -107,7 +107,10 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     log.info("learner %s on %d process(es): %s, %s, weights %s%s%s", type(trainer).__name__, world_size,
              trainer.backend(), trainer.accelerator.device, next(trainer.model.parameters()).dtype,
              ", bf16 compute with fp32 master weights" if trainer.args.bf16 else "", trainer.describe_adapter())
-    if advice := micro_batch_advice(cfg, world_size, trainer.model.config, free_memory_gib(trainer.accelerator.device)):
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters() if p.requires_grad)
+    free = free_memory_gib(trainer.accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if rank == 0 and (advice := micro_batch_advice(cfg, world_size, trainer.model.config, free,
+                                                   longest_prompt(task, tokenizer, train_set), trained)):
         log.warning(advice)
     if cfg.learner.lr_staleness == "inverse":
         from echo2.learner.staleness_lr import StalenessLR

@@ -5,6 +5,7 @@ policy that calls their tools: importable from every test folder, the worker age
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
@@ -227,6 +228,34 @@ class EitherPolicy(ScriptedPolicy):
     def text(self, context: str) -> str:
         self.tool = "increment" if '"name": "increment"' in context else "add"
         return super().text(context)
+
+
+class SplitPolicy(EitherPolicy):
+    """EitherPolicy whose completions of one prompt differ: the first starts with a step of 2, the second with 1 (the
+    second of ``n``, or the second time the same prompt comes in one call, as TRL sends a group's copies), each
+    then steps 3. So a group's rewards differ and its advantages are not zero. A later turn reads its variant from
+    the episode's first tool call."""
+
+    def generate(self, prompt_ids, params):
+        from collections import Counter
+
+        from echo2.records import Completion
+
+        self.calls += 1
+        seen: Counter = Counter()
+        out = []
+        for ids in prompt_ids:
+            context, group = self.tok.decode(ids), []
+            for _ in range(params.n):
+                first = re.search(r'"(?:step|b)": (\d+)', context[context.find("<|im_start|>assistant"):])
+                variant = int(first.group(1)) if first else (2 if seen[context] % 2 == 0 else 1)
+                seen[context] += 1
+                self.steps = [variant, 3]
+                new = self.tok(self.text(context), add_special_tokens=False)["input_ids"][:params.max_tokens]
+                finish = "stop" if new and new[-1] == self.tok.eos_token_id else "length"
+                group.append(Completion(new, [-0.5] * len(new), finish))
+            out.append(group)
+        return out
 
 
 class StepsEnv(BaseTextEnv):

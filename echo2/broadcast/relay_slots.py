@@ -53,10 +53,11 @@ connection being replaced)."""
 
 
 def ticket_of(key: str | None, req: dict, own_tag: str | None) -> tuple[str, int, int] | None:
-    """(holder, version, lanes) of the ticket a relay request shows; None if it shows none (or ``key``, the
-    learner's public key, or ``own_tag``, this source's manifest.source_tag, is not known here). ValueError if the
-    ticket is not the learner's, is for another source (a source showing what its fetcher showed it), or is for
-    another version than the request asks for."""
+    """(holder, version, lanes) of the ticket a relay request shows; None if it shows none, or one made for another
+    source (a source showing what its fetcher showed it: it earns nothing here, and is served as any request
+    without a ticket), or if ``key`` (the learner's public key) or ``own_tag`` (this source's manifest.source_tag)
+    is not known here. ValueError if the ticket is not the learner's, or is for another version than the request
+    asks for."""
     ticket = req.get("ticket")
     if ticket is None or key is None or own_tag is None:
         return None
@@ -65,7 +66,7 @@ def ticket_of(key: str | None, req: dict, own_tag: str | None) -> tuple[str, int
     except BadSnapshot as e:
         raise ValueError(str(e)) from None
     if tag != own_tag:
-        raise ValueError("a ticket for another relay source: tickets are not passed on")
+        return None
     if (version, base) != (req.get("version"), req.get("base")):
         raise ValueError(f"a ticket for v{version} (base {base}), not for the version asked for")
     return holder, version, lanes

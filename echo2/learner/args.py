@@ -188,46 +188,64 @@ def grpo_config(cfg: Any, run_dir: str | Path, world_size: int) -> GRPOConfig:
     return GRPOConfig(**owned, **passthrough(trl, {"dtype": master_dtype(cfg)}))
 
 
-def activation_gib(model_config: Any, tokens: int, seq_len: int, value_bytes: int, checkpointing: bool) -> float:
+def activation_gib(model_config: Any, tokens: int, seq_len: int, value_bytes: int,
+                   checkpointing: bool) -> float | None:
     """About how much memory one forward/backward keeps for its backward, GiB: ``tokens`` tokens (a micro-batch's
-    sequences times their length, ``seq_len``) through a decoder of ``model_config``'s shape. Per token and layer
-    it counts 16 values per hidden unit, 6 per MLP unit and 2.5 per attention head and position (the form of
-    Korthikanti et al. 2022's count, "Reducing Activation Recomputation in Large Transformer Models", refitted to
-    a gated MLP: on SmolLM2-135M in float32 with LoRA, eager attention, it reads 3.4, 6.8 and 17.1 GiB where 4 x 300,
-    8 x 300 and 8 x 600 tokens peaked at 3.7, 6.9 and 14.7 GiB above the model). With activation checkpointing each
-    layer keeps its input only, plus one layer's full count while it is recomputed (not measured)."""
-    h, layers = model_config.hidden_size, model_config.num_hidden_layers
-    inter = getattr(model_config, "intermediate_size", None) or 4 * h
-    heads = model_config.num_attention_heads
-    per_layer = 16 * h + 6 * inter + 2.5 * heads * seq_len
+    sequences times their length, ``seq_len``) through a decoder of ``model_config``'s shape (its text part, for a
+    multimodal one); None for a shape this does not know (no hidden size or layer count). Per token and layer it
+    counts 16 values per hidden unit and 6 per MLP unit, and with eager attention 2.5 per head and position (the
+    scores it keeps): the form of Korthikanti et al. 2022's count ("Reducing Activation Recomputation in Large
+    Transformer Models"), refitted to a gated MLP. On SmolLM2-135M in float32 with LoRA it reads 3.4, 6.8 and 17.1
+    GiB where 4 x 300, 8 x 300 and 8 x 600 tokens peaked at 3.7, 6.9 and 14.7 GiB above the model with eager
+    attention, and 2.5, 4.9 and 9.9 GiB where they peaked at 2.0, 5.6 and 10.7 GiB with SDPA. With activation
+    checkpointing each layer keeps its input only, plus one layer's full count while it is recomputed (not
+    measured)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    h, layers = getattr(text, "hidden_size", None), getattr(text, "num_hidden_layers", None)
+    if not (isinstance(h, int) and isinstance(layers, int)):
+        return None
+    inter = getattr(text, "intermediate_size", None) or 4 * h
+    heads = getattr(text, "num_attention_heads", None) or 0
+    eager = getattr(model_config, "_attn_implementation", None) == "eager"
+    per_layer = 16 * h + 6 * inter + (2.5 * heads * seq_len if eager else 0)
     values = tokens * (layers * h + per_layer if checkpointing else layers * per_layer)
     return values * value_bytes / 2**30
 
 
-def free_memory_gib(device: torch.device) -> float:
-    """What the learner's device has free now: the GPU's free memory, or the host's available memory."""
+def free_memory_gib(device: torch.device, processes_here: int = 1) -> float:
+    """What one learner process may count on now: its GPU's free memory, or the host's available memory shared by
+    the ``processes_here`` learner processes on it."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] / 2**30
     import psutil  # accelerate's dependency
 
-    return psutil.virtual_memory().available / 2**30
+    return psutil.virtual_memory().available / 2**30 / max(1, processes_here)
 
 
-def micro_batch_advice(cfg: Any, world_size: int, model_config: Any, free_gib: float) -> str | None:
-    """A warning when one micro-batch's activations would not fit in ``free_gib``, naming the micro-batch size that
-    would; None when it fits. Sequences are counted at the completion budget (``task.max_completion_length``; their
-    prompts come on top), and the count is rough: this warns before an out-of-memory kill, it does not promise
-    there will be none."""
+def longest_prompt(task: Any, tokenizer: Any, rows: Any, n: int = 64) -> int:
+    """The longest prompt, in tokens, among the first ``n`` rows (an estimate's input, not a limit)."""
+    return max((len(task.prompt_ids(tokenizer, rows[i])) for i in range(min(n, len(rows)))), default=0)
+
+
+def micro_batch_advice(cfg: Any, world_size: int, model_config: Any, free_gib: float, prompt_tokens: int = 0,
+                       trained_params: int = 0) -> str | None:
+    """A warning when one micro-batch's activations would not fit in ``free_gib``, less what training has yet to
+    allocate (the trained parameters' gradients and Adam's two moments in float32, split across processes under
+    DeepSpeed), naming the micro-batch size that would; None when it fits or the model's shape is not known.
+    Sequences are counted at ``prompt_tokens`` (the longest prompt seen) plus ``task.max_completion_length``. The
+    count is rough: this warns before an out-of-memory kill, it does not promise there will be none."""
     slice_rollouts = cfg.rollout.prompts_per_step // world_size * cfg.rollout.group_size
     mb = cfg.learner.micro_batch_size or slice_rollouts
-    seq_len = int(cfg.task.max_completion_length)
+    seq_len = prompt_tokens + int(cfg.task.max_completion_length)
     value_bytes = 2 if cfg.learner.bf16 or cfg.model.dtype in LOW_PRECISION else 4
     checkpointing = bool(cfg.learner.gradient_checkpointing)
+    free_gib -= trained_params * 12 / 2**30 / (world_size if cfg.learner.deepspeed else 1)
 
-    def gib(n: int) -> float:
+    def gib(n: int) -> float | None:
         return activation_gib(model_config, n * seq_len, seq_len, value_bytes, checkpointing)
 
-    if gib(mb) <= 0.8 * free_gib:
+    need = gib(mb)
+    if need is None or need <= 0.8 * free_gib:
         return None
     fits = [d for d in _divisors(slice_rollouts) if gib(d) <= 0.5 * free_gib]
     what = ("learner.micro_batch_size=null: the step's whole slice at once" if cfg.learner.micro_batch_size is None
@@ -235,6 +253,6 @@ def micro_batch_advice(cfg: Any, world_size: int, model_config: Any, free_gib: f
     ways = [f"learner.micro_batch_size={d} (TRL's per_device_train_batch_size; about {gib(d):.1f} GiB)"
             for d in fits[-1:]] + ([] if checkpointing else ["learner.gradient_checkpointing=true"])
     ways = ways or ["a shorter task.max_completion_length"]
-    return (f"one forward/backward holds {mb} sequences of {seq_len} completion tokens or more ({what}): about "
-            f"{gib(mb):.0f} GiB of activations by a rough count, against {free_gib:.0f} GiB free on the learner's "
-            f"device. If memory runs out, set {' or '.join(ways)}")
+    return (f"one forward/backward holds {mb} sequences of up to {seq_len} tokens ({what}): about {need:.1f} GiB of "
+            f"activations by a rough count, against {max(free_gib, 0):.1f} GiB free on the learner's device for "
+            f"them. If memory runs out, set {' or '.join(ways)}")

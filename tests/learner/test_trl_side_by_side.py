@@ -2,8 +2,9 @@
 GRPOTrainer and through echo2's learner with rollout=sync gives the same token layout, masks, rewards and advantages
 for a batch, and the same reward at each of the first steps.
 
-Both generate with one deterministic policy (tests/own_envs.ScriptedPolicy, which calls the environment's tool with
-steps 2 then 3: the target 5 is reached, 4 is not), patched in where each generates a turn (TRL's
+Both generate with one deterministic policy (tests/own_envs.SplitPolicy, which calls the environment's tool with
+steps 2 then 3 in a group's first completion and 1 then 3 in its second: one reaches 5, the other 4, so every group's
+advantages are not zero), patched in where each generates a turn (TRL's
 ``_generate_single_turn``, echo2's engine): so what differs is only how each builds the episode around the policy's
 tokens, which is what is compared. The rows each step takes come from TRL's sampler in both (same seed)."""
 
@@ -16,7 +17,7 @@ import torch
 from conftest import ScriptedEngine, build_run, read_jsonl
 from echo2.learner import trainer as _trainer  # noqa: F401 (imports DeepSpeed, which runs `uname`, at collection)
 from echo2.records import SamplingParams
-from own_envs import CounterEnv, EitherPolicy, ScriptedPolicy, SumEnv, reach_target
+from own_envs import CounterEnv, SplitPolicy, SumEnv, reach_target
 
 G, P, BUDGET, STEPS = 2, 2, 300, 3
 
@@ -34,7 +35,7 @@ def echo2_run(tmp_path):
         f"task.data_files={rows_file(tmp_path)}", "task.eval_size=0", "task.environment=own_envs:CounterEnv",
         "task.reward_funcs=[own_envs.reach_target]", f"task.max_completion_length={BUDGET}",
         f"rollout.group_size={G}", f"rollout.prompts_per_step={P}", f"run.steps={STEPS}", "learner.learning_rate=1e-4"])
-    source.engine = ScriptedEngine(ScriptedPolicy(trainer.processing_class, steps=(2, 3)))
+    source.engine = ScriptedEngine(SplitPolicy(trainer.processing_class))
     return cfg, trainer, source, step_log
 
 
@@ -47,7 +48,7 @@ def trl_trainer(tmp_path, model_path, tokenizer, dataset):
                       disable_tqdm=True, lr_scheduler_type="constant")
     trainer = GRPOTrainer(model=model_path, processing_class=tokenizer, reward_funcs=[reach_target], args=args,
                           train_dataset=dataset, environment_factory=CounterEnv)
-    policy = ScriptedPolicy(tokenizer, steps=(2, 3))
+    policy = SplitPolicy(tokenizer)
 
     def one_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         turns = policy.generate(prompt_ids, SamplingParams(n=1, max_tokens=BUDGET))
@@ -72,7 +73,8 @@ def test_the_same_batch_layout_masks_rewards_and_advantages_as_trl(tmp_path):
     groups = echo2.last_groups
     for name in ("reach_target", "CounterEnv"):  # TRL's get_reward column is named after the environment class
         assert list(trl._logs["rewards"][name]) == [r.rewards[name] for g in groups for r in g.rollouts], name
-    assert [r.rewards["reach_target"] for g in groups for r in g.rollouts] == [1.0, 1.0, 0.0, 0.0]
+    assert [r.rewards["reach_target"] for g in groups for r in g.rollouts] == [1.0, 0.0, 0.0, 1.0]
+    assert (ours["advantages"] != 0).all()  # a comparison of advantages that could differ
 
 
 def test_the_same_reward_at_each_of_the_first_steps_as_trl(tmp_path):
@@ -93,8 +95,8 @@ ENVS = {"count": CounterEnv, "sum": SumEnv}
 
 def test_several_environments_give_the_same_batch_as_trls_dict_environment_factory(tmp_path):
     """TRL's GRPOTrainer(environment_factory={name: factory}) and echo2's task.environment={name: path} on the same
-    rows, two of each environment (one reaching its target, one not), through one scripted policy that calls the
-    tool its prompt shows: the same prompts (each showing its own environment's tools), completions, masks, per-class
+    rows, two of each environment, through one scripted policy that calls the tool its prompt shows (a group's two
+    completions reach different totals): the same prompts (each showing its own environment's tools), completions, masks, per-class
     reward columns (NaN on the other environment's rows in both) and advantages."""
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(f'{{"prompt": [{{"role": "user", "content": "Go."}}], "target": {t}, '
@@ -105,7 +107,7 @@ def test_several_environments_give_the_same_batch_as_trls_dict_environment_facto
         "rollout=sync", "model.path.tool_chat=true", "model.path.max_position_embeddings=2048", "task=dataset",
         f"task.data_files={path}", "task.eval_size=0", f"task.environment={envs}",
         f"task.max_completion_length={BUDGET}", "rollout.group_size=2", "rollout.prompts_per_step=4", "run.steps=1"])
-    source.engine = ScriptedEngine(EitherPolicy(echo2.processing_class, steps=(2, 3)))
+    source.engine = ScriptedEngine(SplitPolicy(echo2.processing_class))
     dataset = source.task.train_dataset()
     from trl import GRPOConfig, GRPOTrainer
 
@@ -114,7 +116,7 @@ def test_several_environments_give_the_same_batch_as_trls_dict_environment_facto
                       seed=0, loss_type="dapo", beta=0.0, save_strategy="no", disable_tqdm=True)
     trl = GRPOTrainer(model=echo2.model.name_or_path, processing_class=echo2.processing_class, args=args,
                       train_dataset=dataset, environment_factory=ENVS)
-    policy = EitherPolicy(echo2.processing_class, steps=(2, 3))
+    policy = SplitPolicy(echo2.processing_class)
 
     def one_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         turns = policy.generate(prompt_ids, SamplingParams(n=1, max_tokens=BUDGET))
@@ -134,4 +136,5 @@ def test_several_environments_give_the_same_batch_as_trls_dict_environment_facto
         t, o = list(trl._logs["rewards"][name]), [r.rewards[name] for r in rollouts]
         assert [math.isnan(x) for x in t] == [math.isnan(x) for x in o], name
         assert [x for x in t if not math.isnan(x)] == [x for x in o if not math.isnan(x)], name
-    assert [r.reward for r in rollouts] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [r.reward for r in rollouts] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert (ours["advantages"] != 0).all()  # a comparison of advantages that could differ
