@@ -170,9 +170,14 @@ class Evaluation(TrainerCallback):
     def _evaluate(self, step: int) -> None:
         if self.evaluator is None:
             return
+        main = self.trainer.accelerator.is_main_process
+        if main:  # a multi-turn task's held-out episodes can take minutes on a CPU: say what the wait is
+            log.info("evaluating v%d greedily on the learner: %d held-out rows", step, len(self.evaluator.rows))
         t0 = time.perf_counter()
         with self.trainer.live_policy() as policy:
             result = {**self.evaluator(policy, step), EVAL_TIME_S: time.perf_counter() - t0}
+        if main:
+            log.info("v%d: held-out accuracy %.3f in %.1f s", step, result[EVAL_ACCURACY], result[EVAL_TIME_S])
         self.pending.update(result)
         self.results.append((step, result[EVAL_ACCURACY]))
 

@@ -146,3 +146,18 @@ def test_trls_names_are_mapped_in_the_docs():
     doc = (ROOT / "docs" / "logging.md").read_text()
     for ours, theirs in metrics.TRL_NAMES.items():
         assert re.search(rf"\| `{re.escape(theirs)}` \| `{re.escape(ours)}` \|", doc), (theirs, ours)
+
+
+def test_an_evaluation_on_the_learner_says_when_it_starts_and_what_it_found(tmp_path, caplog):
+    """A multi-turn task's held-out episodes took minutes on this CPU with nothing in the log but a progress bar at
+    0 %: each evaluation now says it starts, on how many rows, and what it measured in how long."""
+    import logging
+
+    cfg, trainer, source, step_log = build_run(tmp_path, ["rollout=sync", "run.steps=1", "run.eval_every_steps=1",
+                                                          "rollout.prompts_per_step=2", "task.eval_size=3"])
+    with caplog.at_level(logging.INFO, logger="echo2.learner.callbacks"):
+        trainer.train()
+    step_log.sink.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert "evaluating v0 greedily on the learner: 3 held-out rows" in said
+    assert any(re.fullmatch(r"v1: held-out accuracy \d\.\d{3} in \d+\.\d s", m) for m in said), said
