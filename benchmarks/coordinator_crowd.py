@@ -144,7 +144,7 @@ class NullBroadcaster:
             Path(self.version_file + ".tmp").write_text(str(version))
             os.replace(self.version_file + ".tmp", self.version_file)
 
-    def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None) -> None:
+    def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None, server_name: str | None = None) -> None:
         with self.cond:
             self.peers.add(peer_id)
             latest = self.latest

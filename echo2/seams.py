@@ -178,9 +178,9 @@ class Broadcaster(Protocol):
         background; a newer snapshot supersedes one not yet sent)."""
         ...
 
-    def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None) -> None:
-        """Called when a worker registers (its control URL and relay node address); a late joiner is sent the
-        latest snapshot."""
+    def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None, server_name: str | None = None) -> None:
+        """Called when a worker registers (its control URL and relay node address, and with TLS the name its
+        certificate must carry: its credential's); a late joiner is sent the latest snapshot."""
         ...
 
     def remove_peer(self, peer_id: str) -> None:

@@ -212,13 +212,15 @@ class RelayBroadcaster:
             self.last_prepare_s, self.last_delta_ratio = time.perf_counter() - t0, ratio
             self.cond.notify_all()
 
-    def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None) -> None:
+    def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None, server_name: str | None = None) -> None:
+        """``server_name``: what the peer's certificate must name before it is sent an order (with TLS): its
+        credential's name (net.tls.credential_peer_name) where the coordinator knows it; else the role, PEER_NAME."""
         if not relay_addr:
             log.warning("peer %s has no relay address; it will get no snapshots", peer_id)
             return
         host, _, port = relay_addr.rpartition(":")
         with self.cond:
-            client = Client(url, "", self.timeout_s, ca_file=self.trust and self.trust.ca_file, server_name=PEER_NAME)
+            client = Client(url, "", self.timeout_s, ca_file=self.trust and self.trust.ca_file, server_name=server_name or PEER_NAME)
             self.peers[peer_id] = Peer(client, url.rstrip("/"), (host, int(port)))  # its orders name it so
             self.server.slots.max_conns = max(MAX_CONNS, 2 * len(self.peers))  # one_to_many: all pull from here
             self.cond.notify_all()

@@ -66,7 +66,7 @@ from echo2.scoring import encode_prompt
 from echo2.coordinator.trust import Checks
 from echo2.records import RolloutGroup
 from echo2.net.http import BadRequest, JsonServer, Revoked, TooManyRequests, Unauthorized
-from echo2.net.tls import is_loopback
+from echo2.net.tls import credential_peer_name, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,8 @@ class Coordinator:
                 # registration (refused above) or wholly after it (this peer dropped, the relay re-keyed), never
                 # between, where the new peer would be handed the key that replaced the revoked one's
                 try:
-                    self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url, worker.relay)
+                    self.broadcaster.add_peer(worker.worker_id, worker.snapshot_url, worker.relay,
+                                              credential_peer_name(caller))
                 except Exception:
                     self._retire(worker.worker_id, "register_failed")
                     raise

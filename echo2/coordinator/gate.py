@@ -31,7 +31,7 @@ from echo2.broadcast.manifest import verify_key
 from echo2.coordinator import schemas
 from echo2.credential import credential_name
 from echo2.net.http import BadRequest, Revoked, Unauthorized
-from echo2.net.tls import PEER_NAME, RunCA, Trust
+from echo2.net.tls import PEER_NAME, RunCA, Trust, credential_peer_name
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +157,14 @@ class Gate:
             raise BadRequest("this coordinator does not use TLS")
         return {"ca": self.ca.ca_pem.decode()}
 
-    def _certificate(self, body, _headers) -> dict:
-        """A key and certificate for a worker's snapshot and relay servers, for the name every peer verifies."""
+    def _certificate(self, body, headers) -> dict:
+        """A key and certificate for a worker's snapshot and relay servers, for the name every peer verifies and its
+        caller's credential (which the learner checks before it sends that worker an order)."""
         schemas.parse(schemas.Empty, body)
         if self.ca is None:
             raise BadRequest("this coordinator does not use TLS")
-        cert, key = self.ca.issue([PEER_NAME])
+        who = self.caller(headers)
+        cert, key = self.ca.issue([PEER_NAME, credential_peer_name(None if who.secret else who.name)])
         return {"cert": cert.decode(), "key": key.decode()}
 
     def _manifest_key(self, body, _headers) -> dict:

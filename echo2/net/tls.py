@@ -3,7 +3,8 @@
 Off loopback every server of the run (coordinator, the learner's relay origin, each worker's snapshot and relay
 servers) speaks TLS with a certificate from the run's own CA, and every client verifies against that CA alone,
 pinned by its sha256 fingerprint given with the join command (as ``kubeadm join
---discovery-token-ca-cert-hash`` does). Certificates name a role (LEARNER_NAME, PEER_NAME), not an address. Plain
+--discovery-token-ca-cert-hash`` does). Certificates name a role (LEARNER_NAME, PEER_NAME), not an address, and a
+worker's names its credential too (``credential_peer_name``). Plain
 HTTP remains on loopback and by explicit opt-out.
 """
 
@@ -26,6 +27,15 @@ from echo2.net.http import Client, RemoteError
 
 LEARNER_NAME = "learner.echo2.invalid"  # the coordinator and the learner's relay origin (also a PEER)
 PEER_NAME = "peer.echo2.invalid"  # every relay source and snapshot receiver
+
+
+def credential_peer_name(credential: str | None) -> str:
+    """The second name a worker's certificate carries: its credential's (None: the run secret's, the learner's own
+    workers), hashed into a DNS label. The learner sends a worker's orders only to a server whose certificate names
+    that worker's credential, so a worker of another credential (a revoked one still holding an unexpired
+    certificate, say) that takes over its address gets neither the orders nor the relay key in them."""
+    who = "run-secret" if credential is None else f"worker:{credential}"
+    return f"{hashlib.sha256(who.encode()).hexdigest()[:32]}.credential.echo2.invalid"
 
 
 def is_loopback(host: str) -> bool:

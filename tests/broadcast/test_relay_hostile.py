@@ -336,7 +336,7 @@ def test_a_registration_read_after_its_credentials_revocation_gets_no_id_and_no_
     a, r = peers["a"], peers["r"]
     added: list[str] = []
     add_peer = bc.add_peer
-    bc.add_peer = lambda pid, url, relay=None: (added.append(url), add_peer(pid, url, relay))[1]
+    bc.add_peer = lambda pid, url, relay=None, name=None: (added.append(url), add_peer(pid, url, relay, name))[1]
     try:
         Client(coord.url, worker_credential(SECRET, "a")).post("/register", {
             "engine": "test", "snapshot_url": a.url, "relay": a.relay_addr})

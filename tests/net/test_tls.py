@@ -189,3 +189,46 @@ def test_a_run_with_tls_forced_on_over_loopback(tmp_path, worker_tmp):
     assert "applied snapshot" in logs
     assert logs.count("worker stopped") == 2, logs[-3000:]
     assert not list(worker_tmp.glob("echo2-tls-*")), list(worker_tmp.iterdir())
+
+
+def test_certificates_name_their_credential_and_orders_go_only_to_its_holder(tls_coord, ca, tmp_path):
+    """A worker's certificate (from /certificate) names its credential besides the peer role, and the learner sends
+    a worker's orders only to a server holding its credential's certificate. Before, any certificate of the run
+    passed: a revoked worker, whose certificate stays valid until it expires, that took over another worker's
+    address received that worker's orders and, in them, the current relay key."""
+    from cryptography import x509
+
+    from echo2.coordinator.broadcaster import RelayBroadcaster
+    from echo2.credential import worker_credential
+    from echo2.net.tls import credential_peer_name
+    from echo2.worker.peer import SnapshotReceiver
+
+    trust = join(tls_coord.url, worker_credential("secret", "alice"), ca.fingerprint, str(tmp_path / "alice"))
+    issued = Client(tls_coord.url, worker_credential("secret", "alice"), ca_file=trust.ca_file,
+                    server_name=LEARNER_NAME).post("/certificate", {})
+    names = x509.load_pem_x509_certificate(issued["cert"].encode()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert names == [PEER_NAME, credential_peer_name("alice")]
+    assert credential_peer_name("alice") not in (credential_peer_name("mallory"), credential_peer_name(None))
+
+    got: dict[str, int] = {}
+    receivers = {}
+    for name in ("alice", "mallory"):
+        t = Trust(ca.ca_pem, ca.ca_file, server_context(*ca.issue([PEER_NAME, credential_peer_name(name)])))
+        receivers[name] = SnapshotReceiver.of_run("t0k", lambda v, blob, _m, n=name: got.setdefault(n, v),
+                                                  trust=t).start()
+    bc = RelayBroadcaster("t0k", topology="star", chunk_mb=1)
+    bc.use_tls(ca.trust())
+    try:
+        bc.add_peer("w-alice", receivers["alice"].url, receivers["alice"].relay_addr, credential_peer_name("alice"))
+        # mallory's server at the address a worker of credential bob registered
+        bc.add_peer("w-bob", receivers["mallory"].url, receivers["mallory"].relay_addr, credential_peer_name("bob"))
+        bc.publish(1, os.urandom(1 << 20))
+        wait_until(lambda: "alice" in got, timeout_s=30)
+        slow_until(lambda: "mallory" in got, at_most_s=3)
+        assert got == {"alice": 1}
+        assert receivers["alice"].token == bc.token and receivers["mallory"].token is None  # no relay key for it
+    finally:
+        bc.close()
+        for r in receivers.values():
+            r.close()
