@@ -62,6 +62,7 @@ from echo2.broadcast.manifest import (FULL, BadSnapshot, key_id, request_mac, se
 from echo2.broadcast.relay_slots import PER_ADDRESS, Slots, ticket_of
 from echo2.broadcast.store import Snapshot, Store
 from echo2.broadcast.suspects import SUSPECT_S, Suspects  # noqa: F401  (SUSPECT_S: the broadcaster's too)
+from echo2.net.tls import PEER_NAME
 
 log = logging.getLogger(__name__)
 
@@ -370,6 +371,7 @@ class Fetcher:
         self.generation = 0  # bumped by each fetch: a running one that sees it change stops (Superseded)
         self.last_rtt_s: float | None = None  # TCP's smoothed RTT to the source of the last fetch (diagnostics)
         self.tickets: dict[tuple[str, int], str] = {}  # the running fetch's (its order's): each source is shown its own
+        self.names: dict[tuple[str, int], str] = {}  # what each source's certificate must name (the order's word)
 
     @property
     def last_failed(self) -> list[tuple[str, int]]:
@@ -385,13 +387,14 @@ class Fetcher:
         of its own, and ``sources`` serve only repairs. With ``deadline_s``, a source (but a list's last) whose rate
         would finish its range past that many seconds from now is left for the next. A fetch started meanwhile on
         this node supersedes this one (it raises Superseded, keeping what arrived, from which the newer one
-        resumes). ``tickets``: the order's ([host, port, ticket]: manifest.relay_tickets), each shown to its own
-        source."""
+        resumes). ``tickets``: the order's ([host, port, ticket, name]: manifest.relay_tickets and the name the
+        source's certificate must carry, with TLS), each ticket shown to its own source."""
         with self.gen_lock:
             self.generation += 1
             gen = self.generation
         with self.lock:
-            self.tickets = {(host, port): ticket for host, port, ticket in tickets}
+            self.tickets = {(host, port): ticket for host, port, ticket, *_ in tickets}
+            self.names = {(host, port): name[0] for host, port, _, *name in tickets if name}
             deadline = None if deadline_s is None else time.monotonic() + deadline_s
             snap = self._held(version, base, epoch, gen)
             if snap is not None and snap.complete:
@@ -507,7 +510,7 @@ class Fetcher:
             conn = socket.create_connection(key[0], timeout=self.connect_timeout_s)  # the TLS handshake too
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.trust is not None:
-                conn = self.trust.connect(conn)
+                conn = self.trust.connect(conn, self.names.get(tuple(key[0]), PEER_NAME))
             self.conns[key] = conn = self.link.fetch(conn) if self.link is not None else conn
         return conn
 
@@ -563,11 +566,12 @@ class Fetcher:
         return reply
 
     def read(self, src: tuple[str, int], version: int, base: int, start: int, end: int, epoch: str | None,
-             ticket: str | None = None) -> bytes:
+             ticket: str | None = None, server_name: str | None = None) -> bytes:
         """Bytes [start, end) of (version, base) from ``src`` alone, on a connection of their own, dropped after
         (the learner's check of a relay a peer blames: blame.py)."""
         key = (src, -1)
         self.tickets = {tuple(src): ticket} if ticket else {}
+        self.names = {tuple(src): server_name} if server_name else {}
         try:
             conn, _ = self._request(key, version, base, start, end, epoch)
             return recv_exact(conn, end - start)

@@ -73,7 +73,7 @@ from echo2.metrics import (BROADCAST_BYTES, BROADCAST_DELTA_RATIO, BROADCAST_FAI
                            BROADCAST_ORIGIN_BYTES, BROADCAST_PREPARE_S, BROADCAST_REFUSED, BROADCAST_ROUNDS,
                            BROADCAST_STRIPES, BROADCAST_TIME_S)
 from echo2.net.http import Client, reachable_host
-from echo2.net.tls import PEER_NAME
+from echo2.net.tls import LEARNER_NAME, PEER_NAME
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class Peer:
     needs_full: bool = False  # its last delta failed (e.g. it no longer holds the base)
     busy: Order | None = None  # the order it is carrying out
     relay_failed_until: float = 0.0  # a peer it was a source for says its relay failed it: planned last until then
+    server_name: str = PEER_NAME  # what its certificates must name (its credential's): for its orders and its fetchers
 
 
 class RelayBroadcaster:
@@ -156,6 +157,7 @@ class RelayBroadcaster:
         self.origin = (advertise_host or reachable_host(self.server.addr[0]), self.server.addr[1])
         self.server.advertise(self.origin)  # what its tickets name (orders name the origin so)
         self.peers: dict[str, Peer] = {}
+        self.relay_names: dict[tuple[str, int], str] = {}  # a peer's relay address -> what its certificate must name
         self.latest: int | None = None
         self.full_manifest: dict | None = None  # of the latest version
         self.delta_base: int | None = None  # the latest version also exists as a delta against this version
@@ -220,15 +222,24 @@ class RelayBroadcaster:
             return
         host, _, port = relay_addr.rpartition(":")
         with self.cond:
-            client = Client(url, "", self.timeout_s, ca_file=self.trust and self.trust.ca_file, server_name=server_name or PEER_NAME)
-            self.peers[peer_id] = Peer(client, url.rstrip("/"), (host, int(port)))  # its orders name it so
+            name = server_name or PEER_NAME
+            client = Client(url, "", self.timeout_s, ca_file=self.trust and self.trust.ca_file, server_name=name)
+            self.peers[peer_id] = Peer(client, url.rstrip("/"), (host, int(port)), server_name=name)  # orders name it so
+            self.relay_names[(host, int(port))] = name
             self.server.slots.max_conns = max(MAX_CONNS, 2 * len(self.peers))  # one_to_many: all pull from here
             self.cond.notify_all()
         self._send_key(peer_id)  # the relay key now, before its first order (and a first RTT measurement)
 
+    def _server_name(self, source: tuple[str, int]) -> str:
+        """What the certificate of the relay at ``source`` must name: the learner's for the origin, else the
+        credential's of the peer registered there (PEER_NAME if none is, or it named none)."""
+        return LEARNER_NAME if source == self.origin else self.relay_names.get(source, PEER_NAME)
+
     def remove_peer(self, peer_id: str) -> None:
         with self.cond:
             peer = self.peers.pop(peer_id, None)
+            if peer is not None and not any(p.relay == peer.relay for p in self.peers.values()):
+                self.relay_names.pop(peer.relay, None)
             self.cond.notify_all()
         if peer:
             peer.client.close()
@@ -323,7 +334,8 @@ class RelayBroadcaster:
             body = {"epoch": self.epoch, "key": self.token, "version": version, "base": base,
                     "sources": [list(a) for a in sources], "deadline_s": deadline_s, "challenge": challenge,
                     # each source gives it a lasting connection slot for this version (broadcast/relay_slots.py)
-                    "tickets": relay_tickets(self.signer, pid, version, base, len(lanes), every_source)}
+                    "tickets": [[*t, self._server_name(tuple(t[:2]))]
+                                for t in relay_tickets(self.signer, pid, version, base, len(lanes), every_source)]}
             if stripes is not None:
                 body["stripes"] = stripes
             if base != FULL:
@@ -391,7 +403,8 @@ class RelayBroadcaster:
             return
         fetcher = Fetcher(Store(), self.token, trust=self.trust, manifest_key=self.public_key)
         ticket = relay_ticket(self.signer, "origin", version, base, 1, claim.source)
-        read = lambda lo, hi: fetcher.read(claim.source, version, base, lo, hi, self.epoch, ticket)  # noqa: E731
+        name = self._server_name(claim.source)
+        read = lambda lo, hi: fetcher.read(claim.source, version, base, lo, hi, self.epoch, ticket, name)  # noqa: E731
         try:
             borne_out = blame.borne_out(claim, read, own.buf, own.chunk_bytes)
         finally:

@@ -46,6 +46,9 @@ MAX_STRIPES = 16
 MAX_TICKETS = MAX_SOURCES * (MAX_STRIPES + 1)
 """Tickets one order may carry: one for each source it names, in its sources and in its stripes."""
 
+MAX_NAME_CHARS = 253
+"""The longest name a source's certificate may be asked to carry (a DNS name's limit)."""
+
 
 class SnapshotReceiver:
     def __init__(self, token: str | None, on_snapshot: Callable[[int, Any, dict], None], host: str = "127.0.0.1",
@@ -224,13 +227,15 @@ def _addresses(sources) -> bool:
 
 
 def _tickets(tickets) -> list:
-    """An order's tickets, [host, port, ticket] for each source it names (a ticket is checked by its source)."""
+    """An order's tickets, [host, port, ticket, name] for each source it names: the ticket (checked by its source)
+    and the name the source's certificate must carry (its credential's, the learner's for the origin)."""
     ok = isinstance(tickets, list) and len(tickets) <= MAX_TICKETS and all(
-        isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) and type(t[1]) is int and isinstance(t[2], str)
-        and len(t[2]) <= MAX_TICKET_CHARS for t in tickets)
+        isinstance(t, list) and len(t) == 4 and isinstance(t[0], str) and type(t[1]) is int and isinstance(t[2], str)
+        and len(t[2]) <= MAX_TICKET_CHARS and isinstance(t[3], str) and 0 < len(t[3]) <= MAX_NAME_CHARS
+        for t in tickets)
     if not ok:
-        raise BadRequest(f"'tickets' must be a list of at most {MAX_TICKETS} [host, port, ticket], each ticket at "
-                         f"most {MAX_TICKET_CHARS} characters")
+        raise BadRequest(f"'tickets' must be a list of at most {MAX_TICKETS} [host, port, ticket, name], each ticket "
+                         f"at most {MAX_TICKET_CHARS} characters and each name {MAX_NAME_CHARS}")
     return tickets
 
 

@@ -280,9 +280,11 @@ def test_an_orders_tickets_are_bounded_before_use():
         body = {"epoch": None, "key": TOKEN, "version": 1, "base": FULL, "sources": [["127.0.0.1", 9]],
                 "deadline_s": 10.0, "challenge": "0" * 32}
         ticket = relay_ticket(SIGNER, "w1", 1, FULL, 1, ("127.0.0.1", 9))
-        for seq, tickets in enumerate([{"127.0.0.1:9": ticket}, [["127.0.0.1", 9]], [["127.0.0.1", "9", ticket]],
-                                       [["127.0.0.1", 9, "x" * 513]], [["127.0.0.1", 9, ticket]] * (MAX_TICKETS + 1)],
-                                      start=1):
+        name = "peer.echo2.invalid"
+        for seq, tickets in enumerate([{"127.0.0.1:9": ticket}, [["127.0.0.1", 9]], [["127.0.0.1", "9", ticket, name]],
+                                       [["127.0.0.1", 9, "x" * 513, name]], [["127.0.0.1", 9, ticket, ""]],
+                                       [["127.0.0.1", 9, ticket, "x" * 254]],
+                                       [["127.0.0.1", 9, ticket, name]] * (MAX_TICKETS + 1)], start=1):
             bad = {**body, "tickets": tickets}
             with pytest.raises(RemoteError, match="'tickets' must be") as e:
                 Client(r.url, order_credential(SIGNER, r.url, seq, bad)).post("/fetch", bad)

@@ -232,3 +232,38 @@ def test_certificates_name_their_credential_and_orders_go_only_to_its_holder(tls
         bc.close()
         for r in receivers.values():
             r.close()
+
+
+def test_a_fetcher_takes_bytes_only_from_a_source_holding_the_certificate_its_order_names(ca):
+    """Each of an order's sources comes with the name its certificate must carry (its worker's credential's, the
+    learner's for the origin): a relay at a source's address holding another credential's certificate is not
+    read from, and the fetch goes on from the next source."""
+    from echo2.broadcast.manifest import FULL, make_manifest, relay_ticket, signing_key, verify_key
+    from echo2.broadcast.relay import Fetcher, RelayServer
+    from echo2.broadcast.store import Snapshot, Store
+    from echo2.net.tls import credential_peer_name
+
+    signer, token = signing_key("t0k"), "7e" * 32
+    blob = os.urandom(1 << 20)
+
+    def server(names):
+        store = Store()
+        store.put(Snapshot(make_manifest(signer, 1, blob, 256 << 10), blob))
+        return RelayServer(store, token, tls=server_context(*ca.issue(names))).start()
+
+    origin, mallory = server([LEARNER_NAME, PEER_NAME]), server([PEER_NAME, credential_peer_name("mallory")])
+    trust = Trust(ca.ca_pem, ca.ca_file, None)
+    try:
+        for expected, served_by in ((credential_peer_name("bob"), origin), (credential_peer_name("mallory"), mallory)):
+            fetcher = Fetcher(Store(), token, trust=trust, manifest_key=verify_key("t0k"), connect_timeout_s=5)
+            before = served_by.served_bytes
+            tickets = [[*mallory.addr, relay_ticket(signer, "w1", 1, FULL, 1, mallory.addr), expected],
+                       [*origin.addr, relay_ticket(signer, "w1", 1, FULL, 1, origin.addr), LEARNER_NAME]]
+            try:
+                snap = fetcher.fetch(1, [mallory.addr, origin.addr], tickets=tickets)
+            finally:
+                fetcher.close()
+            assert bytes(snap.buf) == blob and served_by.served_bytes - before == len(blob), expected
+    finally:
+        origin.close()
+        mallory.close()
