@@ -372,6 +372,7 @@ class Fetcher:
         self.last_rtt_s: float | None = None  # TCP's smoothed RTT to the source of the last fetch (diagnostics)
         self.tickets: dict[tuple[str, int], str] = {}  # the running fetch's (its order's): each source is shown its own
         self.names: dict[tuple[str, int], str] = {}  # what each source's certificate must name (the order's word)
+        self.conn_names: dict[tuple[tuple[str, int], int], str] = {}  # the name each open connection was checked for
 
     @property
     def last_failed(self) -> list[tuple[str, int]]:
@@ -505,16 +506,21 @@ class Fetcher:
     def _conn(self, key: tuple[tuple[str, int], int]) -> socket.socket:
         """The persistent connection to source ``key[0]`` for lane ``key[1]`` (two stripes from one source, as in a
         failover to the origin, each need their own stream)."""
+        name = self.names.get(tuple(key[0]), PEER_NAME)
+        if key in self.conns and self.conn_names.get(key) != name:  # checked for another worker's certificate
+            self._drop(key)
         conn = self.conns.get(key)
         if conn is None:
             conn = socket.create_connection(key[0], timeout=self.connect_timeout_s)  # the TLS handshake too
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.trust is not None:
-                conn = self.trust.connect(conn, self.names.get(tuple(key[0]), PEER_NAME))
+                conn = self.trust.connect(conn, name)
             self.conns[key] = conn = self.link.fetch(conn) if self.link is not None else conn
+            self.conn_names[key] = name
         return conn
 
     def _drop(self, key: tuple[tuple[str, int], int]) -> None:
+        self.conn_names.pop(key, None)
         conn = self.conns.pop(key, None)
         if conn is not None:
             conn.close()

@@ -130,6 +130,9 @@ class Peer:
     server_name: str = PEER_NAME  # what its certificates must name (its credential's): for its orders and its fetchers
 
 
+Source = tuple[tuple[str, int], str]  # a relay source's address and the name its certificate must carry
+
+
 class RelayBroadcaster:
     def __init__(self, secret: str, topology: str = "auto", fanout: int = topo.FANOUT, chunk_mb: float = 4.0,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, timeout_s: float = 600.0,
@@ -157,7 +160,6 @@ class RelayBroadcaster:
         self.origin = (advertise_host or reachable_host(self.server.addr[0]), self.server.addr[1])
         self.server.advertise(self.origin)  # what its tickets name (orders name the origin so)
         self.peers: dict[str, Peer] = {}
-        self.relay_names: dict[tuple[str, int], str] = {}  # a peer's relay address -> what its certificate must name
         self.latest: int | None = None
         self.full_manifest: dict | None = None  # of the latest version
         self.delta_base: int | None = None  # the latest version also exists as a delta against this version
@@ -225,21 +227,13 @@ class RelayBroadcaster:
             name = server_name or PEER_NAME
             client = Client(url, "", self.timeout_s, ca_file=self.trust and self.trust.ca_file, server_name=name)
             self.peers[peer_id] = Peer(client, url.rstrip("/"), (host, int(port)), server_name=name)  # orders name it so
-            self.relay_names[(host, int(port))] = name
             self.server.slots.max_conns = max(MAX_CONNS, 2 * len(self.peers))  # one_to_many: all pull from here
             self.cond.notify_all()
         self._send_key(peer_id)  # the relay key now, before its first order (and a first RTT measurement)
 
-    def _server_name(self, source: tuple[str, int]) -> str:
-        """What the certificate of the relay at ``source`` must name: the learner's for the origin, else the
-        credential's of the peer registered there (PEER_NAME if none is, or it named none)."""
-        return LEARNER_NAME if source == self.origin else self.relay_names.get(source, PEER_NAME)
-
     def remove_peer(self, peer_id: str) -> None:
         with self.cond:
             peer = self.peers.pop(peer_id, None)
-            if peer is not None and not any(p.relay == peer.relay for p in self.peers.values()):
-                self.relay_names.pop(peer.relay, None)
             self.cond.notify_all()
         if peer:
             peer.client.close()
@@ -307,7 +301,7 @@ class RelayBroadcaster:
         except RuntimeError:  # closed meanwhile
             pass
 
-    def _order(self, pid: str, version: int, base: int, lanes: list[list[str]], holders: list[tuple[str, int]],
+    def _order(self, pid: str, version: int, base: int, lanes: list[list[str]], holders: list[Source],
                full: Snapshot, full_digest: str) -> tuple[Peer, dict, str, Order] | None:
         """The order for peer ``pid`` (None if it left), marking it busy with it. ``lanes``: its ancestors per
         stripe (one lane: not striped)."""
@@ -315,8 +309,18 @@ class RelayBroadcaster:
             peer = self.peers.get(pid)
             if peer is None:
                 return None
-            # a full snapshot can also come from peers that already hold it; a delta only along its own plan
-            extra = (holders[:2] if base == FULL else []) + [self.origin]
+            # a full snapshot can also come from peers that already hold it; a delta only along its own plan. Each
+            # source with the name its certificate must carry: its own worker's credential's, not whoever else
+            # registered the same address (its first naming here wins: the order's tickets are keyed by address)
+            named = (holders[:2] if base == FULL else []) + [(self.origin, LEARNER_NAME)]
+            names: dict[tuple[str, int], str] = {}
+            for ancestors in lanes:
+                for a in ancestors[:MAX_ANCESTORS]:
+                    if a in self.peers:
+                        names.setdefault(self.peers[a].relay, self.peers[a].server_name)
+            for addr, name in named:
+                names.setdefault(addr, name)
+            extra = [addr for addr, _ in named]
             per_lane = [[self.peers[a].relay for a in ancestors[:MAX_ANCESTORS] if a in self.peers] + extra
                         for ancestors in lanes]
             obj = self.store.get(version, base=base)
@@ -334,7 +338,7 @@ class RelayBroadcaster:
             body = {"epoch": self.epoch, "key": self.token, "version": version, "base": base,
                     "sources": [list(a) for a in sources], "deadline_s": deadline_s, "challenge": challenge,
                     # each source gives it a lasting connection slot for this version (broadcast/relay_slots.py)
-                    "tickets": [[*t, self._server_name(tuple(t[:2]))]
+                    "tickets": [[*t, names[tuple(t[:2])]]
                                 for t in relay_tickets(self.signer, pid, version, base, len(lanes), every_source)]}
             if stripes is not None:
                 body["stripes"] = stripes
@@ -401,10 +405,13 @@ class RelayBroadcaster:
         own = self.store.get(version, base=base)
         if own is None:  # collected since: nothing to compare with
             return
+        other = self.peers.get(other_id)
+        if other is None:  # it left meanwhile: nothing to check it against
+            return
         fetcher = Fetcher(Store(), self.token, trust=self.trust, manifest_key=self.public_key)
         ticket = relay_ticket(self.signer, "origin", version, base, 1, claim.source)
-        name = self._server_name(claim.source)
-        read = lambda lo, hi: fetcher.read(claim.source, version, base, lo, hi, self.epoch, ticket, name)  # noqa: E731
+        read = lambda lo, hi: fetcher.read(claim.source, version, base, lo, hi, self.epoch, ticket,  # noqa: E731
+                                           other.server_name)
         try:
             borne_out = blame.borne_out(claim, read, own.buf, own.chunk_bytes)
         finally:
@@ -457,7 +464,7 @@ class RelayBroadcaster:
                 if self.latest is None or not self._due():
                     continue
                 version, base, now = self.latest, self.delta_base, time.monotonic()
-                holders = [p.relay for p in self.peers.values()
+                holders = [(p.relay, p.server_name) for p in self.peers.values()
                            if p.delivered == version and p.relay_failed_until <= now]
                 groups: dict[int, list[topo.PeerLink]] = {}
                 for pid in self._due():
@@ -488,7 +495,7 @@ class RelayBroadcaster:
         return topo.plan_lanes(links, layout)
 
     def _round(self, version: int, plans: dict[int, dict[str, list[list[str]]]],
-               holders: list[tuple[str, int]]) -> None:
+               holders: list[Source]) -> None:
         """One version to every due peer: per object (full, or delta against a base) its own plan. Returns once
         every peer answered or is past its deadline."""
         full = self.store.get(version)

@@ -202,20 +202,6 @@ class Coordinator:
             worker.version = req.version  # a claim of weights it was never handed is not believed
         return worker
 
-    def _address_taken(self, caller: str | None, url: str | None, relay: str | None) -> str | None:
-        """The snapshot URL or relay address of this registration that a live worker of another credential holds
-        (None: neither). Taking one would route that worker's orders, or the certificate name its fetchers check,
-        to the newcomer: a worker of another credential could make an honest relay fail every fetcher's check."""
-        relay_at = relay and _relay_key(relay)
-        for w in self.reg.workers.values():
-            if w.name == caller:
-                continue
-            if url and w.snapshot_url == url:
-                return f"snapshot_url {url}"
-            if relay_at and w.relay and _relay_key(w.relay) == relay_at:
-                return f"relay {relay}"
-        return None
-
     def _register(self, body: dict, headers) -> dict:
         req = schemas.parse(schemas.Register, body)
         if self.requires is not None and (why := mismatch(self.requires, body)):
@@ -236,9 +222,6 @@ class Coordinator:
             if known is not None and len(known.ids) >= MAX_IDS_PER_CREDENTIAL:
                 raise BadRequest(f"the credential {caller!r} already has {len(known.ids)} live workers "
                                  f"(at most {MAX_IDS_PER_CREDENTIAL}): leave with one first")
-            if (taken := self._address_taken(caller, url, relay)) is not None:
-                raise BadRequest(f"{taken} is where a live worker of another credential serves: each worker "
-                                 "advertises its own")
             if caller is not None and not self.registrations.allow(caller, time.monotonic()):
                 raise TooManyRequests(f"the credential {caller!r} registers too often (bounds.REGISTER_BURST at "
                                       f"once, then one every {bounds.REGISTER_EVERY_S:.0f} s): again in "
@@ -693,9 +676,3 @@ class Coordinator:
 
 def _nonzero(counter: Counter) -> dict[str, int]:
     return {k: v for k, v in counter.items() if v}
-
-
-def _relay_key(relay: str) -> tuple[str, int]:
-    """A relay address as the broadcaster keys it: (host, port)."""
-    host, _, port = relay.rpartition(":")
-    return host, int(port)

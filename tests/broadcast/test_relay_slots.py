@@ -282,7 +282,7 @@ def test_an_orders_tickets_are_bounded_before_use():
         ticket = relay_ticket(SIGNER, "w1", 1, FULL, 1, ("127.0.0.1", 9))
         name = "peer.echo2.invalid"
         for seq, tickets in enumerate([{"127.0.0.1:9": ticket}, [["127.0.0.1", 9]], [["127.0.0.1", "9", ticket, name]],
-                                       [["127.0.0.1", 9, "x" * 513, name]], [["127.0.0.1", 9, ticket, ""]],
+                                       [["127.0.0.1", 9, "x" * 513, name]], [["127.0.0.1", 9, ticket, ""]], [["127.0.0.1", 9, ticket, 5]],
                                        [["127.0.0.1", 9, ticket, "x" * 254]],
                                        [["127.0.0.1", 9, ticket, name]] * (MAX_TICKETS + 1)], start=1):
             bad = {**body, "tickets": tickets}

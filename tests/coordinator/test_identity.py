@@ -155,29 +155,6 @@ def test_a_worker_credential_sees_only_its_own_workers(tiny_model_dir):
         coord.close()
 
 
-def test_a_worker_cannot_advertise_where_another_credentials_worker_serves(tiny_model_dir):
-    """Each relay address and snapshot URL belongs to one credential's live workers. Before, bob could register at
-    alice's relay address, and the learner would then expect bob's certificate from alice's relay: every fetcher
-    would fail its check there. Now that registration is refused; alice registering there again is not (an agent
-    restarting before its old id is reaped), and neither is bob once alice's worker has left."""
-    coord = small_coordinator(tiny_model_dir, group_size=G)
-    try:
-        a, b = Client(coord.url, worker_credential("secret", "a")), Client(coord.url, worker_credential("secret", "b"))
-        alice = {"snapshot_url": "http://127.0.0.1:7101", "relay": "127.0.0.1:7102"}
-        wa = a.post("/register", alice)["worker_id"]
-        for taken, other in (("relay 127.0.0.1:7102", {"relay": alice["relay"]}),
-                             ("snapshot_url http://127.0.0.1:7101", {"snapshot_url": alice["snapshot_url"]})):
-            with pytest.raises(RemoteError, match=f"{taken} is where a live worker of another credential") as e:
-                b.post("/register", {"snapshot_url": "http://127.0.0.1:7201", "relay": "127.0.0.1:7202", **other})
-            assert e.value.status == 400
-        wa2 = a.post("/register", alice)["worker_id"]
-        a.post("/leave", {"worker_id": wa})
-        a.post("/leave", {"worker_id": wa2})
-        assert b.post("/register", alice)["worker_id"]
-    finally:
-        coord.close()
-
-
 def test_register_and_leave_in_a_loop_is_slowed_and_forgotten(tiny_model_dir):
     """Each registration costs an id, a journal line and a place in the books: a credential gets REGISTER_BURST of
     them at once, then one every REGISTER_EVERY_S (429 meanwhile, nothing written); the ids it left are forgotten

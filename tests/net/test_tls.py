@@ -267,3 +267,38 @@ def test_a_fetcher_takes_bytes_only_from_a_source_holding_the_certificate_its_or
     finally:
         origin.close()
         mallory.close()
+
+
+def test_a_worker_registered_at_anothers_relay_address_does_not_change_what_its_fetchers_check():
+    """Each source in an order carries the name of the worker the plan took it from. Bob registering at alice's relay
+    address (any credential holder can, and cannot be refused without letting a squatter lock alice out) makes
+    orders that name bob's entry fail there, and nothing else: an order through alice still expects alice's
+    certificate at that address, whoever registered it since."""
+    from echo2.broadcast.manifest import FULL, manifest_digest
+    from echo2.coordinator.broadcaster import RelayBroadcaster
+    from echo2.net.tls import credential_peer_name
+    from echo2.worker.peer import SnapshotReceiver
+
+    bc = RelayBroadcaster("t0k", topology="chain", chunk_mb=1)
+    receivers = [SnapshotReceiver.of_run("t0k", lambda v, b, m: None).start() for _ in range(3)]
+    alice, bob = credential_peer_name("alice"), credential_peer_name("bob")
+    try:
+        at = receivers[0].relay_addr
+        bc.add_peer("w-alice", receivers[0].url, at, alice)
+        bc.add_peer("w-bob", receivers[1].url, at, bob)  # bob's own control server, alice's relay address
+        bc.add_peer("w-carol", receivers[2].url, receivers[2].relay_addr, credential_peer_name("carol"))
+        bc.publish(1, os.urandom(1 << 20))
+        wait_until(lambda: bc.store.get(1) is not None and bc.store.get(1).complete, timeout_s=10)
+        full = bc.store.get(1)
+        host, _, port = at.rpartition(":")
+        for lanes, holders, expected in (([["w-alice"]], [((host, int(port)), bob)], alice),
+                                         ([["w-bob"]], [((host, int(port)), alice)], bob)):
+            _, body, _, _ = bc._order("w-carol", 1, FULL, lanes, holders, full, manifest_digest(full.manifest))
+            bc.peers["w-carol"].busy = None
+            names = {(h, p): n for h, p, _, n in body["tickets"]}
+            assert names[(host, int(port))] == expected
+            assert names[bc.origin] == LEARNER_NAME
+    finally:
+        bc.close()
+        for r in receivers:
+            r.close()
