@@ -139,7 +139,7 @@ class RelayServer:
         """``token``: the relay key (None: none yet, every request waits for one). ``tls``: an ``ssl.SSLContext``
         to serve with (None: plain TCP). ``link``: the lab's emulated link. ``ticket_key``: the learner's public key,
         which tickets are checked against (None: none is, and no connection earns a lasting slot). The rest: the
-        module's constants and relay_slots.py's. Tickets are for this server's ``address`` (the bound one until its
+        module's constants and relay_slots.py's. Tickets are for this server's address (the bound one until its
         owner says how the learner's orders name it: ``advertise``)."""
         self.store, self.link, self.tls = store, link, tls
         self.token, self.past_keys = token, set()  # ids of the keys this node held before ``token``
@@ -167,7 +167,7 @@ class RelayServer:
     def advertise(self, address: tuple[str, int]) -> None:
         """How the learner's orders name this server (its advertised host and port): the only tickets it takes are
         the ones made for that address (manifest.relay_ticket)."""
-        self.address, self.own_tag = address, source_tag(address)
+        self.own_tag = source_tag(address)
 
     def use_key(self, token: str) -> None:
         """Serve under relay key ``token`` from now on; requests under the previous one are refused."""
