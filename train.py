@@ -58,7 +58,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
                                     micro_batch_advice, peft_config, resolve_precision)
     from echo2.learner import callbacks, trl_fields
     from echo2.learner.samples import CompletionsTable
-    from echo2.learner.trainer import Echo2GRPOTrainer
+    from echo2.learner.trainer import Echo2GRPOTrainer, parameter_counts
     from echo2.metrics import MetricsSink
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
     from echo2.learner.evaluate import Evaluator
@@ -107,7 +107,7 @@ def build(cfg: DictConfig, run_dir: str, rank: int, world_size: int, resume: str
     log.info("learner %s on %d process(es): %s, %s, weights %s%s%s", type(trainer).__name__, world_size,
              trainer.backend(), trainer.accelerator.device, next(trainer.model.parameters()).dtype,
              ", bf16 compute with fp32 master weights" if trainer.args.bf16 else "", trainer.describe_adapter())
-    trained = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters() if p.requires_grad)
+    trained, _ = parameter_counts(trainer.model)
     free = free_memory_gib(trainer.accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if rank == 0 and (advice := micro_batch_advice(cfg, world_size, trainer.model.config, free,
                                                    longest_prompt(task, tokenizer, train_set), trained)):

@@ -93,6 +93,17 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trained, total) parameters of the whole model. Under ZeRO-3 each process holds a shard and a parameter's own
+    ``numel`` is its placeholder's (0); DeepSpeed keeps the full count in ``ds_numel``."""
+    trained = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        trained += n if p.requires_grad else 0
+    return trained, total
+
 class Echo2GRPOTrainer(GRPOTrainer):
     def __init__(self, *args, rollout_source: RolloutSource, staleness: int = 0, correction: str = "none",
                  is_bounds: tuple[float, float] = (0.5, 2.0), icepop_bounds: tuple[float, float] = (0.5, 5.0),
@@ -152,8 +163,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
         spec = self.adapter()
         if spec is None:
             return ""
-        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in self.model.parameters())
+        trained, total = parameter_counts(self.model)
         return (f", LoRA rank {spec.rank} alpha {spec.alpha:g} on {', '.join(spec.target_modules)}: {trained:,} of "
                 f"{total:,} parameters trained, only the adapter is published")
 

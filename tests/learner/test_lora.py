@@ -124,3 +124,18 @@ def test_the_learning_rate_warning_knows_loras_range():
     assert "10x" in learning_rate_warning(compose([*real, "learner.lora.rank=8", "learner.learning_rate=1e-6"]))
     assert "LoRA" in learning_rate_warning(compose([*real, "learner.lora.rank=8", "learner.learning_rate=3e-3"]))
     assert learning_rate_warning(compose(["learner.lora.rank=8"])) is None  # the tiny model: its own rates
+
+
+def test_parameter_counts_read_zero3s_full_sizes_not_the_shards_placeholders():
+    """Under ZeRO-3 a parameter's own numel is its placeholder's (0); the start-up line and the memory advice count
+    the model's real size (``ds_numel``), as tests/scripts/zero3_snapshot.py checks on a partitioned model."""
+    from echo2.learner.trainer import parameter_counts
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    assert parameter_counts(model) == (23, 23)
+    model[0].requires_grad_(False)
+    assert parameter_counts(model) == (8, 23)
+    for p in model.parameters():  # what DeepSpeed leaves on a process after partitioning
+        p.ds_numel = p.numel()
+        p.data = torch.empty(0)
+    assert parameter_counts(model) == (8, 23)

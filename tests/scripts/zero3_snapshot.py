@@ -19,6 +19,7 @@ def main(model_path: str, out_dir: str, lora: bool = False) -> None:
     from transformers import AutoModelForCausalLM
 
     from echo2.broadcast.adapter import AdapterSpec
+    from echo2.learner.trainer import parameter_counts
     from echo2.learner.weights import PolicyWeights
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -33,6 +34,7 @@ def main(model_path: str, out_dir: str, lora: bool = False) -> None:
         adapter = AdapterSpec.of_peft(model.peft_config["default"])
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    counts = parameter_counts(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     torch.manual_seed(rank)
@@ -43,6 +45,7 @@ def main(model_path: str, out_dir: str, lora: bool = False) -> None:
 
     module = engine.module
     assert all(p.ds_tensor.numel() < p.ds_numel for p in module.parameters() if p.ds_numel > 1), "not partitioned"
+    assert parameter_counts(module) == counts, (parameter_counts(module), counts)
     weights = PolicyWeights(module, torch.float32, rank=rank, adapter=adapter)
     assert weights.sharded and not weights.local
     probe = weights.probe_logprobs([1, 2, 3, 4])  # a collective forward, on every rank
