@@ -34,7 +34,8 @@ a connection must complete its TLS handshake and a valid request within ``reques
 too, once its first byte is in); only one whose request showed the learner's ticket for this source and a version
 held here (``Fetcher.fetch(tickets=)``, from the order) may then idle ``idle_timeout_s`` until the next and is never
 evicted for a newcomer, others are evicted oldest first when the server is full; a connection answered with an error is
-dropped; a child that stops reading for ``stall_timeout_s`` is dropped. The fetcher gives a source ``connect_timeout_s`` to accept and ``answer_timeout_s``
+dropped; a child that stops reading for ``stall_timeout_s`` is dropped, and so is every reader of a version the store
+has collected (however fast it reads: a slow reader would otherwise keep a whole snapshot in memory). The fetcher gives a source ``connect_timeout_s`` to accept and ``answer_timeout_s``
 to answer (its manifest, or a frame saying it still waits for it).
 
 Transport. Off loopback both ends speak TLS (echo2/net/http.py): the server presents a certificate from the run's
@@ -260,15 +261,24 @@ class RelayServer:
             send_frame(conn, {"error": f"v{v} [{start}, {end}) not held here"})
             raise ConnectionError("answered with an error")
         send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(token, req["mac"])})
-        pos, mv = start, memoryview(snap.buf)
-        while pos < end:
-            filled = snap.wait_filled(pos, self.stall_timeout_s)  # in a striped fetch, the stripe's own bytes
-            if snap.failed or filled <= pos:
-                raise ConnectionError(f"v{v}: this node's own download stopped at {filled}")
-            hi = min(filled, end, pos + PIECE_BYTES)
-            self.served_bytes += hi - pos  # counted as handed to the socket (before, so a reader never lags)
-            conn.sendall(mv[pos:hi])
-            pos = hi
+        pos, mv, stop = start, memoryview(snap.buf), lambda: _shut(conn)
+        with snap.cond:
+            snap.readers.add(stop)
+        try:
+            while pos < end:
+                filled = snap.wait_filled(pos, self.stall_timeout_s)  # in a striped fetch, the stripe's own bytes
+                if snap.collected:  # a reader (slow or not) must not keep a version the store let go in memory
+                    raise ConnectionError(f"v{v} was collected while being served")
+                if snap.failed or filled <= pos:
+                    raise ConnectionError(f"v{v}: this node's own download stopped at {filled}")
+                hi = min(filled, end, pos + PIECE_BYTES)
+                self.served_bytes += hi - pos  # counted as handed to the socket (before, so a reader never lags)
+                conn.sendall(mv[pos:hi])
+                pos = hi
+        finally:
+            with snap.cond:
+                snap.readers.discard(stop)
+            mv.release()  # at once: a traceback kept by a logger would keep the buffer otherwise
 
     def _ticket(self, conn: socket.socket, req: dict, plain: socket.socket) -> None:
         """The request's ticket earns its connection a lasting slot; none leaves it evictable (relay_slots.py)."""

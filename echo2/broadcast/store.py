@@ -4,7 +4,8 @@
                                                span 0     span 1          against the signed manifest (bad: re-fetch)
     RelayServer ◄──wait_filled(pos)────────────┘  serves children from the same buffer as bytes land (cut-through)
 
-    Store: the newest ``keep`` versions (full snapshots and deltas), older ones collected unless pinned
+    Store: the newest ``keep`` versions (full snapshots and deltas), older ones collected unless pinned (and
+           their readers dropped, so that no reader keeps a collected buffer in memory)
 
 A complete snapshot (the learner's) is served from the caller's bytes; an arriving one lands in a memory file
 (snapshot.MemoryFile) that the worker's engine maps to apply it: no copy in between. An arriving snapshot fills
@@ -54,6 +55,10 @@ class Snapshot:
         self.bad: set[int] = set()
         self.complete = blob is not None
         self.failed = False
+        # the store let it go (older than the versions it keeps): its readers are dropped, so that a slow one cannot
+        # keep its buffer (a whole snapshot) in memory; ``readers``: a callable per reader that ends its connection
+        self.collected = False
+        self.readers: set = set()
         self.first_byte_at: float | None = None  # time.monotonic() of the first byte received (diagnostics)
         self.cond = threading.Condition()
 
@@ -90,7 +95,7 @@ class Snapshot:
     def wait_filled(self, pos: int, timeout_s: float) -> int:
         """``filled_to(pos)`` once it is past ``pos`` (or the timeout passes, or the fetch failed)."""
         with self.cond:
-            self.cond.wait_for(lambda: self.filled_to(pos) > pos or self.failed, timeout=timeout_s)
+            self.cond.wait_for(lambda: self.filled_to(pos) > pos or self.failed or self.collected, timeout=timeout_s)
             return self.filled_to(pos)
 
     def check_chunks(self) -> list[int]:
@@ -176,7 +181,13 @@ class Store:
     def _collect(self) -> None:
         keep = set(sorted({v for v, _ in self.snaps})[-self.keep:]) | self.pinned
         for key in [k for k in self.snaps if k[0] not in keep]:
-            del self.snaps[key]
+            snap = self.snaps.pop(key)
+            with snap.cond:
+                snap.collected = True
+                readers = list(snap.readers)
+                snap.cond.notify_all()
+            for stop in readers:  # one blocked sending to a slow reader is ended at once, not after its piece
+                stop()
         oldest = min((v for v, _ in self.snaps), default=None)  # marks of older versions are collected too
         self.expected = {k for k in self.expected if oldest is None or k[0] >= oldest}
         self.abandoned = {k for k in self.abandoned if oldest is None or k[0] >= oldest}

@@ -512,3 +512,41 @@ def test_silent_half_open_and_unread_connections_are_dropped_and_capped():
         for s in conns:
             s.close()
         server.close()
+
+
+def test_a_slow_reader_cannot_keep_a_collected_version_in_memory():
+    """A child that reads just fast enough never to stall (a piece every 0.2 s here; at the default 30 s stall
+    timeout, 9 KB/s would do) held the version it asked for as long as it liked: on a real model each version it
+    pins is a whole snapshot's memory (16 GB for Qwen3-8B in bf16), and each of an insider's ids may pin one. Once
+    the store collects the version (two newer ones are held), its readers are dropped and its buffer freed."""
+    import gc
+    import weakref
+
+    from echo2.broadcast.manifest import key_id, request_mac
+
+    blob = os.urandom(256 * CHUNK)  # 16 MiB: more than loopback's socket buffers, so the reader is served slowly
+    store = Store(keep=2)
+    first = store.put(Snapshot(make_manifest(SIGNER, 1, blob, CHUNK), blob))
+    server = RelayServer(store, TOKEN, stall_timeout_s=30.0).start()
+    reader = socket.create_connection(server.addr, timeout=5)
+    try:
+        send_frame(reader, {"version": 1, "base": -1, "start": 0, "end": -1, "key": key_id(TOKEN),
+                            "mac": request_mac(TOKEN, 1, -1, 0, -1)})
+        reader.settimeout(5)
+        got = reader.recv(65536)
+        assert got, "not served"
+        alive = weakref.ref(first)
+        del first
+        for v in (2, 3):  # v1 is collected: the store keeps the newest two
+            store.put(Snapshot(make_manifest(SIGNER, v, blob[:CHUNK], CHUNK), blob[:CHUNK]))
+        assert 1 not in store.versions()
+        dropped, deadline = False, time.monotonic() + 10
+        while not dropped and time.monotonic() < deadline:
+            reader.recv(4096)  # a trickle, ~20 KB/s: never a stall (what it reads was queued before the drop)
+            dropped = not server.conns
+            time.sleep(0.2)
+        assert dropped, "the slow reader of a collected version is still served"
+        assert holds_within(lambda: (gc.collect(), alive())[1] is None, 5), "the collected version's buffer is held"
+    finally:
+        reader.close()
+        server.close()
