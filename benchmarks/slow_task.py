@@ -4,6 +4,10 @@ echo2/tasks/gsm8k.py) and then scores 0. The copy task's own reward reads a lead
 can make slow, so without this the soak could not exercise a slow-but-valid pusher.
 
     python train.py task._target_=benchmarks.slow_task.SlowCopyTask ...   (with ECHO2_SLOW_REWARD_S=1.0)
+    python train.py experiment=smollm2_arith task._target_=benchmarks.slow_task.SlowChatTask +task.trap_token_id=2
+
+(SlowChatTask: the real model's arithmetic questions, for ``soak.py --hostile --model smollm2_135m``; its trap is
+that model's end-of-sequence token.)
 
 A group is slow when every one of its G completions is the end-of-sequence token twice (``trap_token_id``, the tiny
 model's ``<eos>``): no honest engine can make that, since generation ends at the first ``<eos>``. (``<unk><unk>`` did
@@ -21,7 +25,21 @@ import os
 import time
 from typing import Any
 
-from echo2.tasks.arith import ArithTask, leading_int
+from echo2.tasks.arith import ArithTask
+from echo2.tasks.arith_chat import ArithChatTask
+
+
+def slow_on_trap(reward, trap: list[int], slow_s: float):
+    """``reward``, except that a group whose every completion is ``trap`` costs ``slow_s`` a completion and scores 0."""
+
+    def correct(prompts, completions, completion_ids=None, **kwargs):
+        ids = completion_ids or []
+        if ids and all(list(c) == trap for c in ids):
+            time.sleep(slow_s * len(ids))  # one crafted completion after another, each to the limit
+            return [0.0] * len(ids)
+        return reward(prompts, completions, completion_ids=completion_ids, **kwargs)
+
+    return correct
 
 
 class SlowCopyTask(ArithTask):
@@ -32,13 +50,15 @@ class SlowCopyTask(ArithTask):
         self.trap = [trap_token_id] * 2
 
     def reward_funcs(self):
-        slow_s, trap = self.slow_s, self.trap
+        return [slow_on_trap(f, self.trap, self.slow_s) for f in super().reward_funcs()]
 
-        def correct(prompts, completions, completion_ids=None, answer=None, **_):
-            ids = completion_ids or []
-            if ids and all(list(c) == trap for c in ids):
-                time.sleep(slow_s * len(ids))  # one crafted completion after another, each to the limit
-                return [0.0] * len(ids)
-            return [float(leading_int(c) == int(a)) for c, a in zip(completions, answer, strict=True)]
 
-        return [correct]
+class SlowChatTask(ArithChatTask):
+    def __init__(self, trap_token_id: int, **kwargs: Any):
+        """``trap_token_id``: the model's end-of-sequence token (SmolLM2's ``<|im_end|>``)."""
+        super().__init__(**kwargs)
+        self.slow_s = float(os.environ.get("ECHO2_SLOW_REWARD_S", "1.0"))
+        self.trap = [trap_token_id] * 2
+
+    def reward_funcs(self):
+        return [slow_on_trap(f, self.trap, self.slow_s) for f in super().reward_funcs()]

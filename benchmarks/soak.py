@@ -26,18 +26,20 @@ No new faults come in the last --drain-s seconds, so that every fault has time t
     python benchmarks/soak.py --hostile --minutes 10 --calm-minutes 2 --engine vllm --workers 1 [--json]
 
 A real learner (train.py: tiny model, copy task, rollout=async with pool=static, TLS on over loopback, rollout
-checks every --check-every-steps steps) and --workers honest worker agents (`python -m echo2.worker`, each with its
-own credential, finding the learner through its run dir's coordinator.json). The hostile clients are started after
-the learner's first step and idle until told to attack; after a calm phase (--calm-minutes, from when they are all
-ready: the reference pace, same run), one client of each kind in benchmarks/hostile.py
-attacks at once until the end: absurd declarations, a hoarding credential with many ids, invalid results, version
-claims never delivered, fabricated completions, an outsider's floods and ~100 half-open connections (to the
-coordinator and to an honest worker's snapshot-control port), orders to a worker from a worker, and a relay that
-accepts connections and never answers; then the second round's: groups slow to score (the learner runs the copy
-task with a reward slow on one crafted answer, benchmarks/slow_task.py, --slow-reward-s a completion: math-verify's
-limit), two Authorization headers on every route, GET /ca with a 16 MiB or chunked body, connections trickling GET
-/ca, and register/leave in a loop. The outsiders (outsider, ca_bomb, ca_trickler) connect from 127.0.0.2-4: a host
-each, as the coordinator sees it (127.0.0.1, the learner host itself, is not capped per address).
+checks every --check-every-steps steps; with --model smollm2_135m, experiment=smollm2_arith's real model and
+arithmetic questions instead, whose steps take seconds: judge its pace over --window-s 120) and --workers honest
+worker agents (`python -m echo2.worker`, each with its own credential, finding the learner through its run dir's
+coordinator.json). The hostile clients are started after the learner's first step and idle until told to attack;
+after a calm phase (--calm-minutes, from when they are all ready: the reference pace, same run), one client of each
+kind in benchmarks/hostile.py attacks at once until the end: absurd declarations, a hoarding credential with many
+ids, invalid results, version claims never delivered, fabricated completions, an outsider's floods and ~100
+half-open connections (to the coordinator and to an honest worker's snapshot-control port), orders to a worker from
+a worker, and a relay that accepts connections and never answers; then the second round's: groups slow to score (the
+learner runs the copy task with a reward slow on one crafted answer, benchmarks/slow_task.py, --slow-reward-s a
+completion: math-verify's limit), two Authorization headers on every route, GET /ca with a 16 MiB or chunked body,
+connections trickling GET /ca, and register/leave in a loop. The outsiders (outsider, ca_bomb, ca_trickler) connect
+from 127.0.0.2-4: a host each, as the coordinator sees it (127.0.0.1, the learner host itself, is not capped per
+address).
 
 The rollout checks run with b = check_max_abs_log_ratio = 2 nats a token (the default). They score each worker's
 tokens under the version it claims: scored with the learner's current weights, on the tiny model (learning rate
@@ -46,18 +48,19 @@ then) retired its only honest worker as untrusted and stalled, and a later CI ru
 forger's tokens are ~10 nats off. Every honest worker is checked for it all the same (flagged, retired, struck: a
 failure).
 
-Reported (and with --json as JSON): whether the run finished (the learner stopped by SIGTERM, summary.json
-written); the learner's steps/s in --window-s windows of the hostile phase against the calm phase's (goal: every
-window >= --pace-goal, 0.8); the coordinator process's memory (RSS, sampled every second: goal, the hostile phase's
-peak within --memory-goal-mib, 64, of the calm phase's); per kind, what its client was told and what the coordinator did (its metrics, summary.json's
-rollout_accounting, coordinator.log); what was trained on, by credential (consumed.jsonl against the journal's
-received and distrusted groups: nothing of the forger after it was retired, nothing of any other hostile kind at
-all; the forger's groups consumed in the unchecked steps before its first checked batch are trained on, and
-counted); that no honest worker was flagged, retired, struck or benched; whether the books balance (dispatched =
-consumed + dropped + lost); the cores each role used per phase (everything shares this machine: on a real
-deployment the hostile clients' own CPU is not the learner host's); and any process left behind (the soak is the
-child subreaper of everything it starts, so orphans are found). ``--report-only RUN_DIR`` reports again on a
-finished run's directory.
+Reported (and with --json as JSON): whether the run finished (the learner stopped by SIGTERM, summary.json written);
+the learner's steps/s in --window-s windows of the hostile phase against the calm phase's (goal: every window >=
+--pace-goal, 0.8); the coordinator process's memory (sampled every second: goal, the hostile phase's peak of its own
+heap, RssAnon, within --memory-goal-mib, 64, of the calm phase's; the total, VmRSS, is reported too: it also holds
+the snapshots mapped from the learner, a whole snapshot on a real model); per kind, what its client was told and
+what the coordinator did (its metrics, summary.json's rollout_accounting, coordinator.log); what was trained on, by
+credential (consumed.jsonl against the journal's received and distrusted groups: nothing of the forger after it was
+retired, nothing of any other hostile kind at all; the forger's groups consumed in the unchecked steps before its
+first checked batch are trained on, and counted); that no honest worker was flagged, retired, struck or benched;
+whether the books balance (dispatched = consumed + dropped + lost); the cores each role used per phase (everything
+shares this machine: on a real deployment the hostile clients' own CPU is not the learner host's); and any process
+left behind (the soak is the child subreaper of everything it starts, so orphans are found). ``--report-only
+RUN_DIR`` reports again on a finished run's directory.
 """
 
 from __future__ import annotations
@@ -328,9 +331,9 @@ HOSTILE_KINDS = ("absurd", "hoarder", "invalid", "liar", "forger", "outsider", "
 OUTSIDERS = {"outsider": "127.0.0.2", "ca_bomb": "127.0.0.3", "ca_trickler": "127.0.0.4"}
 """The kinds with no credential, and the address each connects from: a host of its own, as the coordinator sees it
 (capped per address, unlike 127.0.0.1, the learner host itself)."""
-SLOW_REWARD = ("the learner runs benchmarks/slow_task.py (the copy task; a group whose every completion is <eos> twice, "
-               "which no honest engine makes, costs ECHO2_SLOW_REWARD_S a completion, then scores 0): the slow_reward "
-               "kind sends only those")
+SLOW_REWARD = ("the learner runs benchmarks/slow_task.py (the copy task, or the real model's arithmetic questions; a "
+               "group whose every completion is the end-of-sequence token twice, which no honest engine makes, costs "
+               "ECHO2_SLOW_REWARD_S a completion, then scores 0): the slow_reward kind sends only those")
 JOINED = re.compile(r"worker (w\d+) joined \(.*?(?:, credential '([^']+)')?\)$")
 
 
@@ -371,9 +374,11 @@ def kinds_of(args) -> tuple[str, ...]:
     return tuple(getattr(args, "kinds", None) or HOSTILE_KINDS)
 
 
-def coordinator_rss(learner_pid: int) -> int | None:
+def coordinator_rss(learner_pid: int) -> dict[str, int] | None:
     """Resident bytes of the learner's coordinator process (its multiprocessing child: spawn_main on its command
-    line), or None if it is not running now."""
+    line): ``rss`` in all (VmRSS) and ``anon``, its own heap (RssAnon: what clients can make it hold; the rest is
+    libraries and the snapshots it maps from the learner's memory files, paged in and out as they are served, which
+    on a real model swings the total by a snapshot's size from one sample to the next); None if it is not running."""
     from echo2.env import descendants
 
     for pid in sorted(descendants(learner_pid)):
@@ -383,7 +388,9 @@ def coordinator_rss(learner_pid: int) -> int | None:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
-        return next((int(line.split()[1]) << 10 for line in status.splitlines() if line.startswith("VmRSS:")), None)
+        fields = {line.split(":")[0]: int(line.split()[1]) << 10 for line in status.splitlines()
+                  if line.startswith(("VmRSS:", "RssAnon:"))}
+        return {"rss": fields.get("VmRSS"), "anon": fields.get("RssAnon")}
     return None
 
 
@@ -449,10 +456,18 @@ class HostileSoak:
         from echo2.learner.sources.pool import engine_core
 
         a = self.args
-        model = build_tiny()
+        if a.model == "tiny":
+            model = build_tiny()
+            task = ["task._target_=benchmarks.slow_task.SlowCopyTask"]  # the copy task, slow on one crafted answer
+        else:  # experiment=smollm2_arith's model and task, its arithmetic questions slow on one crafted answer
+            from echo2.models.packaged import from_gguf_wheel
+            from echo2.models.tokenizer import load_tokenizer
+
+            model = from_gguf_wheel()
+            task = ["experiment=smollm2_arith", "task._target_=benchmarks.slow_task.SlowChatTask",
+                    f"+task.trap_token_id={load_tokenizer(model).eos_token_id}"]
         self._start("learner", [
-            sys.executable, "train.py", "pool=static", "rollout.source.tls=on",
-            "task._target_=benchmarks.slow_task.SlowCopyTask",  # the copy task, slow on one crafted answer
+            sys.executable, "train.py", "pool=static", "rollout.source.tls=on", *task,
             f"rollout.source.check_every_steps={a.check_every_steps}",
             f"rollout.source.check_max_abs_log_ratio={a.check_max_abs_log_ratio}",
             f"rollout.source.heartbeat_timeout_s={a.heartbeat_s}",
@@ -501,16 +516,18 @@ class HostileSoak:
             self.client = Client(info["url"], self.secret, timeout_s=10, ca_file=str(self.out / "tls" / "ca.pem"),
                                  server_name=LEARNER_NAME)
         t0 = time.perf_counter()
-        rss = coordinator_rss(self.procs["learner"].pid)
+        memory = coordinator_rss(self.procs["learner"].pid) or {}
+        rss, anon = memory.get("rss"), memory.get("anon")
         try:
             st = self.client.session.get(self.client.base_url + "/status", timeout=10, verify=self.client.verify).json()
         except Exception as e:  # noqa: BLE001 (a sample that failed is a result)
-            self.samples.append({"t": time.time(), "phase": phase, "error": type(e).__name__, "rss": rss})
+            self.samples.append({"t": time.time(), "phase": phase, "error": type(e).__name__, "rss": rss,
+                                 "anon": anon})
             return
         self.samples.append({"t": time.time(), "phase": phase, "latency_s": time.perf_counter() - t0,
                              "held": st["held"], "benched": st["benched"], "by_worker": st["by_worker"],
                              "waited_s": st.get("waited_s", {}),
-                             "workers": len(st["workers"]), "rss": rss})
+                             "workers": len(st["workers"]), "rss": rss, "anon": anon})
 
     def run(self) -> dict:
         a = self.args
@@ -749,12 +766,20 @@ def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list
     latency = {ph: sorted(s["latency_s"] for s in samples if s["phase"] == ph and "latency_s" in s)
                for ph in ("calm", "hostile")}
     honest_waited = idle_share(samples, {w for w, n in names.items() if n.startswith("honest")})
-    peak = {ph: max((s["rss"] for s in samples if s["phase"] == ph and s.get("rss")), default=None)
-            for ph in ("calm", "hostile")}
+    def peaks(key: str) -> dict[str, int | None]:
+        return {ph: max((s[key] for s in samples if s["phase"] == ph and s.get(key)), default=None)
+                for ph in ("calm", "hostile")}
+
+    peak, anon = peaks("rss"), peaks("anon")
+    judged = anon if None not in anon.values() else peak  # a run sampled before RssAnon was: its VmRSS
     goal_mib = getattr(args, "memory_goal_mib", 64.0)
     memory = {"calm_peak_mib": peak["calm"] and peak["calm"] / 2**20,
               "hostile_peak_mib": peak["hostile"] and peak["hostile"] / 2**20,
-              "within_goal": None if None in peak.values() else peak["hostile"] - peak["calm"] <= goal_mib * 2**20}
+              "calm_anon_peak_mib": anon["calm"] and anon["calm"] / 2**20,
+              "hostile_anon_peak_mib": anon["hostile"] and anon["hostile"] / 2**20,
+              "judged": "anon" if judged is anon else "rss",
+              "within_goal": None if None in judged.values()
+              else judged["hostile"] - judged["calm"] <= goal_mib * 2**20}
     kinds = {k: {"client": clients[k], "coordinator": dict(story.get(k, {})), "trained": trained.get(k, {}),
                  "max_held": held.get(k, 0)} for k in HOSTILE_KINDS}
     verdicts = hostile_verdicts(kinds, metrics, acc, names, log, t_go, args)
@@ -916,7 +941,8 @@ def hostile_table(r: dict) -> str:
         lines.append(f"| {w['from_s']:.0f} | {w['steps']} | {w['steps_per_s']:.2f} | {w['ratio']:.2f} |")
     lines += ["", f"slowest window / calm: {p['min_ratio'] if p['min_ratio'] is None else round(p['min_ratio'], 2)} "
               f"(goal >= {r.get('pace_goal', 0.5)}: {r['pace_goal_met']})",
-              f"coordinator memory (RSS peak, MiB): {r.get('coordinator_memory')}", "",
+              f"coordinator memory (peaks, MiB; the goal is judged on its own heap, RssAnon): "
+              f"{r.get('coordinator_memory')}", "",
               "| kind | what the coordinator did | trained on | verdict |", "|---|---|---|---|"]
     for k, d in r["kinds"].items():
         did = "; ".join(f"{what} x{n}" for what, n in sorted(d["coordinator"].items())) or "-"
@@ -952,6 +978,10 @@ def main() -> None:
     h.add_argument("--hostile", action="store_true", help="hostile clients instead of faults (see above)")
     h.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="the honest workers' engine")
     h.add_argument("--window-s", type=float, default=30.0, help="the hostile phase's pace is judged per window")
+    h.add_argument("--model", choices=("tiny", "smollm2_135m"), default="tiny",
+                   help="tiny: the copy task on the tiny model (a step is ~0.2 s, so the round trips an attack slows "
+                        "are most of it); smollm2_135m: experiment=smollm2_arith's real model and arithmetic "
+                        "questions (a step of seconds, as a researcher's run has; use --window-s 120)")
     h.add_argument("--check-every-steps", type=int, default=5, help="rollout.source.check_every_steps")
     h.add_argument("--check-max-abs-log-ratio", type=float, default=2.0,
                    help="rollout.source.check_max_abs_log_ratio, b (nats a token)")
@@ -969,7 +999,7 @@ def main() -> None:
                    help="run only these hostile kinds (default: every one)")
     h.add_argument("--pace-goal", type=float, default=0.8, help="every hostile window's pace / calm must reach this")
     h.add_argument("--memory-goal-mib", type=float, default=64.0,
-                   help="the coordinator's hostile-phase RSS peak may exceed its calm peak by at most this")
+                   help="the coordinator's hostile-phase heap (RssAnon) peak may exceed its calm peak by at most this")
     h.add_argument("--start-timeout-s", type=float, default=600.0, help="give up if no learner step by then")
     h.add_argument("--override", action="append", default=[], help="one more train.py override (repeatable)")
     h.add_argument("--report-only", metavar="RUN_DIR", default=None,
