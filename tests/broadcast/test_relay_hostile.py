@@ -514,7 +514,8 @@ def test_silent_half_open_and_unread_connections_are_dropped_and_capped():
         server.close()
 
 
-def test_a_slow_reader_cannot_keep_a_collected_version_in_memory():
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_a_slow_reader_cannot_keep_a_collected_version_in_memory(tmp_path, tls):
     """A child that reads just fast enough never to stall (a piece every 0.2 s here; at the default 30 s stall
     timeout, 9 KB/s would do) held the version it asked for as long as it liked: on a real model each version it
     pins is a whole snapshot's memory (16 GB for Qwen3-8B in bf16), and each of an insider's ids may pin one. Once
@@ -527,8 +528,17 @@ def test_a_slow_reader_cannot_keep_a_collected_version_in_memory():
     blob = os.urandom(256 * CHUNK)  # 16 MiB: more than loopback's socket buffers, so the reader is served slowly
     store = Store(keep=2)
     first = store.put(Snapshot(make_manifest(SIGNER, 1, blob, CHUNK), blob))
-    server = RelayServer(store, TOKEN, stall_timeout_s=30.0).start()
+    trust = None
+    if tls:
+        from echo2.net.tls import RunCA
+
+        trust = RunCA(str(tmp_path / "tls")).trust()
+    server = RelayServer(store, TOKEN, stall_timeout_s=30.0, tls=trust and trust.server).start()
     reader = socket.create_connection(server.addr, timeout=5)
+    if tls:
+        from echo2.net.tls import LEARNER_NAME
+
+        reader = trust.connect(reader, LEARNER_NAME)  # the learner's origin, as a worker reaches it
     try:
         send_frame(reader, {"version": 1, "base": -1, "start": 0, "end": -1, "key": key_id(TOKEN),
                             "mac": request_mac(TOKEN, 1, -1, 0, -1)})
