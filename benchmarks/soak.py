@@ -27,7 +27,7 @@ No new faults come in the last --drain-s seconds, so that every fault has time t
 
 A real learner (train.py: tiny model, copy task, rollout=async with pool=static, TLS on over loopback, rollout
 checks every --check-every-steps steps; with --model smollm2_135m, experiment=smollm2_arith's real model and
-arithmetic questions instead, whose steps take seconds: judge its pace over --window-s 120) and --workers honest
+arithmetic questions instead, whose steps take seconds: its pace is judged over 120 s windows) and --workers honest
 worker agents (`python -m echo2.worker`, each with its own credential, finding the learner through its run dir's
 coordinator.json). The hostile clients are started after the learner's first step and idle until told to attack;
 after a calm phase (--calm-minutes, from when they are all ready: the reference pace, same run), one client of each
@@ -389,8 +389,8 @@ def coordinator_rss(learner_pid: int) -> dict[str, int] | None:
         except OSError:
             continue
         fields = {line.split(":")[0]: int(line.split()[1]) << 10 for line in status.splitlines()
-                  if line.startswith(("VmRSS:", "RssAnon:"))}
-        return {"rss": fields.get("VmRSS"), "anon": fields.get("RssAnon")}
+                  if line.startswith(("VmRSS:", "RssAnon:", "RssShmem:"))}
+        return {"rss": fields.get("VmRSS"), "anon": fields.get("RssAnon"), "shmem": fields.get("RssShmem")}
     return None
 
 
@@ -517,17 +517,18 @@ class HostileSoak:
                                  server_name=LEARNER_NAME)
         t0 = time.perf_counter()
         memory = coordinator_rss(self.procs["learner"].pid) or {}
-        rss, anon = memory.get("rss"), memory.get("anon")
+        rss, anon, shmem = memory.get("rss"), memory.get("anon"), memory.get("shmem")
         try:
             st = self.client.session.get(self.client.base_url + "/status", timeout=10, verify=self.client.verify).json()
         except Exception as e:  # noqa: BLE001 (a sample that failed is a result)
             self.samples.append({"t": time.time(), "phase": phase, "error": type(e).__name__, "rss": rss,
-                                 "anon": anon})
+                                 "anon": anon, "shmem": shmem})
             return
         self.samples.append({"t": time.time(), "phase": phase, "latency_s": time.perf_counter() - t0,
                              "held": st["held"], "benched": st["benched"], "by_worker": st["by_worker"],
                              "waited_s": st.get("waited_s", {}),
-                             "workers": len(st["workers"]), "rss": rss, "anon": anon})
+                             "workers": len(st["workers"]), "rss": rss, "anon": anon,
+                             "shmem": shmem})
 
     def run(self) -> dict:
         a = self.args
@@ -770,13 +771,17 @@ def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list
         return {ph: max((s[key] for s in samples if s["phase"] == ph and s.get(key)), default=None)
                 for ph in ("calm", "hostile")}
 
-    peak, anon = peaks("rss"), peaks("anon")
+    peak, anon, shmem = peaks("rss"), peaks("anon"), peaks("shmem")
     judged = anon if None not in anon.values() else peak  # a run sampled before RssAnon was: its VmRSS
     goal_mib = getattr(args, "memory_goal_mib", 64.0)
     memory = {"calm_peak_mib": peak["calm"] and peak["calm"] / 2**20,
               "hostile_peak_mib": peak["hostile"] and peak["hostile"] / 2**20,
               "calm_anon_peak_mib": anon["calm"] and anon["calm"] / 2**20,
               "hostile_anon_peak_mib": anon["hostile"] and anon["hostile"] / 2**20,
+              # the snapshots mapped from the learner's memory files: bounded by the versions its relay keeps
+              # (broadcast/store.py, tested there), paged in as they are served
+              "calm_shmem_peak_mib": shmem["calm"] and shmem["calm"] / 2**20,
+              "hostile_shmem_peak_mib": shmem["hostile"] and shmem["hostile"] / 2**20,
               "judged": "anon" if judged is anon else "rss",
               "within_goal": None if None in judged.values()
               else judged["hostile"] - judged["calm"] <= goal_mib * 2**20}
@@ -977,11 +982,13 @@ def main() -> None:
     h = p.add_argument_group("--hostile")
     h.add_argument("--hostile", action="store_true", help="hostile clients instead of faults (see above)")
     h.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="the honest workers' engine")
-    h.add_argument("--window-s", type=float, default=30.0, help="the hostile phase's pace is judged per window")
+    h.add_argument("--window-s", type=float, default=None,
+                   help="the hostile phase's pace is judged per window (default: 30 s on the tiny model, 120 s on "
+                        "smollm2_135m, whose steps take seconds: a window should hold 15 steps or more)")
     h.add_argument("--model", choices=("tiny", "smollm2_135m"), default="tiny",
                    help="tiny: the copy task on the tiny model (a step is ~0.2 s, so the round trips an attack slows "
                         "are most of it); smollm2_135m: experiment=smollm2_arith's real model and arithmetic "
-                        "questions (a step of seconds, as a researcher's run has; use --window-s 120)")
+                        "questions (a step of seconds, as a researcher's run has; judged over 120 s windows)")
     h.add_argument("--check-every-steps", type=int, default=5, help="rollout.source.check_every_steps")
     h.add_argument("--check-max-abs-log-ratio", type=float, default=2.0,
                    help="rollout.source.check_max_abs_log_ratio, b (nats a token)")
@@ -1014,6 +1021,8 @@ def main() -> None:
         print(json.dumps(result, indent=2) if args.json else hostile_table(result))
         return
     args.minutes = args.minutes or (10.0 if args.hostile else 12.0)
+    if args.hostile and args.window_s is None:
+        args.window_s = 120.0 if args.model == "smollm2_135m" else 30.0
     args.workers = args.workers or (1 if args.hostile else 3)
     soak = HostileSoak(args) if args.hostile else Soak(args)
     try:

@@ -29,14 +29,17 @@ Keys. A request carries a MAC under the relay key (manifest.request_mac) and the
 neither pull nor pass for a source. The key is replaced while nodes run (``use_key``): a request under a key this
 node has yet to receive waits up to ``key_wait_s`` for it; one under a replaced key is refused at once.
 
-Hostile or broken connections. The server holds at most ``max_conns`` connections, given out by broadcast/relay_slots.py:
-a connection must complete its TLS handshake and a valid request within ``request_timeout_s`` (each request frame
-too, once its first byte is in); only one whose request showed the learner's ticket for this source and a version
-held here (``Fetcher.fetch(tickets=)``, from the order) may then idle ``idle_timeout_s`` until the next and is never
-evicted for a newcomer, others are evicted oldest first when the server is full; a connection answered with an error is
-dropped; a child that stops reading for ``stall_timeout_s`` is dropped, and so is every reader of a version the store
-has collected (however fast it reads: a slow reader would otherwise keep a whole snapshot in memory). The fetcher gives a source ``connect_timeout_s`` to accept and ``answer_timeout_s``
-to answer (its manifest, or a frame saying it still waits for it).
+Hostile or broken connections. The server holds at most ``max_conns`` connections, given out by
+broadcast/relay_slots.py: a connection must complete its TLS handshake and a valid request within
+``request_timeout_s`` (each request frame too, once its first byte is in); only one whose request showed the
+learner's ticket for this source and a version held here (``Fetcher.fetch(tickets=)``, from the order) may then idle
+``idle_timeout_s`` until the next and is never evicted for a newcomer, others are evicted oldest first when the
+server is full; a connection answered with an error is dropped; a child that stops reading for ``stall_timeout_s``
+is dropped. A child still reading a version the store has collected is served on (a late one on a thin link finishes
+what it started), but only for the newest ``store.MAX_RETAINED`` such versions: past that the oldest one's readers
+are dropped, so that readers just fast enough never to stall cannot keep whole snapshots in memory. The fetcher
+gives a source ``connect_timeout_s`` to accept and ``answer_timeout_s`` to answer (its manifest, or a frame saying
+it still waits for it).
 
 Transport. Off loopback both ends speak TLS (echo2/net/http.py): the server presents a certificate from the run's
 CA, the fetcher verifies it against that CA alone (pinned when the worker joined). The handshake runs in the
@@ -261,14 +264,15 @@ class RelayServer:
             send_frame(conn, {"error": f"v{v} [{start}, {end}) not held here"})
             raise ConnectionError("answered with an error")
         send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(token, req["mac"])})
-        pos, mv, stop = start, memoryview(snap.buf), lambda: _shut(conn)
-        with snap.cond:
-            snap.readers.add(stop)
+        stop = lambda: _shut(conn)  # noqa: E731
+        if not self.store.reading(snap, stop):
+            raise ConnectionError(f"v{v} was let go before it was served")
+        pos, mv = start, memoryview(snap.buf)
         try:
             while pos < end:
                 filled = snap.wait_filled(pos, self.stall_timeout_s)  # in a striped fetch, the stripe's own bytes
-                if snap.collected:  # a reader (slow or not) must not keep a version the store let go in memory
-                    raise ConnectionError(f"v{v} was collected while being served")
+                if snap.collected:  # let go for good (store.MAX_RETAINED): no reader may keep it in memory
+                    raise ConnectionError(f"v{v} was let go while being served")
                 if snap.failed or filled <= pos:
                     raise ConnectionError(f"v{v}: this node's own download stopped at {filled}")
                 hi = min(filled, end, pos + PIECE_BYTES)
@@ -276,9 +280,8 @@ class RelayServer:
                 conn.sendall(mv[pos:hi])
                 pos = hi
         finally:
-            with snap.cond:
-                snap.readers.discard(stop)
             mv.release()  # at once: a traceback kept by a logger would keep the buffer otherwise
+            self.store.done_reading(snap, stop)
 
     def _ticket(self, conn: socket.socket, req: dict, plain: socket.socket) -> None:
         """The request's ticket earns its connection a lasting slot; none leaves it evictable (relay_slots.py)."""
@@ -348,9 +351,11 @@ class RelayServer:
 
 
 def _shut(sock: socket.socket) -> None:
-    """End a connection another thread may be blocked on (it then sees the end and cleans up)."""
+    """End a connection another thread may be blocked on (it then sees the end and cleans up). The socket's own
+    ``shutdown``, not TLS's: ``SSLSocket.shutdown`` first forgets its TLS state, and a thread sending at that moment
+    would fall back to plain ``sendall``, putting cleartext on the wire."""
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(getattr(sock, "_conn", sock), socket.SHUT_RDWR)  # _conn: under the lab's link
     except OSError:
         pass
 

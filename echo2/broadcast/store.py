@@ -4,8 +4,8 @@
                                                span 0     span 1          against the signed manifest (bad: re-fetch)
     RelayServer ◄──wait_filled(pos)────────────┘  serves children from the same buffer as bytes land (cut-through)
 
-    Store: the newest ``keep`` versions (full snapshots and deltas), older ones collected unless pinned (and
-           their readers dropped, so that no reader keeps a collected buffer in memory)
+    Store: the newest ``keep`` versions (full snapshots and deltas), older ones collected unless pinned (a
+           collected one is served on to the children already reading it, for at most MAX_RETAINED versions)
 
 A complete snapshot (the learner's) is served from the caller's bytes; an arriving one lands in a memory file
 (snapshot.MemoryFile) that the worker's engine maps to apply it: no copy in between. An arriving snapshot fills
@@ -55,8 +55,8 @@ class Snapshot:
         self.bad: set[int] = set()
         self.complete = blob is not None
         self.failed = False
-        # the store let it go (older than the versions it keeps): its readers are dropped, so that a slow one cannot
-        # keep its buffer (a whole snapshot) in memory; ``readers``: a callable per reader that ends its connection
+        # the store let it go for good (Store: collected and no longer read, or past MAX_RETAINED): no byte more is
+        # served; ``readers``: a callable per child being served it, that ends the child's connection
         self.collected = False
         self.readers: set = set()
         self.first_byte_at: float | None = None  # time.monotonic() of the first byte received (diagnostics)
@@ -93,7 +93,8 @@ class Snapshot:
         return end
 
     def wait_filled(self, pos: int, timeout_s: float) -> int:
-        """``filled_to(pos)`` once it is past ``pos`` (or the timeout passes, or the fetch failed)."""
+        """``filled_to(pos)`` once it is past ``pos`` (or the timeout passes, the fetch failed, or the store let the
+        snapshot go)."""
         with self.cond:
             self.cond.wait_for(lambda: self.filled_to(pos) > pos or self.failed or self.collected, timeout=timeout_s)
             return self.filled_to(pos)
@@ -126,13 +127,22 @@ class Snapshot:
         return hashlib.sha256(memoryview(self.buf)[lo:lo + self.chunk_bytes]).hexdigest() == self.manifest["chunks"][i]
 
 
+MAX_RETAINED = 2
+"""Versions a node keeps past collection while a child is still being served them, beyond which the oldest one's
+readers are dropped. A late child (slow link, a full snapshot) finishes the version it started, as an honest one
+on a thin link must; a reader just fast enough never to stall cannot keep more than this many whole snapshots in
+memory, whatever it opens (before, each connection could keep one)."""
+
+
 class Store:
     """The snapshots a node holds, by (version, base): the newest ``keep`` versions' objects (full or delta);
-    older ones are dropped (garbage-collected) unless pinned."""
+    older ones are collected unless pinned: no longer handed out, and freed once their last reader is done (at most
+    ``MAX_RETAINED`` versions are kept for readers; past that the oldest one's readers are dropped)."""
 
     def __init__(self, keep: int = 2):
         self.keep = keep
         self.snaps: dict[tuple[int, int], Snapshot] = {}
+        self.retained: dict[tuple[int, int], Snapshot] = {}  # collected, still being served (MAX_RETAINED)
         self.pinned: set[int] = set()  # versions still being broadcast: never collected
         self.expected: set[tuple[int, int]] = set()  # (version, base) this node started fetching
         self.abandoned: set[tuple[int, int]] = set()  # (version, base) this node's fetch of failed: not coming
@@ -140,7 +150,10 @@ class Store:
 
     def put(self, snap: Snapshot) -> Snapshot:
         with self.cond:
+            replaced = self.snaps.get(snap.key)
             self.snaps[snap.key] = snap
+            if replaced is not None and replaced is not snap:  # a full snapshot rebuilt from a delta, say
+                self._let_go(replaced)
             self.abandoned.discard(snap.key)
             self._collect()
             self.cond.notify_all()
@@ -150,10 +163,31 @@ class Store:
         """Forget every snapshot (a worker re-joining a learner that may have resumed from a checkpoint: what it
         holds may be the dead run's versions, which must be neither served nor kept over the resumed ones)."""
         with self.cond:
+            for snap in [*self.snaps.values(), *self.retained.values()]:
+                _drop(snap)
             self.snaps.clear()
+            self.retained.clear()
             self.expected.clear()
             self.abandoned.clear()
             self.cond.notify_all()
+
+    def reading(self, snap: Snapshot, stop) -> bool:
+        """A child starts reading ``snap``: ``stop()`` ends its connection if the version must go. False if it
+        already has (the child is answered no further)."""
+        with self.cond, snap.cond:
+            if snap.collected:
+                return False
+            snap.readers.add(stop)
+            return True
+
+    def done_reading(self, snap: Snapshot, stop) -> None:
+        """The child's answer ended: a collected version with no reader left is freed."""
+        with self.cond:
+            with snap.cond:
+                snap.readers.discard(stop)
+                idle = not snap.readers
+            if idle and self.retained.get(snap.key) is snap:
+                _drop(self.retained.pop(snap.key))
 
     def expect(self, version: int, base: int = FULL) -> None:
         """This node starts fetching (version, base): a child asking for it here may wait for its first bytes."""
@@ -181,16 +215,24 @@ class Store:
     def _collect(self) -> None:
         keep = set(sorted({v for v, _ in self.snaps})[-self.keep:]) | self.pinned
         for key in [k for k in self.snaps if k[0] not in keep]:
-            snap = self.snaps.pop(key)
-            with snap.cond:
-                snap.collected = True
-                readers = list(snap.readers)
-                snap.cond.notify_all()
-            for stop in readers:  # one blocked sending to a slow reader is ended at once, not after its piece
-                stop()
+            self._let_go(self.snaps.pop(key))
         oldest = min((v for v, _ in self.snaps), default=None)  # marks of older versions are collected too
         self.expected = {k for k in self.expected if oldest is None or k[0] >= oldest}
         self.abandoned = {k for k in self.abandoned if oldest is None or k[0] >= oldest}
+
+    def _let_go(self, snap: Snapshot) -> None:
+        """``snap`` is no longer handed out: freed now, or kept for the children reading it (MAX_RETAINED). Holds
+        the lock."""
+        with snap.cond:
+            read = bool(snap.readers)
+        if not read:
+            _drop(snap)
+            return
+        self.retained[snap.key] = snap
+        while len({v for v, _ in self.retained}) > MAX_RETAINED:
+            oldest = min(v for v, _ in self.retained)
+            for key in [k for k in self.retained if k[0] == oldest]:
+                _drop(self.retained.pop(key))
 
     def get(self, version: int, wait_s: float = 0.0, base: int = FULL) -> Snapshot | None:
         """The buffer of ``version``, waiting up to ``wait_s`` for its manifest to arrive here (only for one that
@@ -218,3 +260,13 @@ class Store:
         with self.cond:
             done = [s for s in self.snaps.values() if s.complete and s.key[1] == FULL]
             return max(done, key=lambda s: s.version) if done else None
+
+
+def _drop(snap: Snapshot) -> None:
+    """``snap`` is gone: its waiters wake, and each child still reading it is cut off at once (one blocked sending to
+    a slow child too, not after its piece), so that nothing keeps its buffer."""
+    with snap.cond:
+        snap.collected = True
+        for stop in snap.readers:  # under the lock: a reader discards its stop under it before closing its socket
+            stop()
+        snap.cond.notify_all()

@@ -93,7 +93,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
-
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(trained, total) parameters of the whole model. Under ZeRO-3 each process holds a shard and a parameter's own
     ``numel`` is its placeholder's (0); DeepSpeed keeps the full count in ``ds_numel``."""
@@ -103,6 +102,7 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
         total += n
         trained += n if p.requires_grad else 0
     return trained, total
+
 
 class Echo2GRPOTrainer(GRPOTrainer):
     def __init__(self, *args, rollout_source: RolloutSource, staleness: int = 0, correction: str = "none",

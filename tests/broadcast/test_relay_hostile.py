@@ -514,49 +514,110 @@ def test_silent_half_open_and_unread_connections_are_dropped_and_capped():
         server.close()
 
 
+def held(version: int, blob: bytes) -> Snapshot:
+    """A complete snapshot in a memory file of its own, as a node holds one it received (the test keeps no
+    reference to its buffer, so the buffer's life is the store's and its readers')."""
+    snap = Snapshot(make_manifest(SIGNER, version, blob, CHUNK))
+    snap.buf[:] = blob
+    snap.fill()
+    return snap
+
+
+def slow_reader(server: RelayServer, version: int, trust=None) -> tuple[socket.socket, int]:
+    """A child asking ``server`` for the whole of ``version``, having read its manifest and one piece (returned:
+    the socket and the bytes read of the snapshot): the server is then blocked sending it the rest (more than
+    loopback's socket buffers hold)."""
+    from echo2.broadcast.framing import recv_frame
+    from echo2.broadcast.manifest import key_id, request_mac
+    from echo2.net.tls import LEARNER_NAME
+
+    reader = socket.create_connection(server.addr, timeout=5)
+    if trust is not None:
+        reader = trust.connect(reader, LEARNER_NAME)  # the learner's origin, as a worker reaches it
+    send_frame(reader, {"version": version, "base": -1, "start": 0, "end": -1, "key": key_id(TOKEN),
+                        "mac": request_mac(TOKEN, version, -1, 0, -1)})
+    assert "manifest" in recv_frame(reader)
+    got = len(reader.recv(65536))
+    assert got
+    return reader, got
+
+
+def bytes_to_the_end(reader: socket.socket, size: int) -> int:
+    """What ``reader`` still gets, read fast, until it has the rest of ``size`` bytes, or the server closes (or
+    stops sending for 5 s)."""
+    n = 0
+    reader.settimeout(5)
+    try:
+        while n < size and (chunk := reader.recv(1 << 20)):
+            n += len(chunk)
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return n
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
-def test_a_slow_reader_cannot_keep_a_collected_version_in_memory(tmp_path, tls):
-    """A child that reads just fast enough never to stall (a piece every 0.2 s here; at the default 30 s stall
-    timeout, 9 KB/s would do) held the version it asked for as long as it liked: on a real model each version it
-    pins is a whole snapshot's memory (16 GB for Qwen3-8B in bf16), and each of an insider's ids may pin one. Once
-    the store collects the version (two newer ones are held), its readers are dropped and its buffer freed."""
+def test_a_late_reader_finishes_a_collected_version_and_then_it_is_freed(tmp_path, tls):
+    """A child on a thin link still reading v1 when two newer versions arrive (v1 collected) gets the rest of it: an
+    honest late worker finishes the full snapshot it started. Once it is done, v1's buffer is freed."""
     import gc
     import weakref
 
-    from echo2.broadcast.manifest import key_id, request_mac
-
-    blob = os.urandom(256 * CHUNK)  # 16 MiB: more than loopback's socket buffers, so the reader is served slowly
-    store = Store(keep=2)
-    first = store.put(Snapshot(make_manifest(SIGNER, 1, blob, CHUNK), blob))
     trust = None
     if tls:
         from echo2.net.tls import RunCA
 
         trust = RunCA(str(tmp_path / "tls")).trust()
+    size = 256 * CHUNK  # 16 MiB: more than loopback's socket buffers, so the child is served as slowly as it reads
+    store = Store(keep=2)
+    store.put(held(1, os.urandom(size)))
     server = RelayServer(store, TOKEN, stall_timeout_s=30.0, tls=trust and trust.server).start()
-    reader = socket.create_connection(server.addr, timeout=5)
-    if tls:
-        from echo2.net.tls import LEARNER_NAME
-
-        reader = trust.connect(reader, LEARNER_NAME)  # the learner's origin, as a worker reaches it
     try:
-        send_frame(reader, {"version": 1, "base": -1, "start": 0, "end": -1, "key": key_id(TOKEN),
-                            "mac": request_mac(TOKEN, 1, -1, 0, -1)})
-        reader.settimeout(5)
-        got = reader.recv(65536)
-        assert got, "not served"
-        alive = weakref.ref(first)
-        del first
-        for v in (2, 3):  # v1 is collected: the store keeps the newest two
-            store.put(Snapshot(make_manifest(SIGNER, v, blob[:CHUNK], CHUNK), blob[:CHUNK]))
-        assert 1 not in store.versions()
-        dropped, deadline = False, time.monotonic() + 10
-        while not dropped and time.monotonic() < deadline:
-            reader.recv(4096)  # a trickle, ~20 KB/s: never a stall (what it reads was queued before the drop)
-            dropped = not server.conns
-            time.sleep(0.2)
-        assert dropped, "the slow reader of a collected version is still served"
-        assert holds_within(lambda: (gc.collect(), alive())[1] is None, 5), "the collected version's buffer is held"
-    finally:
+        reader, got = slow_reader(server, 1, trust)
+        alive = weakref.ref(store.get(1).buf)
+        for v in (2, 3):
+            store.put(held(v, os.urandom(CHUNK)))
+        assert 1 not in store.versions() and store.get(1) is None  # collected: no longer handed out
+        # ...but served to the end to the child already reading it
+        assert bytes_to_the_end(reader, size - got) == size - got
         reader.close()
+        assert holds_within(lambda: (gc.collect(), alive())[1] is None, 5), "v1's buffer is held after its reader"
+        assert not store.retained
+    finally:
+        server.close()
+
+
+def test_readers_just_fast_enough_never_to_stall_cannot_keep_old_versions_in_memory():
+    """Before, each connection could keep the version it asked for as long as it read a piece per stall timeout
+    (9 KB/s at the default 30 s): on a real model a whole snapshot each (16 GB for Qwen3-8B in bf16), and an insider's
+    every id may open one. Now at most store.MAX_RETAINED collected versions are kept for readers: past that the
+    oldest one's readers are dropped and its buffer freed."""
+    import gc
+    import weakref
+
+    from echo2.broadcast.store import MAX_RETAINED
+
+    size = 256 * CHUNK
+    store = Store(keep=2)
+    server = RelayServer(store, TOKEN, stall_timeout_s=30.0).start()
+    readers, alive = {}, {}
+    try:
+        for v in range(1, MAX_RETAINED + 2):  # a reader on each of three versions, each read a little at a time
+            store.put(held(v, os.urandom(size)))
+            readers[v] = slow_reader(server, v)
+            alive[v] = weakref.ref(store.get(v).buf)
+        for v in range(MAX_RETAINED + 2, MAX_RETAINED + 5):  # v1-v3 (and v4, unread) are collected
+            store.put(held(v, os.urandom(CHUNK)))
+        assert sorted(v for v, _ in store.retained) == [2, 3]  # the newest MAX_RETAINED that are read
+        reader, got = readers[1]
+        assert bytes_to_the_end(reader, size - got) < size - got  # the oldest one's reader was cut off...
+        assert holds_within(lambda: (gc.collect(), alive[1]())[1] is None, 5), "v1's buffer is still held"
+        for v in (2, 3):  # ...the others are served on, and freed once done
+            reader, got = readers[v]
+            assert bytes_to_the_end(reader, size - got) == size - got
+            reader.close()
+        assert holds_within(lambda: (gc.collect(), alive[2](), alive[3]())[1:] == (None, None), 5)
+        assert holds_within(lambda: not store.retained, 5)
+    finally:
+        for r, _ in readers.values():
+            r.close()
         server.close()
