@@ -260,28 +260,38 @@ class RelayServer:
         snap = self._manifest_of(conn, v, base)
         if snap is not None and end == -1:  # "to the end": the requester may not know the size yet
             end = snap.size
-        if snap is None or not 0 <= start <= end <= snap.size:
+        stop = lambda: _shut(conn)  # noqa: E731
+        if snap is None or not 0 <= start <= end <= snap.size or not self.store.reading(snap, stop):
             send_frame(conn, {"error": f"v{v} [{start}, {end}) not held here"})
             raise ConnectionError("answered with an error")
-        send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(token, req["mac"])})
-        stop = lambda: _shut(conn)  # noqa: E731
-        if not self.store.reading(snap, stop):
-            raise ConnectionError(f"v{v} was let go before it was served")
+        who = _peer_of(conn)  # now: a connection the store cut off may no longer say
+        try:
+            send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(token, req["mac"])})
+            self._stream(conn, snap, start, end)
+        except (OSError, ConnectionError):
+            if snap.collected:  # cut off by the store (its MAX_RETAINED): say who, since it may be an insider's doing
+                self._log_refusal(f"to serve v{v} on to {who}: it was let go while being read (more "
+                                  "than store.MAX_RETAINED old versions were being read)")
+            raise
+        finally:
+            self.store.done_reading(snap, stop)
+
+    def _stream(self, conn: socket.socket, snap: Snapshot, start: int, end: int) -> None:
+        """Send ``snap``'s bytes [start, end) as they are filled here (cut-through)."""
         pos, mv = start, memoryview(snap.buf)
         try:
             while pos < end:
                 filled = snap.wait_filled(pos, self.stall_timeout_s)  # in a striped fetch, the stripe's own bytes
                 if snap.collected:  # let go for good (store.MAX_RETAINED): no reader may keep it in memory
-                    raise ConnectionError(f"v{v} was let go while being served")
+                    raise ConnectionError(f"v{snap.version} was let go while being served")
                 if snap.failed or filled <= pos:
-                    raise ConnectionError(f"v{v}: this node's own download stopped at {filled}")
+                    raise ConnectionError(f"v{snap.version}: this node's own download stopped at {filled}")
                 hi = min(filled, end, pos + PIECE_BYTES)
                 self.served_bytes += hi - pos  # counted as handed to the socket (before, so a reader never lags)
                 conn.sendall(mv[pos:hi])
                 pos = hi
         finally:
             mv.release()  # at once: a traceback kept by a logger would keep the buffer otherwise
-            self.store.done_reading(snap, stop)
 
     def _ticket(self, conn: socket.socket, req: dict, plain: socket.socket) -> None:
         """The request's ticket earns its connection a lasting slot; none leaves it evictable (relay_slots.py)."""
@@ -356,8 +366,15 @@ def _shut(sock: socket.socket) -> None:
     would fall back to plain ``sendall``, putting cleartext on the wire."""
     try:
         socket.socket.shutdown(getattr(sock, "_conn", sock), socket.SHUT_RDWR)  # _conn: under the lab's link
-    except OSError:
+    except (OSError, TypeError):  # TypeError: not a socket (nothing to end)
         pass
+
+
+def _peer_of(sock: socket.socket) -> str:
+    try:
+        return "%s:%d" % sock.getpeername()[:2]
+    except (OSError, TypeError):
+        return "a peer that left"
 
 
 # ---------------------------------------------------------------------- fetching
@@ -471,10 +488,7 @@ class Fetcher:
         stall timeout): their connections are shut down, and they end Stopped."""
         for (_, k), conn in list(self.conns.items()):
             if k != j:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                _shut(conn)
 
     def _lane(self, j: int, sources: list[tuple[str, int]], version: int, base: int, epoch: str | None, gen: int,
               deadline: float | None, bounds: list[tuple[int, int]] | None, stop: threading.Event) -> None:

@@ -228,6 +228,9 @@ class Store:
         if not read:
             _drop(snap)
             return
+        kept = self.retained.get(snap.key)
+        if kept is not None and kept is not snap:  # an older object under the same key: it must not escape the bound
+            _drop(kept)
         self.retained[snap.key] = snap
         while len({v for v, _ in self.retained}) > MAX_RETAINED:
             oldest = min(v for v, _ in self.retained)

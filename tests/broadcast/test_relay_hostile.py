@@ -555,6 +555,14 @@ def bytes_to_the_end(reader: socket.socket, size: int) -> int:
     return n
 
 
+def relay_trust(tmp_path, tls: bool):
+    if not tls:
+        return None
+    from echo2.net.tls import RunCA
+
+    return RunCA(str(tmp_path / "tls")).trust()
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
 def test_a_late_reader_finishes_a_collected_version_and_then_it_is_freed(tmp_path, tls):
     """A child on a thin link still reading v1 when two newer versions arrive (v1 collected) gets the rest of it: an
@@ -562,15 +570,12 @@ def test_a_late_reader_finishes_a_collected_version_and_then_it_is_freed(tmp_pat
     import gc
     import weakref
 
-    trust = None
-    if tls:
-        from echo2.net.tls import RunCA
-
-        trust = RunCA(str(tmp_path / "tls")).trust()
+    trust = relay_trust(tmp_path, tls)
     size = 256 * CHUNK  # 16 MiB: more than loopback's socket buffers, so the child is served as slowly as it reads
     store = Store(keep=2)
     store.put(held(1, os.urandom(size)))
     server = RelayServer(store, TOKEN, stall_timeout_s=30.0, tls=trust and trust.server).start()
+    reader = None
     try:
         reader, got = slow_reader(server, 1, trust)
         alive = weakref.ref(store.get(1).buf)
@@ -583,40 +588,48 @@ def test_a_late_reader_finishes_a_collected_version_and_then_it_is_freed(tmp_pat
         assert holds_within(lambda: (gc.collect(), alive())[1] is None, 5), "v1's buffer is held after its reader"
         assert not store.retained
     finally:
+        if reader is not None:
+            reader.close()
         server.close()
 
 
-def test_readers_just_fast_enough_never_to_stall_cannot_keep_old_versions_in_memory():
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_readers_just_fast_enough_never_to_stall_cannot_keep_old_versions_in_memory(tmp_path, tls):
     """Before, each connection could keep the version it asked for as long as it read a piece per stall timeout
     (9 KB/s at the default 30 s): on a real model a whole snapshot each (16 GB for Qwen3-8B in bf16), and an insider's
     every id may open one. Now at most store.MAX_RETAINED collected versions are kept for readers: past that the
-    oldest one's readers are dropped and its buffer freed."""
+    oldest one's readers are cut off at once and its buffer freed; a clear (a re-join) cuts off every reader."""
     import gc
     import weakref
 
     from echo2.broadcast.store import MAX_RETAINED
 
+    trust = relay_trust(tmp_path, tls)
     size = 256 * CHUNK
     store = Store(keep=2)
-    server = RelayServer(store, TOKEN, stall_timeout_s=30.0).start()
+    server = RelayServer(store, TOKEN, stall_timeout_s=30.0, tls=trust and trust.server).start()
     readers, alive = {}, {}
+    newest_read = MAX_RETAINED + 1
     try:
-        for v in range(1, MAX_RETAINED + 2):  # a reader on each of three versions, each read a little at a time
+        for v in range(1, newest_read + 1):  # a reader on each version, stopped after one piece (never stalled out)
             store.put(held(v, os.urandom(size)))
-            readers[v] = slow_reader(server, v)
+            readers[v] = slow_reader(server, v, trust)
             alive[v] = weakref.ref(store.get(v).buf)
-        for v in range(MAX_RETAINED + 2, MAX_RETAINED + 5):  # v1-v3 (and v4, unread) are collected
+        for v in range(newest_read + 1, newest_read + 4):  # every version read so far is collected
             store.put(held(v, os.urandom(CHUNK)))
-        assert sorted(v for v, _ in store.retained) == [2, 3]  # the newest MAX_RETAINED that are read
+        assert sorted(v for v, _ in store.retained) == list(range(2, newest_read + 1))  # the newest MAX_RETAINED
+        assert holds_within(lambda: len(server.conns) == MAX_RETAINED, 5), server.conns  # v1's reader cut at once
         reader, got = readers[1]
-        assert bytes_to_the_end(reader, size - got) < size - got  # the oldest one's reader was cut off...
+        assert bytes_to_the_end(reader, size - got) < size - got
         assert holds_within(lambda: (gc.collect(), alive[1]())[1] is None, 5), "v1's buffer is still held"
-        for v in (2, 3):  # ...the others are served on, and freed once done
-            reader, got = readers[v]
-            assert bytes_to_the_end(reader, size - got) == size - got
-            reader.close()
-        assert holds_within(lambda: (gc.collect(), alive[2](), alive[3]())[1:] == (None, None), 5)
-        assert holds_within(lambda: not store.retained, 5)
+        reader, got = readers[2]  # the others are served on, and freed once done
+        assert bytes_to_the_end(reader, size - got) == size - got
+        reader.close()
+        assert holds_within(lambda: (gc.collect(), alive[2]())[1] is None, 5)
+        store.clear()  # a worker re-joining: nothing of the old run is served on
+        assert holds_within(lambda: not server.conns, 5), server.conns
+        assert holds_within(lambda: (gc.collect(), alive[newest_read]())[1] is None, 5)
+        assert not store.retained
     finally:
         for r, _ in readers.values():
             r.close()
