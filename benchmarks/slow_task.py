@@ -29,36 +29,37 @@ from echo2.tasks.arith import ArithTask
 from echo2.tasks.arith_chat import ArithChatTask
 
 
-def slow_on_trap(reward, trap: list[int], slow_s: float):
-    """``reward``, except that a group whose every completion is ``trap`` costs ``slow_s`` a completion and scores 0."""
+class SlowOnTrap:
+    """A task whose reward is slow on a group whose every completion is ``trap_token_id`` twice: ECHO2_SLOW_REWARD_S
+    a completion, then 0; every other group is scored as the task scores it."""
 
-    def correct(prompts, completions, completion_ids=None, **kwargs):
-        ids = completion_ids or []
-        if ids and all(list(c) == trap for c in ids):
-            time.sleep(slow_s * len(ids))  # one crafted completion after another, each to the limit
-            return [0.0] * len(ids)
-        return reward(prompts, completions, completion_ids=completion_ids, **kwargs)
+    def __init__(self, trap_token_id: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.slow_s = float(os.environ.get("ECHO2_SLOW_REWARD_S", "1.0"))
+        self.trap = [trap_token_id] * 2
 
-    return correct
+    def reward_funcs(self):
+        return [self._slow_on_trap(f) for f in super().reward_funcs()]
+
+    def _slow_on_trap(self, reward):
+        trap, slow_s = self.trap, self.slow_s
+
+        def correct(prompts, completions, completion_ids=None, **kwargs):
+            ids = completion_ids or []
+            if ids and all(list(c) == trap for c in ids):
+                time.sleep(slow_s * len(ids))  # one crafted completion after another, each to the limit
+                return [0.0] * len(ids)
+            return reward(prompts, completions, completion_ids=completion_ids, **kwargs)
+
+        return correct
 
 
-class SlowCopyTask(ArithTask):
+class SlowCopyTask(SlowOnTrap, ArithTask):
     def __init__(self, trap_token_id: int = 1, **kwargs: Any):
         """``trap_token_id``: the end-of-sequence token (the tiny model's ``<eos>`` is 1: echo2/models/tiny.py)."""
-        super().__init__(**kwargs)
-        self.slow_s = float(os.environ.get("ECHO2_SLOW_REWARD_S", "1.0"))
-        self.trap = [trap_token_id] * 2
-
-    def reward_funcs(self):
-        return [slow_on_trap(f, self.trap, self.slow_s) for f in super().reward_funcs()]
+        super().__init__(trap_token_id, **kwargs)
 
 
-class SlowChatTask(ArithChatTask):
-    def __init__(self, trap_token_id: int, **kwargs: Any):
-        """``trap_token_id``: the model's end-of-sequence token (SmolLM2's ``<|im_end|>``)."""
-        super().__init__(**kwargs)
-        self.slow_s = float(os.environ.get("ECHO2_SLOW_REWARD_S", "1.0"))
-        self.trap = [trap_token_id] * 2
-
-    def reward_funcs(self):
-        return [slow_on_trap(f, self.trap, self.slow_s) for f in super().reward_funcs()]
+class SlowChatTask(SlowOnTrap, ArithChatTask):
+    """The real model's arithmetic questions; ``trap_token_id``: its end-of-sequence token (SmolLM2's
+    ``<|im_end|>``)."""

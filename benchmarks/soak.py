@@ -516,19 +516,16 @@ class HostileSoak:
             self.client = Client(info["url"], self.secret, timeout_s=10, ca_file=str(self.out / "tls" / "ca.pem"),
                                  server_name=LEARNER_NAME)
         t0 = time.perf_counter()
-        memory = coordinator_rss(self.procs["learner"].pid) or {}
-        rss, anon, shmem = memory.get("rss"), memory.get("anon"), memory.get("shmem")
+        memory = coordinator_rss(self.procs["learner"].pid) or {}  # rss, anon, shmem
         try:
             st = self.client.session.get(self.client.base_url + "/status", timeout=10, verify=self.client.verify).json()
         except Exception as e:  # noqa: BLE001 (a sample that failed is a result)
-            self.samples.append({"t": time.time(), "phase": phase, "error": type(e).__name__, "rss": rss,
-                                 "anon": anon, "shmem": shmem})
+            self.samples.append({"t": time.time(), "phase": phase, "error": type(e).__name__, **memory})
             return
         self.samples.append({"t": time.time(), "phase": phase, "latency_s": time.perf_counter() - t0,
                              "held": st["held"], "benched": st["benched"], "by_worker": st["by_worker"],
                              "waited_s": st.get("waited_s", {}),
-                             "workers": len(st["workers"]), "rss": rss, "anon": anon,
-                             "shmem": shmem})
+                             "workers": len(st["workers"]), **memory})
 
     def run(self) -> dict:
         a = self.args

@@ -205,9 +205,11 @@ class RelayServer:
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="relay-serve", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, "%s:%d" % peer[:2]), name="relay-serve",
+                             daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, who: str) -> None:
+        """Answer the requests of one connection (from ``who``, host:port) until it ends or is dropped."""
         plain = conn
         try:
             conn.settimeout(self.request_timeout_s)  # the TLS handshake, then the first request
@@ -230,7 +232,7 @@ class RelayServer:
                     if str(e) != "connection closed":  # garbage, not a peer hanging up: say so, count it
                         self._refuse(conn, str(e))
                     return
-                self._answer(conn, req, plain)
+                self._answer(conn, req, plain, who)
         except (OSError, ConnectionError):
             pass  # silent past its time, answered with an error, or the requester went away mid-answer
         finally:
@@ -247,7 +249,7 @@ class RelayServer:
             conn = self.tls.wrap_socket(conn, server_side=True)
         return self.link.serve(conn) if self.link is not None else conn
 
-    def _answer(self, conn: socket.socket, req: dict, plain: socket.socket) -> None:
+    def _answer(self, conn: socket.socket, req: dict, plain: socket.socket, who: str) -> None:
         """Serve one request; raises (the connection is dropped) after refusing it or answering it with an
         error."""
         v, base, start, end = req.get("version"), req.get("base"), req.get("start"), req.get("end")
@@ -264,14 +266,13 @@ class RelayServer:
         if snap is None or not 0 <= start <= end <= snap.size or not self.store.reading(snap, stop):
             send_frame(conn, {"error": f"v{v} [{start}, {end}) not held here"})
             raise ConnectionError("answered with an error")
-        who = _peer_of(conn)  # now: a connection the store cut off may no longer say
         try:
             send_frame(conn, {"manifest": snap.manifest, "proof": serve_proof(token, req["mac"])})
             self._stream(conn, snap, start, end)
         except (OSError, ConnectionError):
             if snap.collected:  # cut off by the store (its MAX_RETAINED): say who, since it may be an insider's doing
-                self._log_refusal(f"to serve v{v} on to {who}: it was let go while being read (more "
-                                  "than store.MAX_RETAINED old versions were being read)")
+                self._log_refusal(f"to serve v{v} on to {who}: it was let go while being read (more than "
+                                  "store.MAX_RETAINED old versions were being read, or the store was cleared)")
             raise
         finally:
             self.store.done_reading(snap, stop)
@@ -368,13 +369,6 @@ def _shut(sock: socket.socket) -> None:
         socket.socket.shutdown(getattr(sock, "_conn", sock), socket.SHUT_RDWR)  # _conn: under the lab's link
     except (OSError, TypeError):  # TypeError: not a socket (nothing to end)
         pass
-
-
-def _peer_of(sock: socket.socket) -> str:
-    try:
-        return "%s:%d" % sock.getpeername()[:2]
-    except (OSError, TypeError):
-        return "a peer that left"
 
 
 # ---------------------------------------------------------------------- fetching

@@ -313,16 +313,12 @@ class RelayBroadcaster:
             # source with the name its certificate must carry: its own worker's credential's, not whoever else
             # registered the same address (its first naming here wins: the order's tickets are keyed by address)
             named = (holders[:2] if base == FULL else []) + [(self.origin, LEARNER_NAME)]
+            ancestry = [[self.peers[a] for a in ancestors[:MAX_ANCESTORS] if a in self.peers] for ancestors in lanes]
             names: dict[tuple[str, int], str] = {}
-            for ancestors in lanes:
-                for a in ancestors[:MAX_ANCESTORS]:
-                    if a in self.peers:
-                        names.setdefault(self.peers[a].relay, self.peers[a].server_name)
-            for addr, name in named:
+            for addr, name in [(p.relay, p.server_name) for lane in ancestry for p in lane] + named:
                 names.setdefault(addr, name)
             extra = [addr for addr, _ in named]
-            per_lane = [[self.peers[a].relay for a in ancestors[:MAX_ANCESTORS] if a in self.peers] + extra
-                        for ancestors in lanes]
+            per_lane = [[p.relay for p in lane] + extra for lane in ancestry]
             obj = self.store.get(version, base=base)
             wire_bytes = obj.size if obj is not None else full.size
             deadline_s = self._deadline_s(wire_bytes, peer.rate_bytes_per_s)
