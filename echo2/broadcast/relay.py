@@ -32,7 +32,8 @@ node has yet to receive waits up to ``key_wait_s`` for it; one under a replaced 
 Hostile or broken connections. The server holds at most ``max_conns`` connections, given out by
 broadcast/relay_slots.py: a connection must complete its TLS handshake and a valid request within
 ``request_timeout_s`` (each request frame too, once its first byte is in); only one whose request showed the
-learner's ticket for this source and a version held here (``Fetcher.fetch(tickets=)``, from the order) may then idle
+learner's ticket for this source and a version held or still served here (``Fetcher.fetch(tickets=)``, from the
+order; a collected version a late child is finishing counts: ``Store.serving``) may then idle
 ``idle_timeout_s`` until the next and is never evicted for a newcomer, others are evicted oldest first when the
 server is full; a connection answered with an error is dropped; a child that stops reading for ``stall_timeout_s``
 is dropped. A child still reading a version the store has collected is served on (a late one on a thin link finishes
@@ -190,7 +191,7 @@ class RelayServer:
             except OSError:
                 return
             with self.conns_lock:
-                held = self.store.versions()
+                held = self.store.serving()
                 admitted, evicted = self.slots.admit(conn, peer[0], time.monotonic(), lambda v: v not in held)
                 if admitted:
                     self.conns.add(conn)

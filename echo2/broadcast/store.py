@@ -146,6 +146,9 @@ class Store:
         self.pinned: set[int] = set()  # versions still being broadcast: never collected
         self.expected: set[tuple[int, int]] = set()  # (version, base) this node started fetching
         self.abandoned: set[tuple[int, int]] = set()  # (version, base) this node's fetch of failed: not coming
+        # snapshots let go under the lock, freed by the method that let them go once it has released it: freeing a
+        # whole snapshot's memory (unmapping it, closing its memory file) is not done while every other caller waits
+        self._freed: list[Snapshot] = []
         self.cond = threading.Condition()
 
     def put(self, snap: Snapshot) -> Snapshot:
@@ -157,6 +160,7 @@ class Store:
             self.abandoned.discard(snap.key)
             self._collect()
             self.cond.notify_all()
+            freed = self._take_freed()  # noqa: F841  (released on return, outside the lock)
         return snap
 
     def clear(self) -> None:
@@ -164,12 +168,13 @@ class Store:
         holds may be the dead run's versions, which must be neither served nor kept over the resumed ones)."""
         with self.cond:
             for snap in [*self.snaps.values(), *self.retained.values()]:
-                _drop(snap)
+                self._free(snap)
             self.snaps.clear()
             self.retained.clear()
             self.expected.clear()
             self.abandoned.clear()
             self.cond.notify_all()
+            freed = self._take_freed()  # noqa: F841  (released on return, outside the lock)
 
     def reading(self, snap: Snapshot, stop) -> bool:
         """A child starts reading ``snap``: ``stop()`` ends its connection if the version must go. False if it
@@ -187,7 +192,8 @@ class Store:
                 snap.readers.discard(stop)
                 idle = not snap.readers
             if idle and self.retained.get(snap.key) is snap:
-                _drop(self.retained.pop(snap.key))
+                self._free(self.retained.pop(snap.key))
+            freed = self._take_freed()  # noqa: F841  (released on return, outside the lock)
 
     def expect(self, version: int, base: int = FULL) -> None:
         """This node starts fetching (version, base): a child asking for it here may wait for its first bytes."""
@@ -211,6 +217,7 @@ class Store:
         with self.cond:
             (self.pinned.add if pinned else self.pinned.discard)(version)
             self._collect()
+            freed = self._take_freed()  # noqa: F841  (released on return, outside the lock)
 
     def _collect(self) -> None:
         keep = set(sorted({v for v, _ in self.snaps})[-self.keep:]) | self.pinned
@@ -226,16 +233,26 @@ class Store:
         with snap.cond:
             read = bool(snap.readers)
         if not read:
-            _drop(snap)
+            self._free(snap)
             return
         kept = self.retained.get(snap.key)
         if kept is not None and kept is not snap:  # an older object under the same key: it must not escape the bound
-            _drop(kept)
+            self._free(kept)
         self.retained[snap.key] = snap
         while len({v for v, _ in self.retained}) > MAX_RETAINED:
             oldest = min(v for v, _ in self.retained)
             for key in [k for k in self.retained if k[0] == oldest]:
-                _drop(self.retained.pop(key))
+                self._free(self.retained.pop(key))
+
+    def _free(self, snap: Snapshot) -> None:
+        """``snap`` is gone (``_drop``); its memory is freed after the lock is released (``_take_freed``)."""
+        _drop(snap)
+        self._freed.append(snap)
+
+    def _take_freed(self) -> list[Snapshot]:
+        """The snapshots let go so far, for the caller to release once it no longer holds the lock. Holds it."""
+        freed, self._freed = self._freed, []
+        return freed
 
     def get(self, version: int, wait_s: float = 0.0, base: int = FULL) -> Snapshot | None:
         """The buffer of ``version``, waiting up to ``wait_s`` for its manifest to arrive here (only for one that
@@ -258,6 +275,13 @@ class Store:
         """The versions held here or being fetched."""
         with self.cond:
             return {v for v, _ in self.snaps} | {v for v, _ in self.expected}
+
+    def serving(self) -> set[int]:
+        """``versions()`` and the collected ones still served to the children reading them (MAX_RETAINED): a
+        ticket for one of these still earns its connection's slot (relay_slots.py), so that a late child is not
+        evicted from the version it is finishing."""
+        with self.cond:
+            return self.versions() | {v for v, _ in self.retained}
 
     def newest_complete(self) -> Snapshot | None:
         with self.cond:

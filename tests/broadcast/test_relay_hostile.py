@@ -634,3 +634,74 @@ def test_readers_just_fast_enough_never_to_stall_cannot_keep_old_versions_in_mem
         for r, _ in readers.values():
             r.close()
         server.close()
+
+
+def test_a_late_readers_ticketed_slot_is_not_evicted_from_the_version_it_is_finishing():
+    """A late child showing its order's ticket for v1 keeps its slot while it finishes v1, even after v1 is collected
+    (a newcomer to a full server is refused, not given the late child's slot). Before, a ticket for a version no
+    longer held counted as stale, and the late child was evicted for the first stranger."""
+    from echo2.broadcast.manifest import relay_ticket
+
+    size = 256 * CHUNK
+    store = Store(keep=2)
+    store.put(held(1, os.urandom(size)))
+    server = RelayServer(store, TOKEN, stall_timeout_s=30.0, max_conns=1, ticket_key=KEY).start()
+    newcomer = reader = None
+    try:
+        from echo2.broadcast.framing import recv_frame
+        from echo2.broadcast.manifest import key_id, request_mac
+
+        reader = socket.create_connection(server.addr, timeout=5)
+        send_frame(reader, {"version": 1, "base": -1, "start": 0, "end": -1, "key": key_id(TOKEN),
+                            "mac": request_mac(TOKEN, 1, -1, 0, -1),
+                            "ticket": relay_ticket(SIGNER, "w1", 1, -1, 1, server.addr)})
+        assert "manifest" in recv_frame(reader)
+        got = len(reader.recv(65536))
+        assert holds_within(lambda: server.slots.is_ticketed(next(iter(server.slots.slots), None)), 5)
+        for v in (2, 3):
+            store.put(held(v, os.urandom(CHUNK)))
+        assert 1 not in store.versions() and 1 in store.serving()
+        newcomer = socket.create_connection(server.addr, timeout=5)  # the server is full: one slot, the late child's
+        assert closed_by_server(newcomer, 5)
+        assert server.refused == 1
+        assert bytes_to_the_end(reader, size - got) == size - got
+    finally:
+        for s in (newcomer, reader):
+            if s is not None:
+                s.close()
+        server.close()
+
+
+def test_a_let_go_snapshot_is_freed_after_the_stores_lock_is_released():
+    """Freeing a whole snapshot (unmapping its buffer, closing its memory file) takes a while on a real model; it
+    used to happen with the store's lock held, so that every relay thread and fetch waited for it."""
+    store = Store(keep=1)
+    under_lock = []
+
+    class Buf(bytearray):
+        def __del__(self):
+            under_lock.append(store.cond._is_owned())
+
+    def snap(v):
+        blob = os.urandom(CHUNK)
+        return Snapshot(make_manifest(SIGNER, v, blob, CHUNK), Buf(blob))
+
+    store.put(snap(1))
+    store.put(snap(2))  # v1 collected, no reader
+    assert under_lock == [False]
+    reader = store.get(2)
+    assert store.reading(reader, lambda: None)
+    store.put(snap(3))  # v2 collected but read: retained
+    del reader
+    assert under_lock == [False]
+    store.done_reading(store.retained[(2, -1)], lambda: None)  # not its stop: v2 is still read
+    stop = next(iter(store.retained[(2, -1)].readers))
+    store.done_reading(store.retained[(2, -1)], stop)  # its last reader is done
+    assert under_lock == [False, False]
+    store.pin(4)
+    store.put(snap(4))
+    store.put(snap(5))  # v3 collected; v4 pinned
+    store.pin(4, False)  # v4 collected
+    assert under_lock == [False] * 4
+    store.clear()
+    assert under_lock == [False] * 5
