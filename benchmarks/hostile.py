@@ -35,12 +35,17 @@ first), finds the learner in RUN_DIR/coordinator.json
     slow_reward   a worker pushing well-formed groups whose every completion is slow to score and then scores 0
                   (the stand-in for math-verify on a crafted answer: benchmarks/slow_task.py, which the soak's
                   learner runs), as many as it is handed
+    slow_relay_reader
+                  a worker that takes its snapshots, and also reads every version it is ordered to fetch from each of
+                  the order's sources (with the order's tickets) on connections of its own, one piece every
+                  --read-every-s, never stalling out: the sources must not keep more than store.MAX_RETAINED collected
+                  versions in memory for such readers
     smuggler, ca_bomb, ca_trickler, churner, bulk_pusher
                   two Authorization headers on every route; GET /ca with a 16 MiB or chunked body; connections that
                   trickle GET /ca from another address; register/leave in a loop; many pushes of the largest body
                   at once under one credential (benchmarks/hostile_wire.py)
 
-Every agent-based kind (invalid, liar, forger, relay_orders, hung_relay) is echo2's own worker agent
+Every agent-based kind (invalid, liar, forger, relay_orders, hung_relay, slow_relay_reader) is echo2's own worker agent
 (echo2/worker/agent.py) with a fake engine and the one behaviour changed; it joins over TLS with the pinned CA,
 holds a certificate, heartbeats, and once refused keeps knocking: a registration every few seconds (without a
 snapshot address, and left at once if let in), to see whether the refusal sticks to its credential.
@@ -80,6 +85,7 @@ from benchmarks.hostile_wire import BulkPusher, CaBomb, CaTrickler, Churner, Smu
 RETRY_S = 5.0  # a refused client knocks again this often
 HUGE_BYTES = 400 << 20  # the body an outsider declares
 STREAM_BYTES = 16 << 20  # the most of it an outsider sends before it gives up waiting for an answer
+MAX_READERS = 256  # slow_relay_reader: relay connections it keeps at once (past that it closes its oldest)
 
 
 def status_of(call) -> str:
@@ -470,6 +476,93 @@ class HungRelay(HostileAgent):
         return {**super().report(), "relay_connections": len(self.accepted), "relay_connection_times": self.accepted}
 
 
+class SlowRelayReader(HostileAgent):
+    """Takes its snapshots like any worker (so it holds the relay key and each order's tickets), and also asks every
+    source of every order for the whole version on connections of its own, kept open: one piece read every
+    --read-every-s, under the relay's stall timeout, so that it is never dropped for stalling. Each such reader used
+    to keep its whole version in its source's memory (the learner's origin included) for as long as it read; now a
+    source serves at most store.MAX_RETAINED collected versions on, and cuts the oldest one's readers."""
+
+    pulls = False
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.lock = threading.Lock()
+        self.readers: dict[socket.socket, list[int]] = {}  # -> [version, bytes read, bytes asked for]
+        self.outcomes: Counter = Counter()  # opened, refused, read_to_the_end, cut_off
+        self.most_open = self.most_versions = self.snapshot_bytes = 0
+        take = self.receiver._take
+
+        def keep(route, body, headers):  # each order of the learner's: its sources are read slowly too
+            epoch = take(route, body, headers)
+            if route == "POST /fetch" and body.get("base", -1) == -1:
+                threading.Thread(target=self._open_all, args=(dict(body),), daemon=True).start()
+            return epoch
+
+        self.receiver._take = keep
+        threading.Thread(target=self._trickle, daemon=True).start()
+
+    def _open_all(self, order: dict) -> None:
+        from echo2.broadcast.framing import recv_frame, send_frame
+        from echo2.broadcast.manifest import key_id, request_mac
+
+        v, key = order["version"], order["key"]
+        for host, port, ticket, *name in order.get("tickets") or [[*s, None] for s in order["sources"]]:
+            try:
+                sock = socket.create_connection((host, port), timeout=10)
+                if self.trust is not None:
+                    sock = self.trust.connect(sock, name[0] if name else PEER_NAME)
+                frame = {"version": v, "base": -1, "start": 0, "end": -1, "key": key_id(key),
+                         "mac": request_mac(key, v, -1, 0, -1)}
+                send_frame(sock, {**frame, "ticket": ticket} if ticket else frame)
+                while (reply := recv_frame(sock)).get("wait") is True:
+                    pass
+            except (OSError, ConnectionError):
+                self.outcomes["refused"] += 1
+                continue
+            if "manifest" not in reply:
+                self.outcomes["refused"] += 1
+                sock.close()
+                continue
+            sock.settimeout(0.2)
+            with self.lock:
+                if len(self.readers) >= MAX_READERS:  # its own file descriptors: the oldest goes
+                    oldest = next(iter(self.readers))
+                    self.readers.pop(oldest)
+                    oldest.close()
+                    self.outcomes["closed_by_it"] += 1
+                self.readers[sock] = [v, 0, reply["manifest"]["size"]]
+                self.snapshot_bytes = max(self.snapshot_bytes, reply["manifest"]["size"])
+                self.outcomes["opened"] += 1
+                self.most_open = max(self.most_open, len(self.readers))
+                self.most_versions = max(self.most_versions, len({r[0] for r in self.readers.values()}))
+
+    def _trickle(self) -> None:
+        from echo2.broadcast.framing import PIECE_BYTES
+
+        while not self.stop.wait(self.args.read_every_s):
+            with self.lock:
+                readers = list(self.readers.items())
+            for sock, r in readers:
+                try:
+                    got = len(sock.recv(PIECE_BYTES))
+                except TimeoutError:
+                    continue
+                except OSError:
+                    got = 0
+                r[1] += got
+                if got and r[1] < r[2]:
+                    continue
+                self.outcomes["read_to_the_end" if r[1] >= r[2] else "cut_off"] += 1
+                with self.lock:
+                    self.readers.pop(sock, None)
+                sock.close()
+
+    def report(self) -> dict:
+        return {**super().report(), "outcomes": dict(self.outcomes), "most_open_at_once": self.most_open,
+                "most_versions_read_at_once": self.most_versions, "snapshot_bytes": self.snapshot_bytes}
+
+
 class SlowReward(HostileAgent):
     """The honest loop, but every completion of a group is the model's end-of-sequence token twice: well-formed (no
     honest engine makes it, as generation stops at the first), and slow to score (benchmarks/slow_task.py:
@@ -590,7 +683,7 @@ class Outsider:
 KINDS = {"absurd": Absurd, "hoarder": Hoarder, "invalid": Invalid, "liar": Liar, "forger": Forger,
          "outsider": Outsider, "relay_orders": RelayOrders, "hung_relay": HungRelay, "slow_reward": SlowReward,
          "smuggler": Smuggler, "ca_bomb": CaBomb, "ca_trickler": CaTrickler, "churner": Churner,
-         "bulk_pusher": BulkPusher}
+         "bulk_pusher": BulkPusher, "slow_relay_reader": SlowRelayReader}
 OUTSIDERS = ("outsider", "ca_bomb", "ca_trickler")  # no credential: they find the run in its directory only
 
 
@@ -609,6 +702,9 @@ def main() -> None:
                         "coordinator sees it)")
     p.add_argument("--trickle-s", type=float, default=2.0, help="ca_trickler: one byte a connection this often")
     p.add_argument("--bulk", type=int, default=16, help="bulk_pusher: pushes of the largest body at once")
+    p.add_argument("--read-every-s", type=float, default=20.0,
+                   help="slow_relay_reader: one piece read from each of its relay connections this often (under the "
+                        "relay's 30 s stall timeout)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][hostile %(name)s][%(levelname)s] %(message)s")
     stop = threading.Event()

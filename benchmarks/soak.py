@@ -327,7 +327,7 @@ def table(r: dict) -> str:
 # ---------------------------------------------------------------------- --hostile: a soak with hostile clients
 
 HOSTILE_KINDS = ("absurd", "hoarder", "invalid", "liar", "forger", "outsider", "relay_orders", "hung_relay",
-                 "slow_reward", "smuggler", "ca_bomb", "ca_trickler", "churner", "bulk_pusher")
+                 "slow_reward", "smuggler", "ca_bomb", "ca_trickler", "churner", "bulk_pusher", "slow_relay_reader")
 OUTSIDERS = {"outsider": "127.0.0.2", "ca_bomb": "127.0.0.3", "ca_trickler": "127.0.0.4"}
 """The kinds with no credential, and the address each connects from: a host of its own, as the coordinator sees it
 (capped per address, unlike 127.0.0.1, the learner host itself)."""
@@ -780,6 +780,10 @@ def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list
               "calm_shmem_peak_mib": shmem["calm"] and shmem["calm"] / 2**20,
               "hostile_shmem_peak_mib": shmem["hostile"] and shmem["hostile"] / 2**20,
               "judged": "anon" if judged is anon else "rss",
+              # the snapshots it maps more than calm, in snapshots (slow_relay_reader's aim; store.MAX_RETAINED)
+              "shmem_growth_snapshots": None if None in shmem.values() or not clients.get(
+                  "slow_relay_reader", {}).get("snapshot_bytes") else round(
+                  (shmem["hostile"] - shmem["calm"]) / clients["slow_relay_reader"]["snapshot_bytes"], 2),
               "within_goal": None if None in judged.values()
               else judged["hostile"] - judged["calm"] <= goal_mib * 2**20}
     kinds = {k: {"client": clients[k], "coordinator": dict(story.get(k, {})), "trained": trained.get(k, {}),
@@ -872,6 +876,12 @@ def hostile_verdicts(kinds: dict, metrics: dict, acc: dict, names: dict, log: st
                          for t in outsider.values() if isinstance(t, dict) and "flood" in t)},
         "relay_orders": {"every order from a worker refused": refused_all(c["relay_orders"].get("statuses", {})),
                          "nothing of it trained on": untrained("relay_orders")},
+        # what its readers cost the learner's origin is in coordinator_memory (its snapshots mapped, in units of one
+        # snapshot: at most store.MAX_RETAINED collected versions more than calm); a snapshot smaller than the
+        # socket buffers (the tiny model's) is sent whole at once, so that only the real model's soak can show it
+        "slow_relay_reader": {"it read versions slowly from the relay": c["slow_relay_reader"].get(
+                                  "outcomes", {}).get("opened", 0) > 0,
+                              "nothing of it trained on": untrained("slow_relay_reader")},
         "hung_relay": {"planned last once a successor found its relay silent": c["hung_relay"].get(
                            "relay_connections", 0) == 0 or story["hung_relay"].get(
                            "its relay reported silent: planned last", 0) > 0,
