@@ -66,21 +66,29 @@ def test_rank_zero_hands_out_whole_groups_and_its_errors_reach_every_rank(tmp_pa
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_zero3_snapshot_is_the_gathered_state_dict(tmp_path):
-    """The snapshot a 2-process ZeRO-3 learner publishes (streamed parameter by parameter from the shards) is
-    bit-identical to the state dict gathered at once after the same step; a tied LM head is stored once; the probe
-    computed by the sharded forward is the one a worker's unsharded copy of the snapshot reproduces."""
-    from transformers import AutoModelForCausalLM
-
-    from echo2.broadcast import snapshot
+def test_zero3_snapshots_are_the_gathered_state_dict_and_for_lora_the_adapter_alone(tmp_path):
+    """What a 2-process ZeRO-3 learner publishes after one step, for a full policy and for a LoRA one (one launch
+    for both, tests/scripts/zero3_snapshot.py): see the two checks."""
     from echo2.models.tiny import build_tiny
-    from echo2.models.probe import probe_logprobs
 
     model_path = build_tiny(tie_word_embeddings=True)
     out = torchrun("zero3_snapshot.py", model_path, str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
-    published = snapshot.decode((tmp_path / "snapshot.safetensors").read_bytes())
-    gathered = torch.load(tmp_path / "gathered.pt")
+    check_full_snapshot(model_path, tmp_path / "full")
+    check_lora_snapshot(model_path, tmp_path / "lora")
+
+
+def check_full_snapshot(model_path: str, out: Path) -> None:
+    """The snapshot (streamed parameter by parameter from the shards) is bit-identical to the state dict gathered at
+    once after the same step; a tied LM head is stored once; the probe computed by the sharded forward is the one a
+    worker's unsharded copy of the snapshot reproduces."""
+    from transformers import AutoModelForCausalLM
+
+    from echo2.broadcast import snapshot
+    from echo2.models.probe import probe_logprobs
+
+    published = snapshot.decode((out / "snapshot.safetensors").read_bytes())
+    gathered = torch.load(out / "gathered.pt")
     state = gathered["state"]
     assert set(published) == set(state) - {"lm_head.weight"}
     assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
@@ -93,26 +101,20 @@ def test_zero3_snapshot_is_the_gathered_state_dict(tmp_path):
         torch.testing.assert_close(probe_logprobs(initial, [1, 2, 3, 4]), gathered["probe"], atol=1e-5, rtol=0)
 
 
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_zero3_lora_snapshot_gathers_only_the_adapter(tmp_path):
-    """A LoRA policy under ZeRO-3: the snapshot is the adapter alone, bit-identical to the adapter gathered at once
-    after the same step, and the write reads (gathers, one at a time) adapter parameters only (TRL's merged-weights
-    sync materializes the whole model); a worker merging it into its base reproduces the sharded probe."""
+def check_lora_snapshot(model_path: str, out: Path) -> None:
+    """A LoRA policy: the snapshot is the adapter alone, bit-identical to the adapter gathered at once after the same
+    step, and the write reads (gathers, one at a time) adapter parameters only (TRL's merged-weights sync
+    materializes the whole model); a worker merging it into its base reproduces the sharded probe."""
     from transformers import AutoModelForCausalLM
 
     from echo2.broadcast import snapshot
     from echo2.broadcast.adapter import pairs, spec_of
-    from echo2.models.tiny import build_tiny
     from echo2.models.probe import probe_logprobs
 
-    model_path = build_tiny(tie_word_embeddings=True)
-    out = torchrun("zero3_snapshot.py", model_path, str(tmp_path), "lora")
-    assert out.returncode == 0, out.stderr[-3000:]
-    raw = (tmp_path / "snapshot.safetensors").read_bytes()
+    raw = (out / "snapshot.safetensors").read_bytes()
     published, spec = snapshot.decode(raw), spec_of(snapshot.metadata(raw))
-    state = torch.load(tmp_path / "gathered.pt")["state"]
-    written = json.loads((tmp_path / "written.json").read_text())
+    state = torch.load(out / "gathered.pt")["state"]
+    written = json.loads((out / "written.json").read_text())
     adapter = {n: t for n, t in state.items() if ".lora_" in n}
     assert len(published) == len(adapter) == len(written) and all(".lora_" in n for n in written), written[:4]
     for name, t in adapter.items():
@@ -124,7 +126,7 @@ def test_zero3_lora_snapshot_gathers_only_the_adapter(tmp_path):
     with torch.no_grad():
         for module, (a, b) in pairs(published).items():
             modules[module].weight.copy_(spec.merged(modules[module].weight, a, b))
-        expected = torch.load(tmp_path / "gathered.pt")["probe"]
+        expected = torch.load(out / "gathered.pt")["probe"]
         torch.testing.assert_close(probe_logprobs(base, [1, 2, 3, 4]), expected, atol=1e-5, rtol=0)
 
 

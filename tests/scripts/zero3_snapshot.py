@@ -2,10 +2,13 @@
 snapshot's one-copy rule for a tied LM head is exercised) under DeepSpeed ZeRO-3 (gloo), one AdamW step, then
 the snapshot that the learner publishes (PolicyWeights.write on every rank, rank 0 writing) and the gathered state
 dict of the same step (every parameter gathered at once, the way a consolidated checkpoint is made). Rank 0 writes
-both to OUT_DIR for the test to compare, with the names of the parameters the write reads.
+both to OUT_DIR/full for the test to compare, with the names of the parameters the write reads.
 
-With ``lora`` the model is a PEFT LoRA policy (as TRL wraps it for ``peft_config``): the snapshot is the adapter
-alone, and the write must read only adapter parameters, never the base model's."""
+Then the same for a PEFT LoRA policy (as TRL wraps it for ``peft_config``), into OUT_DIR/lora: the snapshot is the
+adapter alone, and the write must read only adapter parameters, never the base model's. Both in one launch: each
+costs two interpreters' imports and a process group, more than its step.
+
+    torchrun --nproc_per_node 2 tests/scripts/zero3_snapshot.py MODEL_DIR OUT_DIR"""
 
 import json
 import os
@@ -14,7 +17,16 @@ import sys
 import torch
 
 
-def main(model_path: str, out_dir: str, lora: bool = False) -> None:
+def main(model_path: str, out_dir: str) -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for lora in (False, True):
+        step_and_publish(model_path, os.path.join(out_dir, "lora" if lora else "full"), lora)
+    torch.distributed.destroy_process_group()
+
+
+def step_and_publish(model_path: str, out_dir: str, lora: bool) -> None:
     import deepspeed
     from transformers import AutoModelForCausalLM
 
@@ -22,8 +34,8 @@ def main(model_path: str, out_dir: str, lora: bool = False) -> None:
     from echo2.learner.trainer import parameter_counts
     from echo2.learner.weights import PolicyWeights
 
-    deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
+    os.makedirs(out_dir, exist_ok=True)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     adapter = None
     if lora:
@@ -58,8 +70,7 @@ def main(model_path: str, out_dir: str, lora: bool = False) -> None:
             with open(os.path.join(out_dir, "written.json"), "w") as f:
                 json.dump(list(weights.tensors), f)  # what the write reads (gathering each, if partitioned)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], lora=len(sys.argv) > 3 and sys.argv[3] == "lora")
+    main(sys.argv[1], sys.argv[2])
