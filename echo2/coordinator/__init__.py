@@ -2,6 +2,7 @@
 (echo2/learner/sources/coordinator_process.py).
 
 ``process``      its entry point: builds the parts below and answers the learner's calls through a pipe
+``heap``         the process's malloc arenas capped, and freed memory handed back to the system on a period
 ``coordinator``  the workers' HTTP routes (register, pull, push, heartbeat...), the reaper, take() for the learner
 ``gate``         who may call: run secret, worker credentials, TLS certificates, revocation
 ``schemas``      the routes' request bodies, checked field by field; ``results`` the pushed rollouts

@@ -18,6 +18,7 @@ from typing import Any
 
 from hydra.utils import instantiate
 
+from echo2.coordinator import heap
 from echo2.coordinator.coordinator import Coordinator
 from echo2.coordinator.reward_pool import RewardPool
 from echo2.seams import CoordinatorCalls
@@ -34,6 +35,7 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
     if spec["cores"]:  # before any thread exists, so that all of them inherit it
         os.sched_setaffinity(0, set(spec["cores"]))
     _configure_logging(spec["log_path"], spec["log_level"])
+    heap.keep()  # before any thread exists too: the arena cap binds the threads started after it
     task, tokenizer, settings = spec["task"], spec["tokenizer"], spec["settings"]
     # reward functions in processes of their own
     dataset = task.train_dataset()
