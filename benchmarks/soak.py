@@ -37,7 +37,8 @@ half-open connections (to the coordinator and to an honest worker's snapshot-con
 a worker, and a relay that accepts connections and never answers; then the second round's: groups slow to score (the
 learner runs the copy task with a reward slow on one crafted answer, benchmarks/slow_task.py, --slow-reward-s a
 completion: math-verify's limit), two Authorization headers on every route, GET /ca with a 16 MiB or chunked body,
-connections trickling GET /ca, and register/leave in a loop. The outsiders (outsider, ca_bomb, ca_trickler) connect
+connections trickling GET /ca, register/leave in a loop, the largest pushes at once, and a worker reading every
+version from its sources slowly enough never to stall out (slow_relay_reader). The outsiders (outsider, ca_bomb, ca_trickler) connect
 from 127.0.0.2-4: a host each, as the coordinator sees it (127.0.0.1, the learner host itself, is not capped per
 address).
 
@@ -52,7 +53,8 @@ Reported (and with --json as JSON): whether the run finished (the learner stoppe
 the learner's steps/s in --window-s windows of the hostile phase against the calm phase's (goal: every window >=
 --pace-goal, 0.8); the coordinator process's memory (sampled every second: goal, the hostile phase's peak of its own
 heap, RssAnon, within --memory-goal-mib, 64, of the calm phase's; the total, VmRSS, is reported too: it also holds
-the snapshots mapped from the learner, a whole snapshot on a real model); per kind, what its client was told and
+the snapshots mapped from the learner, a whole snapshot on a real model; their growth over calm is reported in
+snapshots, slow_relay_reader's aim); per kind, what its client was told and
 what the coordinator did (its metrics, summary.json's rollout_accounting, coordinator.log); what was trained on, by
 credential (consumed.jsonl against the journal's received and distrusted groups: nothing of the forger after it was
 retired, nothing of any other hostile kind at all; the forger's groups consumed in the unchecked steps before its
