@@ -28,7 +28,8 @@ ARENAS = 2
 concurrency and each keeps its own freed memory."""
 
 TRIM_EVERY_S = 30.0
-"""How often freed heap memory is handed back (a trim walks the arenas' free lists: ~1 ms here)."""
+"""How often freed heap memory is handed back. A trim walks each arena's free lists under that arena's lock (not the
+GIL: ctypes releases it): 40-57 ms on a fragmented 490-700 MiB heap here, so ~0.2 % of the time at this period."""
 
 
 def libc():
