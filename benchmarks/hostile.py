@@ -36,8 +36,8 @@ first), finds the learner in RUN_DIR/coordinator.json
                   (the stand-in for math-verify on a crafted answer: benchmarks/slow_task.py, which the soak's
                   learner runs), as many as it is handed
     slow_relay_reader
-                  a worker that takes its snapshots, and also reads every version it is ordered to fetch from each of
-                  the order's sources (with the order's tickets) on connections of its own, one piece every
+                  a worker that takes its snapshots, and also reads every version (full or delta) it is ordered to
+                  fetch from each of the order's sources (with the order's tickets) on connections of its own, one piece every
                   --read-every-s, never stalling out: the sources must not keep more than store.MAX_RETAINED collected
                   versions in memory for such readers
     smuggler, ca_bomb, ca_trickler, churner, bulk_pusher
@@ -495,7 +495,7 @@ class SlowRelayReader(HostileAgent):
 
         def keep(route, body, headers):  # each order of the learner's: its sources are read slowly too
             epoch = take(route, body, headers)
-            if route == "POST /fetch" and body.get("base", -1) == -1:
+            if route == "POST /fetch":  # a full snapshot or a delta: each is a buffer its sources keep while read
                 threading.Thread(target=self._open_all, args=(dict(body),), daemon=True).start()
             return epoch
 
@@ -506,14 +506,14 @@ class SlowRelayReader(HostileAgent):
         from echo2.broadcast.framing import recv_frame, send_frame
         from echo2.broadcast.manifest import key_id, request_mac
 
-        v, key = order["version"], order["key"]
+        v, base, key = order["version"], order.get("base", -1), order["key"]
         for host, port, ticket, *name in order.get("tickets") or [[*s, None] for s in order["sources"]]:
             try:
                 sock = socket.create_connection((host, port), timeout=10)
                 if self.trust is not None:
                     sock = self.trust.connect(sock, name[0] if name else PEER_NAME)
-                frame = {"version": v, "base": -1, "start": 0, "end": -1, "key": key_id(key),
-                         "mac": request_mac(key, v, -1, 0, -1)}
+                frame = {"version": v, "base": base, "start": 0, "end": -1, "key": key_id(key),
+                         "mac": request_mac(key, v, base, 0, -1)}
                 send_frame(sock, {**frame, "ticket": ticket} if ticket else frame)
                 while (reply := recv_frame(sock)).get("wait") is True:
                     pass
