@@ -5,8 +5,9 @@ connection, a broadcast round's pool). glibc gives threads arenas of their own, 
 freed in each for reuse: a burst of connections (a stranger's half-open TLS connections, each with uvloop's 256 KiB
 read buffer; long-polling workers; pushes) leaves RssAnon at its high-water mark for good, and the high-water marks
 of many arenas add up. In the hostile soak (tiny model, 2026-12-06) the coordinator's threads went from 18 to ~80,
-Python's own allocations grew ~15 MiB, RssAnon ~45 MiB, and one malloc_trim(0) handed back 20-25 MiB of it each time
-(BENCHMARKS.md, "The coordinator's heap").
+Python's own allocations grew ~15 MiB, RssAnon ~45 MiB, and one malloc_trim(0) handed back 20-25 MiB of it each time.
+On the real model, the same soak on the same day: RssAnon +89 MiB over calm by median without this, +19 with it, the
+learner's pace the same (BENCHMARKS.md, "The coordinator's heap under attack").
 
 What. ``keep()`` caps the arenas at ``ARENAS`` (mallopt(M_ARENA_MAX); before other threads exist, since a thread keeps
 the arena it got) and starts a daemon thread that calls malloc_trim(0) every ``TRIM_EVERY_S``: free pages at the top
