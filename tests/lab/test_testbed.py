@@ -31,9 +31,14 @@ def namespaces() -> set[str]:
 @pytest.mark.parametrize("mode, copies", [("pipelined", 1), ("one_to_many", 3)])
 def test_bench_cli_on_shaped_links(mode, copies):
     before = namespaces()
-    out = subprocess.run([sys.executable, "-m", "echo2.lab.bench", "--mode", mode, "--workers", "3",
-                          "--size-mb", "4", "--link-mbit", "100", "--rtt-ms", "20", "--reps", "2", "--testbed",
-                          "netns", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    for attempt in (1, 2):
+        out = subprocess.run([sys.executable, "-m", "echo2.lab.bench", "--mode", mode, "--workers", "3",
+                              "--size-mb", "4", "--link-mbit", "100", "--rtt-ms", "20", "--reps", "2", "--testbed",
+                              "netns", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        # the bench refuses links its calibration finds off: the user-space delay line, starved of CPU by the
+        # other test process's load, once gave 61 Mbit/s of 100 in CI; a second try, then a failure
+        if out.returncode == 0 or not out.stderr.startswith(("testbed goodput", "testbed RTT")):
+            break
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"mode", "workers", "size_bytes", "time_s", "bound_s", "ratio", "first_version_s"} <= set(r)
