@@ -489,7 +489,7 @@ class SlowRelayReader(HostileAgent):
         super().__init__(*a)
         self.lock = threading.Lock()
         self.readers: dict[socket.socket, list[int]] = {}  # -> [version, bytes read, bytes asked for]
-        self.outcomes: Counter = Counter()  # opened, refused, read_to_the_end, cut_off
+        self.outcomes: Counter = Counter()  # opened, refused, read_to_the_end, cut_off, closed_by_it
         self.most_open = self.most_versions = self.snapshot_bytes = 0
         take = self.receiver._take
 

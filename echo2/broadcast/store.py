@@ -15,6 +15,7 @@ served once it is filled, and a chunk is checked once all its bytes are, whichev
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -146,13 +147,13 @@ class Store:
         self.pinned: set[int] = set()  # versions still being broadcast: never collected
         self.expected: set[tuple[int, int]] = set()  # (version, base) this node started fetching
         self.abandoned: set[tuple[int, int]] = set()  # (version, base) this node's fetch of failed: not coming
-        # snapshots let go under the lock, freed by the method that let them go once it has released it: freeing a
+        # snapshots let go under the lock, freed by the method that let them go once it has released it (_holding): a
         # whole snapshot's memory (unmapping it, closing its memory file) is not done while every other caller waits
         self._freed: list[Snapshot] = []
         self.cond = threading.Condition()
 
     def put(self, snap: Snapshot) -> Snapshot:
-        with self.cond:
+        with self._holding():
             replaced = self.snaps.get(snap.key)
             self.snaps[snap.key] = snap
             if replaced is not None and replaced is not snap:  # a full snapshot rebuilt from a delta, say
@@ -160,13 +161,12 @@ class Store:
             self.abandoned.discard(snap.key)
             self._collect()
             self.cond.notify_all()
-            freed = self._take_freed()  # noqa: F841  (released on return, outside the lock)
         return snap
 
     def clear(self) -> None:
         """Forget every snapshot (a worker re-joining a learner that may have resumed from a checkpoint: what it
         holds may be the dead run's versions, which must be neither served nor kept over the resumed ones)."""
-        with self.cond:
+        with self._holding():
             for snap in [*self.snaps.values(), *self.retained.values()]:
                 self._free(snap)
             self.snaps.clear()
@@ -174,7 +174,6 @@ class Store:
             self.expected.clear()
             self.abandoned.clear()
             self.cond.notify_all()
-            freed = self._take_freed()  # noqa: F841  (released on return, outside the lock)
 
     def reading(self, snap: Snapshot, stop) -> bool:
         """A child starts reading ``snap``: ``stop()`` ends its connection if the version must go. False if it
@@ -187,13 +186,12 @@ class Store:
 
     def done_reading(self, snap: Snapshot, stop) -> None:
         """The child's answer ended: a collected version with no reader left is freed."""
-        with self.cond:
+        with self._holding():
             with snap.cond:
                 snap.readers.discard(stop)
                 idle = not snap.readers
             if idle and self.retained.get(snap.key) is snap:
                 self._free(self.retained.pop(snap.key))
-            freed = self._take_freed()  # noqa: F841  (released on return, outside the lock)
 
     def expect(self, version: int, base: int = FULL) -> None:
         """This node starts fetching (version, base): a child asking for it here may wait for its first bytes."""
@@ -214,10 +212,9 @@ class Store:
             self.cond.notify_all()
 
     def pin(self, version: int, pinned: bool = True) -> None:
-        with self.cond:
+        with self._holding():
             (self.pinned.add if pinned else self.pinned.discard)(version)
             self._collect()
-            freed = self._take_freed()  # noqa: F841  (released on return, outside the lock)
 
     def _collect(self) -> None:
         keep = set(sorted({v for v, _ in self.snaps})[-self.keep:]) | self.pinned
@@ -245,14 +242,18 @@ class Store:
                 self._free(self.retained.pop(key))
 
     def _free(self, snap: Snapshot) -> None:
-        """``snap`` is gone (``_drop``); its memory is freed after the lock is released (``_take_freed``)."""
+        """``snap`` is gone (``_drop``); its memory is freed once the lock is released (``_holding``)."""
         _drop(snap)
         self._freed.append(snap)
 
-    def _take_freed(self) -> list[Snapshot]:
-        """The snapshots let go so far, for the caller to release once it no longer holds the lock. Holds it."""
-        freed, self._freed = self._freed, []
-        return freed
+    @contextlib.contextmanager
+    def _holding(self):
+        """The lock, for a method that may let snapshots go: their last references are dropped after it is
+        released."""
+        with self.cond:
+            yield
+            freed, self._freed = self._freed, []
+        del freed
 
     def get(self, version: int, wait_s: float = 0.0, base: int = FULL) -> Snapshot | None:
         """The buffer of ``version``, waiting up to ``wait_s`` for its manifest to arrive here (only for one that

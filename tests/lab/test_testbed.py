@@ -31,7 +31,7 @@ def namespaces() -> set[str]:
 @pytest.mark.parametrize("mode, copies", [("pipelined", 1), ("one_to_many", 3)])
 def test_bench_cli_on_shaped_links(mode, copies):
     before = namespaces()
-    for attempt in (1, 2):
+    for _ in range(2):
         out = subprocess.run([sys.executable, "-m", "echo2.lab.bench", "--mode", mode, "--workers", "3",
                               "--size-mb", "4", "--link-mbit", "100", "--rtt-ms", "20", "--reps", "2", "--testbed",
                               "netns", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
