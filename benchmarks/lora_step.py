@@ -11,6 +11,9 @@ them; the first ``--warmup`` steps of each round are not counted.
 
     python benchmarks/lora_step.py                          # smollm2_arith's batch: 16 sequences of ~57 tokens
     python benchmarks/lora_step.py --experiment smollm2_poker --json out.json     # poker's (~110 tokens)
+    python benchmarks/lora_step.py --variants full/eager lora/eager lora32/eager -- model.dtype=bfloat16
+
+The probe (the policy's logprobs of 33 fixed tokens, computed at every publish) is timed after each round.
 
 Run it pinned to one core (``taskset -c 0``), as the real-model benchmark pins its learner.
 """
@@ -29,8 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import echo2.learner.args as learner_args  # noqa: E402
+
+LOADS_IN = learner_args.master_dtype
 ATTENTION = {"sdpa": [], "eager": ["+learner.trl.model_init_kwargs={attn_implementation:eager}"]}
 LORA = {"full": [], "lora": ["learner.lora.rank=8", "learner.learning_rate=1e-4"]}
+# lora32: the adapter on a float32 copy of the base, as every learner.bf16 LoRA learner loaded it before its frozen
+# base stayed in model.dtype (with model.dtype=bfloat16 the two differ; with float32 they are the same)
+LORA["lora32"] = LORA["lora"]
 
 
 def one_round(experiment: str, lora: str, attention: str, steps: int, warmup: int, extra: list[str]) -> dict:
@@ -42,6 +51,7 @@ def one_round(experiment: str, lora: str, attention: str, steps: int, warmup: in
     cfg = compose([f"experiment={experiment}", "rollout=sync", "run.wandb=disabled", "run.progress=false",
                    "run.eval_every_steps=0", "run.save_every_steps=0", f"run.steps={steps}", "learner.bf16=true",
                    *LORA[lora], *ATTENTION[attention], *extra])
+    learner_args.master_dtype = (lambda cfg: "float32") if lora == "lora32" else LOADS_IN
     trainer, _, _ = train.build(cfg, f"/tmp/echo2-lora-step-{lora}-{attention}", rank=0, world_size=1)
     first: list = []
     collect = trainer._collect
@@ -80,10 +90,18 @@ def one_round(experiment: str, lora: str, attention: str, steps: int, warmup: in
 
     trainer.add_callback(Split())
     trainer.train()
+    from echo2.models.probe import probe_tokens
+    w, ids = trainer.weights(), probe_tokens(len(trainer.processing_class))
+    probe_s = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        w.probe_logprobs(ids)
+        probe_s.append(time.perf_counter() - t0)
     trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     kept = rows[warmup:]
     out = {k: statistics.median(r[k] for r in kept) for k in ("step", "forward", "backward", "rest")}
     out["trained_params"] = trained
+    out["probe"] = statistics.median(probe_s)
     out["tokens"] = int(sum(len(r.prompt_ids) + len(r.completion.token_ids) for g in first[0] for r in g.rollouts))
     del trainer
     gc.collect()
@@ -107,7 +125,7 @@ def main() -> None:
             res = one_round(a.experiment, lora, attention, a.steps, a.warmup, a.overrides)
             results[v].append(res)
             print(f"round {r + 1} {v}: step {res['step']:.3f} s (forward {res['forward']:.3f}, backward "
-                  f"{res['backward']:.3f}, rest {res['rest']:.3f}), {res['tokens']} tokens", flush=True)
+                  f"{res['backward']:.3f}, rest {res['rest']:.3f}, probe {res['probe']:.3f}), {res['tokens']} tokens", flush=True)
     base = statistics.median(x["step"] for x in results[a.variants[0]])
     print(f"\n{a.experiment}: median over {a.rounds} rounds of each round's median step\n")
     print("| variant | trained parameters | step s | forward s | backward s | rest s | step / "

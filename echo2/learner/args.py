@@ -91,9 +91,11 @@ def micro_batches(cfg: Any, world_size: int) -> tuple[int, int]:
 
 
 def master_dtype(cfg: Any) -> str:
-    """The dtype the learner holds its weights in: float32 under learner.bf16 (bf16 is the compute dtype: autocast,
-    or DeepSpeed's bf16 mode with fp32 master weights in the optimizer), else model.dtype."""
-    return "float32" if cfg.learner.bf16 else cfg.model.dtype
+    """The dtype the learner loads its weights in: float32 under learner.bf16 (bf16 is the compute dtype: autocast,
+    or DeepSpeed's bf16 mode with fp32 master weights in the optimizer), else model.dtype. With a LoRA adapter
+    (``learner.lora``) the base is frozen and needs no fp32 master copy: it stays in model.dtype, and PEFT keeps the
+    adapter it trains in float32 (as TRL loads a bf16 model for LoRA); the workers hold the same base."""
+    return "float32" if cfg.learner.bf16 and cfg.learner.lora.rank is None else cfg.model.dtype
 
 
 def peft_config(cfg: Any) -> Any:

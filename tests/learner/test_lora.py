@@ -46,6 +46,30 @@ def test_only_the_adapter_trains_and_only_the_adapter_is_published(tmp_path):
     assert len(blob) < full / 5
 
 
+def test_under_bf16_a_lora_learner_keeps_its_frozen_base_in_the_models_dtype_and_trains_a_float32_adapter(tmp_path):
+    """learner.bf16 on a bf16 model: full fine-tuning loads float32 master weights; a LoRA learner needs none for its
+    frozen base, so the base stays bf16 (half the memory, no cast per forward) and PEFT keeps the adapter in float32.
+    The base is then the very tensors a worker loads from the same checkpoint."""
+    from echo2.learner.args import master_dtype
+
+    cfg, trainer, source, _ = lora_run(tmp_path, "run.steps=2", "model.dtype=bfloat16", "learner.bf16=true",
+                                       "learner.learning_rate=1e-3")
+    assert master_dtype(cfg) == "bfloat16" and trainer.args.model_init_kwargs["dtype"] == "bfloat16"
+    dtypes = {n: p.dtype for n, p in trainer.model.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".lora_" in n for n in changed), sorted(changed)[:3]
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    weights = trainer.weights()
+    assert weights.dtype == "bfloat16"
+    assert {t.dtype for t in snapshot.decode(written(weights)).values()} == {torch.bfloat16}
+    full = compose(["model.dtype=bfloat16", "learner.bf16=true"])
+    assert master_dtype(full) == "float32"  # full fine-tuning keeps its fp32 masters
+
+
 def test_the_kl_reference_of_a_lora_policy_is_its_base_without_a_second_copy(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
