@@ -51,7 +51,8 @@ failure).
 
 Reported (and with --json as JSON): whether the run finished (the learner stopped by SIGTERM, summary.json written);
 the learner's steps/s in --window-s windows of the hostile phase against the calm phase's (goal: every window >=
---pace-goal, 0.8); the coordinator process's memory (sampled every second: goal, the hostile phase's peak of its own
+--pace-goal, 0.8), and with --loaded-minutes also against a loaded phase's (calm, with a process burning the cores the
+hostile clients' own processes take here, --load-cores: what the attacks cost beyond their clients' CPU); the coordinator process's memory (sampled every second: goal, the hostile phase's peak of its own
 heap, RssAnon, within --memory-goal-mib, 64, of the calm phase's; the total, VmRSS, is reported too: it also holds
 the snapshots mapped from the learner, a whole snapshot on a real model; their growth over calm is reported in
 snapshots, slow_relay_reader's aim); per kind, what its client was told and
@@ -416,7 +417,7 @@ def cpu_used(before: dict, after: dict, wall_s: float) -> dict[str, float]:
     """Cores used between two cpu_seconds snapshots, by role: the learner (with its coordinator and reward
     processes), the honest workers (with their engines), the hostile clients; and the whole machine's cores."""
     roles = {"learner": ["learner"], "honest": [n for n in after if n.startswith("honest")],
-             "hostile": [n for n in after if n in HOSTILE_KINDS]}
+             "hostile": [n for n in after if n in HOSTILE_KINDS], "load": [n for n in after if n == "load"]}
     used = {role: round(sum(cpu - before.get(n, {}).get(pid, 0.0)
                             for n in names for pid, cpu in after.get(n, {}).items()) / wall_s, 2)
             for role, names in roles.items()}
@@ -509,6 +510,14 @@ class HostileSoak:
                 break  # one exited: its report says why
             time.sleep(0.5)
 
+    def start_load(self) -> None:
+        """The loaded phase's stand-in for the hostile clients' own CPU: one process busy ``--load-cores`` of each
+        10 ms (a core at most), on the run's cores as the clients are."""
+        busy_s = min(1.0, self.args.load_cores) * 0.01
+        loop = ("import time\nwhile True:\n t = time.perf_counter()\n while time.perf_counter() - t < "
+                f"{busy_s!r}: pass\n time.sleep({0.01 - busy_s!r})\n")
+        self._start("load", [sys.executable, "-c", loop], self.env, self.out / "hostile" / "load.log")
+
     def poll_status(self, phase: str) -> None:
         from echo2.net.http import Client
         from echo2.net.tls import LEARNER_NAME
@@ -530,6 +539,8 @@ class HostileSoak:
                              "workers": len(st["workers"]), **memory})
 
     def run(self) -> dict:
+        from echo2.learner.sources.pool import terminate
+
         a = self.args
         become_subreaper()
         t_start = time.monotonic()
@@ -542,10 +553,17 @@ class HostileSoak:
             time.sleep(0.5)
         self.start_hostile()
         calm_from = len(steps_of(self.out))  # the calm phase's reference pace: from when the clients were ready
-        phases = [("calm", a.calm_minutes * 60), ("hostile", (a.minutes - a.calm_minutes) * 60)]
-        split, self.cpu = 0, {}
+        loaded_s = a.loaded_minutes * 60
+        phases = [("calm", a.calm_minutes * 60), *([("loaded", loaded_s)] if loaded_s else []),
+                  ("hostile", (a.minutes - a.calm_minutes - a.loaded_minutes) * 60)]
+        split, loaded_from, self.cpu = 0, None, {}
         for phase, seconds in phases:
+            if phase == "loaded":
+                loaded_from = len(steps_of(self.out))
+                self.start_load()
             if phase == "hostile":
+                if "load" in self.procs:
+                    terminate([self.procs["load"]], timeout_s=10)
                 split = len(steps_of(self.out))
                 self.t_go = time.time()
                 self.go.touch()
@@ -557,8 +575,6 @@ class HostileSoak:
                 self.poll_status(phase)
                 time.sleep(max(0.0, 1.0 - (time.monotonic() % 1.0)))
             self.cpu[phase] = cpu_used(cpu0, cpu_seconds(self.procs), time.monotonic() - t0)
-        from echo2.learner.sources.pool import terminate
-
         end_split = len(steps_of(self.out))  # the steps after this one come after the hostile clients
         terminate([self.procs[k] for k in kinds_of(a)], timeout_s=30)  # first: each writes its report
         learner = self.procs["learner"]
@@ -570,10 +586,10 @@ class HostileSoak:
         terminate([p for name, p in self.procs.items() if name.startswith("honest")])
         terminate(list(self.procs.values()), timeout_s=10)
         time.sleep(1.0)  # an engine orphaned by its agent's exit has a moment to go
-        state = {"split": [split, end_split, calm_from], "t_go": self.t_go, "samples": self.samples, "args": vars(a),
-                 "cpu": self.cpu}
+        state = {"split": [split, end_split, calm_from, loaded_from], "t_go": self.t_go, "samples": self.samples,
+                 "args": vars(a), "cpu": self.cpu}
         (self.out / "hostile" / "soak_state.json").write_text(json.dumps(state) + "\n")  # --report-only reads it
-        result = hostile_report(self.out, (split, end_split, calm_from), self.t_go, self.samples, a)
+        result = hostile_report(self.out, (split, end_split, calm_from, loaded_from), self.t_go, self.samples, a)
         result.update(wall_s=time.monotonic() - t_start, learner_rc=learner.returncode, left_behind=left_behind(),
                       cpu_cores=self.cpu)
         result["finished"] = learner.returncode == 0 and result["finished"]
@@ -600,14 +616,21 @@ def steps_of(out: Path) -> list[dict]:
 def pace(steps: list[dict], split: tuple[int, ...], window_s: float) -> dict:
     """Steps/s of the calm phase (from when the hostile clients were ready; its first step, a warm-up, left out) and
     of each full ``window_s`` window of the hostile phase (from the last calm step's time), each with its ratio to the
-    calm pace. ``split``: the steps taken when the hostile phase began and ended, and when the calm phase began."""
-    split, end, calm_from = (*split, 1)[:3]  # calm_from: the hostile clients were ready (older runs: 1)
+    calm pace. ``split``: the steps taken when the hostile phase began and ended, when the calm phase began, and when
+    the loaded phase began (None: no loaded phase). With a loaded phase (calm, with a process burning the CPU the
+    hostile clients will), each window has its ratio to the loaded pace too: what the attacks cost beyond their
+    clients' own CPU, which on a real deployment is not the learner host's."""
+    split, end, calm_from, loaded_from = (*split, 1, None)[:4]  # older runs: no calm_from (1), no loaded phase
     steps = steps[:end]
-    calm = steps[max(1, calm_from):split]
+    calm = steps[max(1, calm_from):loaded_from or split]
     out: dict[str, Any] = {"calm": {"steps": len(calm)}}
     if len(calm) < 2 or len(steps) <= split:
         return {**out, "windows": [], "min_ratio": None}
     rate = (len(calm) - 1) / (calm[-1]["time_s"] - calm[0]["time_s"])
+    loaded = steps[loaded_from + 1:split] if loaded_from else []  # its first step began before the load did
+    loaded_rate = (len(loaded) - 1) / (loaded[-1]["time_s"] - loaded[0]["time_s"]) if len(loaded) >= 2 else None
+    if loaded_rate:
+        out["loaded"] = {"steps": len(loaded), "steps_per_s": loaded_rate, "ratio_to_calm": loaded_rate / rate}
     out["calm"]["steps_per_s"] = rate
     c0 = calm[0]["time_s"]  # the calm phase's own windows: how much the pace varies with nobody hostile
     out["calm"]["window_ratios"] = [round(sum(c0 + k * window_s <= r["time_s"] < c0 + (k + 1) * window_s
@@ -622,9 +645,11 @@ def pace(steps: list[dict], split: tuple[int, ...], window_s: float) -> dict:
         lo, hi = t0 + k * width, t0 + (k + 1) * width
         count = sum(lo <= t < hi for t in times)
         windows.append({"from_s": lo - t0, "steps": count, "steps_per_s": count / width,
-                        "ratio": count / width / rate})
+                        "ratio": count / width / rate,
+                        **({"ratio_loaded": count / width / loaded_rate} if loaded_rate else {})})
     return {**out, "hostile_steps": len(times), "windows": windows,
-            "min_ratio": min(w["ratio"] for w in windows)}
+            "min_ratio": min(w["ratio"] for w in windows),
+            "min_ratio_loaded": min(w["ratio_loaded"] for w in windows) if loaded_rate else None}
 
 
 def read_jsonl(path: Path) -> list:
@@ -806,7 +831,7 @@ def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list
         and pace_met and memory["within_goal"] is not False
     return {"out": str(out), "finished": bool(summary) and summary.get("stopped_by") == "SIGTERM",
             "steps": summary.get("steps"), "pace": p, "pace_goal": pace_goal, "pace_goal_met": pace_met,
-            "coordinator_memory": memory,
+            "load_cores": getattr(args, "load_cores", None) if "loaded" in p else None, "coordinator_memory": memory,
             "kinds": kinds, "slow_reward": SLOW_REWARD, "books": books, "honest": honest, "honest_verdict": honest_ok,
             "status_latency_s": {ph: {"p50": v[len(v) // 2], "max": v[-1]} if v else {} for ph, v in latency.items()},
             "honest_waited_share": honest_waited,
@@ -949,12 +974,19 @@ def hostile_table(r: dict) -> str:
     calm = p["calm"].get("steps_per_s")
     lines = [f"hostile soak: {r['wall_s'] / 60:.1f} min, {r['steps']} learner steps, finished: {r['finished']}; "
              f"run dir {r['out']}", "",
-             f"calm: {p['calm']['steps']} steps, {calm or 0:.2f} steps/s (the reference)", "",
-             "| hostile window from (s) | steps | steps/s | / calm |", "|---|---|---|---|"]
+             f"calm: {p['calm']['steps']} steps, {calm or 0:.2f} steps/s (the reference)", ""]
+    loaded = p.get("loaded")
+    if loaded:
+        lines += [f"loaded (calm, one process burning {r.get('load_cores')} cores): {loaded['steps']} steps, "
+                  f"{loaded['steps_per_s']:.2f} steps/s, {loaded['ratio_to_calm']:.2f} of calm", ""]
+    lines += ["| hostile window from (s) | steps | steps/s | / calm |" + (" / loaded |" if loaded else ""),
+              "|---|---|---|---|" + ("---|" if loaded else "")]
     for w in p["windows"]:
-        lines.append(f"| {w['from_s']:.0f} | {w['steps']} | {w['steps_per_s']:.2f} | {w['ratio']:.2f} |")
+        lines.append(f"| {w['from_s']:.0f} | {w['steps']} | {w['steps_per_s']:.2f} | {w['ratio']:.2f} |"
+                     + (f" {w['ratio_loaded']:.2f} |" if loaded else ""))
     lines += ["", f"slowest window / calm: {p['min_ratio'] if p['min_ratio'] is None else round(p['min_ratio'], 2)} "
-              f"(goal >= {r.get('pace_goal', 0.5)}: {r['pace_goal_met']})",
+              f"(goal >= {r.get('pace_goal', 0.5)}: {r['pace_goal_met']})"
+              + (f"; / loaded: {p['min_ratio_loaded']:.2f}" if loaded else ""),
               f"coordinator memory (peaks, MiB; the goal is judged on its own heap, RssAnon): "
               f"{r.get('coordinator_memory')}", "",
               "| kind | what the coordinator did | trained on | verdict |", "|---|---|---|---|"]
@@ -968,7 +1000,7 @@ def hostile_table(r: dict) -> str:
     bad = [name for name, held in r["honest_verdict"].items() if not held]
     lines += ["", f"honest workers: {'ok' if not bad else 'FAILED: ' + ', '.join(bad)}; {r['honest']}",
               f"calm windows / calm: {p['calm'].get('window_ratios')}",
-              f"cores used (calm, hostile): {r.get('cpu_cores')}", "", f"slow reward: {r['slow_reward']}", "",
+              f"cores used (by phase): {r.get('cpu_cores')}", "", f"slow reward: {r['slow_reward']}", "",
               f"books: {r['books']}", f"GET /status latency: {r['status_latency_s']}",
               f"honest workers' pulls waiting with nothing handed out, share of the time by why: "
               f"{r.get('honest_waited_share')}",
@@ -1008,6 +1040,12 @@ def main() -> None:
                    help="run the hostile clients at this niceness (0-19): here they share the run's cores, which "
                         "their own machines would not; a high value tells their own CPU from what the run spends "
                         "on them")
+    h.add_argument("--loaded-minutes", type=float, default=0.0,
+                   help="a loaded phase after the calm one: calm, with one process burning --load-cores of the run's "
+                        "cores, the CPU the hostile clients' own processes take here; each hostile window's pace is "
+                        "then also reported against it (part of --minutes)")
+    h.add_argument("--load-cores", type=float, default=0.5,
+                   help="the loaded phase's burn (the clients' processes used 0.48-0.50 cores on the real model)")
     h.add_argument("--silent-every-s", type=float, default=30.0, help="a silent registration this often (absurd)")
     h.add_argument("--slow-reward-s", type=float, default=1.0,
                    help="seconds a crafted completion costs to score (slow_reward; math-verify's limit is 1 s)")

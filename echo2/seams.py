@@ -67,6 +67,7 @@ class Weights(Protocol):
     """The learner's live weights as a snapshot source (what ``RolloutSource.on_version`` is handed)."""
 
     dtype: str  # the snapshot's dtype, e.g. "bfloat16": what the workers will serve
+    compute_dtype: str  # the dtype the probe's activations are computed in (the weights the forward reads)
     local: bool  # True: this process can write the snapshot alone; False: sharded, every learner rank joins write()
     written: bool  # whether write() has started (its gathers are collectives: a rank that failed before joins them)
     adapter: Any  # a LoRA policy's broadcast.adapter.AdapterSpec (the snapshot holds only the adapter), or None

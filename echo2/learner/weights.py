@@ -45,6 +45,10 @@ class PolicyWeights:
         self.model, self.torch_dtype, self.rank, self.adapter = model, dtype, rank, adapter
         self.unsharded = unsharded or contextlib.nullcontext  # () -> context with full parameters, hooks off
         self.dtype = str(dtype).removeprefix("torch.")  # stated in the snapshot's manifest (probe["dtype"])
+        # The probe's activations are in the dtype of the weights its forward reads (float32 masters, or a bf16 LoRA
+        # base, or DeepSpeed's bf16 parameters): stated too (probe["compute_dtype"]), so that a worker's tolerance
+        # allows for a half-precision probe as for a half-precision engine.
+        self.compute_dtype = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
         self.sharded = zero3(model)
         if adapter is not None:
             self.tensors: dict[str, Any] = {saved: p for n, p in model.named_parameters()

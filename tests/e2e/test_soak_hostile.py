@@ -45,5 +45,27 @@ def test_a_short_hostile_soak_keeps_the_run_going_and_trains_on_nothing_forged(t
     # stall of a few seconds, such as a successor's one timeout on the hung relay, weighs on a 10 s window)
     windows = r["pace"]["windows"]
     assert windows and min(w["steps"] for w in windows) > 0, r["pace"]
+    assert r["pace"]["loaded"]["steps"] > 2 and all("ratio_loaded" in w for w in windows), r["pace"]
+    assert r["cpu_cores"]["loaded"]["load"] > 0.2, r["cpu_cores"]  # the burner burned
     assert r["honest"]["honest0"]["snapshots"]["hostile"] > 0, r["honest"]  # the victim still took its snapshots
     assert r["coordinator_memory"]["within_goal"], r["coordinator_memory"]
+
+
+def test_the_pace_is_judged_against_calm_and_against_the_loaded_phase():
+    """soak.pace on made-up step times: calm at 2 steps/s, loaded (a burner on the cores) at 1, hostile at 1 in its
+    first 10 s window and 0.5 in its second: ratios 0.5 and 0.25 to calm, 1.0 and 0.5 to the loaded phase."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from soak import pace
+
+    times = [0.0] + [1 + 0.5 * i for i in range(21)]   # steps 0-21: calm from step 1 (t = 1 .. 11)
+    times += [11.5 + i for i in range(10)]              # steps 22-31: loaded (its first step began before the load)
+    times += [21 + i for i in range(10)]                # steps 32-41: the first hostile window (from 20.5), 1 step/s
+    times += [31.5 + 2 * i for i in range(5)] + [40.6]  # steps 42-46: the second, 0.5 step/s; 47 ends it
+    steps = [{"time_s": t} for t in times]
+    p = pace(steps, (32, len(steps), 1, 22), 10.0)
+    assert p["calm"]["steps_per_s"] == pytest.approx(2.0) and p["loaded"]["steps_per_s"] == pytest.approx(1.0)
+    assert [w["steps"] for w in p["windows"]] == [10, 5]
+    assert [round(w["ratio"], 2) for w in p["windows"]] == [0.5, 0.25]
+    assert [round(w["ratio_loaded"], 2) for w in p["windows"]] == [1.0, 0.5]
+    assert p["min_ratio_loaded"] == pytest.approx(0.5)
+    assert "loaded" not in pace(steps, (32, len(steps), 1), 10.0)  # an older run's split: no loaded phase

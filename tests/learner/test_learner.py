@@ -258,7 +258,7 @@ def test_bf16_keeps_fp32_master_weights_and_publishes_bf16(tmp_path):
     print(f"changed by one 1e-6 step: fp32 masters {moved:.3f}, bf16 weights {moved_pure:.3f}")
 
     weights = trainer.weights()
-    assert weights.dtype == "bfloat16" and weights.local
+    assert weights.dtype == "bfloat16" and weights.local and weights.compute_dtype == "float32"
     path = tmp_path / "snapshot.safetensors"
     weights.write(str(path))
     published = snapshot.decode(path.read_bytes())

@@ -64,10 +64,10 @@ def test_under_bf16_a_lora_learner_keeps_its_frozen_base_in_the_models_dtype_and
     assert changed and all(".lora_" in n for n in changed), sorted(changed)[:3]
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     weights = trainer.weights()
-    assert weights.dtype == "bfloat16"
+    assert weights.dtype == "bfloat16" and weights.compute_dtype == "bfloat16"  # the probe runs on the bf16 base
     assert {t.dtype for t in snapshot.decode(written(weights)).values()} == {torch.bfloat16}
     full = compose(["model.dtype=bfloat16", "learner.bf16=true"])
-    assert master_dtype(full) == "float32"  # full fine-tuning keeps its fp32 masters
+    assert master_dtype(full) == "float32"  # full fine-tuning keeps its fp32 masters (and probes in float32)
 
 
 def test_the_kl_reference_of_a_lora_policy_is_its_base_without_a_second_copy(tmp_path, tiny_model_dir):

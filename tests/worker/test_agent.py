@@ -49,3 +49,24 @@ def test_a_plain_http_worker_stays_on_http(tmp_path):
         assert not agent._learner_moved() and agent.client.base_url == "http://127.0.0.1:9000"
     finally:
         agent.client.close()
+
+
+@pytest.mark.parametrize("engine, snapshot, probe, nats", [
+    ("float32", "float32", "float32", 1e-3),    # float32 everywhere: float noise only
+    ("float32", "bfloat16", "float32", 0.25),   # a bf16 snapshot served in float32: its weights' rounding
+    ("bfloat16", "bfloat16", "float32", 0.5),   # a bf16 engine rounds every activation too
+    ("float32", "bfloat16", "bfloat16", 0.5),   # so does a bf16 probe (a bf16 LoRA base, DeepSpeed's bf16 weights)
+    ("float32", "float32", "bfloat16", 0.5),
+])
+def test_the_probe_tolerance_allows_for_half_precision_on_either_side(engine, snapshot, probe, nats):
+    """A bf16 LoRA base's probe (bf16 activations) was 0.26 nats from a float32 vLLM engine on SmolLM2-135M: past
+    0.25, the worker refused every version. The manifest states the probe's compute dtype, and the worker allows
+    for it as for its own engine's."""
+    from echo2.worker.agent import default_probe_tolerance
+
+    assert default_probe_tolerance(engine, snapshot, probe) == nats
+    agent = Agent.__new__(Agent)
+    agent.probe_tolerance, agent.engine_dtype = None, engine
+    assert agent._tolerance({"dtype": snapshot, "compute_dtype": probe}) == nats
+    if probe == "float32":
+        assert agent._tolerance({"dtype": snapshot}) == nats  # a manifest without it: a float32 probe

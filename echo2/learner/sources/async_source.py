@@ -311,7 +311,7 @@ class AsyncRolloutSource:
         if probe is None:
             probe = weights.probe_logprobs(self.probe_ids)
         manifest_probe = {"token_ids": self.probe_ids, "logprobs": probe, "dtype": weights.dtype,
-                          "adapter": weights.adapter is not None}
+                          "compute_dtype": weights.compute_dtype, "adapter": weights.adapter is not None}
         try:
             self.coordinator.publish_written(version, weights.write, manifest_probe)
         except CoordinatorDied as e:  # not retried here: a sharded write is a collective, done once per version
