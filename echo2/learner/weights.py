@@ -45,11 +45,12 @@ class PolicyWeights:
         self.model, self.torch_dtype, self.rank, self.adapter = model, dtype, rank, adapter
         self.unsharded = unsharded or contextlib.nullcontext  # () -> context with full parameters, hooks off
         self.dtype = str(dtype).removeprefix("torch.")  # stated in the snapshot's manifest (probe["dtype"])
-        # The probe's activations are in the dtype of the weights its forward reads (float32 masters, or a bf16 LoRA
-        # base, or DeepSpeed's bf16 parameters): stated too (probe["compute_dtype"]), so that a worker's tolerance
-        # allows for a half-precision probe as for a half-precision engine.
-        self.compute_dtype = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+        # The probe computes in float32 (probe_logprobs), but under ZeRO-3, where DeepSpeed's own hooks gather each
+        # layer, in the weights' dtype (bf16 in DeepSpeed's bf16 mode): stated in the manifest (probe["compute_dtype"])
+        # so that a worker's tolerance allows for a half-precision probe as for a half-precision engine.
         self.sharded = zero3(model)
+        self.compute_dtype = "float32" if not self.sharded else \
+            str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
         if adapter is not None:
             self.tensors: dict[str, Any] = {saved: p for n, p in model.named_parameters()
                                             if (saved := saved_name(n)) and ".default." in n}
@@ -81,16 +82,18 @@ class PolicyWeights:
         return {n: (self.torch_dtype if t.is_floating_point() else t.dtype, shape(t)) for n, t in self.tensors.items()}
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
-        """log p(token_ids[i] | token_ids[:i]) at temperature 1 under the live weights (all ranks, together), in the
-        weights' own precision. Under one-process mixed precision (``learner.bf16``) accelerate wraps the model's
-        forward in bf16 autocast and keeps the plain one as ``_original_forward``: the probe takes the plain one, so
-        that it describes the weights the snapshot rounds, not one more rounding of every activation (on
+        """log p(token_ids[i] | token_ids[:i]) at temperature 1 under the live weights (all ranks, together), computed
+        in float32 (``compute_dtype``). Under one-process mixed precision (``learner.bf16``) accelerate wraps the
+        model's forward in bf16 autocast and keeps the plain one as ``_original_forward``: the probe takes the plain
+        one, so that it describes the weights the snapshot rounds, not one more rounding of every activation (on
         SmolLM2-135M autocast alone moved a probe token by 0.18 nats, and a worker serving the bf16 snapshot in
-        float32 was 0.20-0.28 nats from an autocast probe: past its tolerance, it stopped claiming versions)."""
-        from echo2.models.probe import probe_logprobs
+        float32 was 0.20-0.28 nats from an autocast probe: past its tolerance, it stopped claiming versions). For the
+        same reason weights held in bf16 (a LoRA learner's frozen base) are read in float32 (``float32_compute``)."""
+        from echo2.models.probe import float32_compute, probe_logprobs
 
         model, plain = self.model, self.model.__dict__.get("_original_forward")
-        with torch.no_grad():
+        exact = float32_compute(model) if not self.sharded else contextlib.nullcontext()
+        with torch.no_grad(), exact:
             if plain is None:
                 return probe_logprobs(model, token_ids)
             wrapped, model.forward = model.forward, plain

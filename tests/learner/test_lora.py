@@ -12,6 +12,7 @@ import torch
 from conftest import build_run, compose
 from echo2.broadcast import snapshot
 from echo2.broadcast.adapter import spec_of
+from echo2.models.probe import probe_logprobs
 
 
 def lora_run(tmp_path, *overrides):
@@ -46,11 +47,12 @@ def test_only_the_adapter_trains_and_only_the_adapter_is_published(tmp_path):
     assert len(blob) < full / 5
 
 
-def test_under_bf16_a_lora_learner_keeps_its_frozen_base_in_the_models_dtype_and_trains_a_float32_adapter(tmp_path):
+def test_under_bf16_a_lora_learner_keeps_its_frozen_base_in_the_models_dtype_and_trains_a_float32_adapter(
+        tmp_path, tiny_model_dir):
     """learner.bf16 on a bf16 model: full fine-tuning loads float32 master weights; a LoRA learner needs none for its
     frozen base, so the base stays bf16 (half the memory, no cast per forward) and PEFT keeps the adapter in float32.
     The base is then the very tensors a worker loads from the same checkpoint."""
-    from echo2.learner.args import master_dtype
+    from echo2.learner.args import master_dtype, peft_config
 
     cfg, trainer, source, _ = lora_run(tmp_path, "run.steps=2", "model.dtype=bfloat16", "learner.bf16=true",
                                        "learner.learning_rate=1e-3")
@@ -64,7 +66,25 @@ def test_under_bf16_a_lora_learner_keeps_its_frozen_base_in_the_models_dtype_and
     assert changed and all(".lora_" in n for n in changed), sorted(changed)[:3]
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     weights = trainer.weights()
-    assert weights.dtype == "bfloat16" and weights.compute_dtype == "bfloat16"  # the probe runs on the bf16 base
+    assert weights.dtype == "bfloat16" and weights.compute_dtype == "float32"
+    # the probe reads the bf16 base in float32: it is the probe of the same weights held in float32 (the checkpoint
+    # rounded to bf16 as the learner loaded it, the trained adapter copied in), to float noise
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).float()
+    upcast = get_peft_model(base, peft_config(cfg)).eval()
+    live = dict(trainer.model.named_parameters())
+    with torch.no_grad():
+        for name, p in upcast.named_parameters():
+            p.copy_(live[name])
+    assert {p.dtype for p in upcast.parameters()} == {torch.float32}
+    ids = list(range(3, 20))
+    expected = probe_logprobs(upcast, ids)
+    torch.testing.assert_close(weights.probe_logprobs(ids), expected, atol=1e-5, rtol=0)
+    assert {p.dtype for n, p in trainer.model.named_parameters() if ".lora_" not in n} == {torch.bfloat16}
+    in_bf16 = probe_logprobs(trainer.model, ids)  # the same weights' forward in bf16, for contrast
+    assert max(abs(a - b) for a, b in zip(in_bf16, expected)) > 1e-4
     assert {t.dtype for t in snapshot.decode(written(weights)).values()} == {torch.bfloat16}
     full = compose(["model.dtype=bfloat16", "learner.bf16=true"])
     assert master_dtype(full) == "float32"  # full fine-tuning keeps its fp32 masters (and probes in float32)

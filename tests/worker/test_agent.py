@@ -55,13 +55,14 @@ def test_a_plain_http_worker_stays_on_http(tmp_path):
     ("float32", "float32", "float32", 1e-3),    # float32 everywhere: float noise only
     ("float32", "bfloat16", "float32", 0.25),   # a bf16 snapshot served in float32: its weights' rounding
     ("bfloat16", "bfloat16", "float32", 0.5),   # a bf16 engine rounds every activation too
-    ("float32", "bfloat16", "bfloat16", 0.5),   # so does a bf16 probe (a bf16 LoRA base, DeepSpeed's bf16 weights)
+    ("float32", "bfloat16", "bfloat16", 0.5),   # so does a bf16 probe (ZeRO-3 in DeepSpeed's bf16 mode)
     ("float32", "float32", "bfloat16", 0.5),
 ])
 def test_the_probe_tolerance_allows_for_half_precision_on_either_side(engine, snapshot, probe, nats):
-    """A bf16 LoRA base's probe (bf16 activations) was 0.26 nats from a float32 vLLM engine on SmolLM2-135M: past
-    0.25, the worker refused every version. The manifest states the probe's compute dtype, and the worker allows
-    for it as for its own engine's."""
+    """A probe computed in bf16 (a bf16 LoRA base's, before it was read in float32) was 0.26 nats from a float32
+    vLLM engine on SmolLM2-135M: past 0.25, the worker refused every version. The manifest states the probe's
+    compute dtype (bf16 under ZeRO-3 in DeepSpeed's bf16 mode), and the worker allows for it as for its own
+    engine's."""
     from echo2.worker.agent import default_probe_tolerance
 
     assert default_probe_tolerance(engine, snapshot, probe) == nats
