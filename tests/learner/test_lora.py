@@ -183,3 +183,29 @@ def test_parameter_counts_read_zero3s_full_sizes_not_the_shards_placeholders():
         p.ds_numel = p.numel()
         p.data = torch.empty(0)
     assert parameter_counts(model) == (8, 23)
+
+
+def test_reading_bf16_weights_in_float32_leaves_them_as_they_were_even_when_the_forward_raises():
+    """echo2.models.probe.float32_compute: the forward sees float32 copies, one module at a time; afterwards every
+    parameter is the very bf16 tensor it was, hooks gone, also after a forward that raised half-way."""
+    from echo2.models.probe import float32_compute
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    before = [p for p in model.parameters()]
+    seen = []
+    model[2].register_forward_hook(lambda m, a, o: seen.append(m.weight.dtype))  # runs before float32_compute's
+    x = torch.randn(3, 4)
+    with float32_compute(model):
+        out = model(x)
+    assert out.dtype == torch.float32 and seen == [torch.float32]
+    exact = x @ model[0].weight.float().T + model[0].bias.float()
+    torch.testing.assert_close(out, torch.relu(exact) @ model[2].weight.float().T + model[2].bias.float())
+    assert [p for p in model.parameters()] == before and all(p.dtype == torch.bfloat16 for p in before)
+
+    boom = model[2].register_forward_hook(lambda m, a, o: 1 / 0)
+    with pytest.raises(ZeroDivisionError), float32_compute(model):
+        model(x)
+    boom.remove()
+    assert all(a is b for a, b in zip(model.parameters(), before)), "a float32 copy was left in place"
+    assert not any("_echo2_half" in m.__dict__ for m in model.modules())
+    assert model(x.to(torch.bfloat16)).dtype == torch.bfloat16  # the hooks are gone
