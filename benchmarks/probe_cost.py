@@ -36,9 +36,11 @@ def main() -> None:
 
     configure_process()
     path = from_gguf_wheel()
-    models = {dtype: get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager"),
-                                    LoraConfig(r=8, lora_alpha=32, target_modules="all-linear")).eval()
-              for dtype in (torch.float32, torch.bfloat16)}
+    def lora(dtype):
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+        return get_peft_model(base, LoraConfig(r=8, lora_alpha=32, target_modules="all-linear")).eval()
+
+    models = {dtype: lora(dtype) for dtype in (torch.float32, torch.bfloat16)}
     ids = probe_tokens(models[torch.float32].get_input_embeddings().weight.shape[0])
     ways = {"base float32": (models[torch.float32], nullcontext),
             "base bf16, read in bf16": (models[torch.bfloat16], nullcontext),
@@ -49,7 +51,7 @@ def main() -> None:
             times = []
             for _ in range(a.reps):
                 t0 = time.perf_counter()
-                with torch.no_grad(), reading(model) if reading is float32_compute else reading():
+                with torch.no_grad(), reading(model):  # nullcontext(model) or float32_compute(model)
                     probe_logprobs(model, ids)
                 times.append(time.perf_counter() - t0)
             seconds[way].append(statistics.median(times))

@@ -52,8 +52,9 @@ failure).
 Reported (and with --json as JSON): whether the run finished (the learner stopped by SIGTERM, summary.json written);
 the learner's steps/s in --window-s windows of the hostile phase against the calm phase's (goal: every window >=
 --pace-goal, 0.8), and with --loaded-minutes also against a loaded phase's (calm, with a process burning the cores the
-hostile clients' own processes take here, --load-cores: what the attacks cost beyond their clients' CPU); the coordinator process's memory (sampled every second: goal, the hostile phase's peak of its own
-heap, RssAnon, within --memory-goal-mib, 64, of the calm phase's; the total, VmRSS, is reported too: it also holds
+hostile clients' own processes take here, --load-cores: what the attacks cost beyond their clients' CPU); the
+coordinator process's memory (sampled every second: goal, the hostile phase's peak of its own heap, RssAnon, within
+--memory-goal-mib, 64, of the calm phase's; the total, VmRSS, is reported too: it also holds
 the snapshots mapped from the learner, a whole snapshot on a real model; their growth over calm is reported in
 snapshots, slow_relay_reader's aim); per kind, what its client was told and
 what the coordinator did (its metrics, summary.json's rollout_accounting, coordinator.log); what was trained on, by
