@@ -93,8 +93,9 @@ def micro_batches(cfg: Any, world_size: int) -> tuple[int, int]:
 def master_dtype(cfg: Any) -> str:
     """The dtype the learner loads its weights in: float32 under learner.bf16 (bf16 is the compute dtype: autocast,
     or DeepSpeed's bf16 mode with fp32 master weights in the optimizer), else model.dtype. With a LoRA adapter
-    (``learner.lora``) the base is frozen and needs no fp32 master copy: it stays in model.dtype, and PEFT keeps the
-    adapter it trains in float32 (as TRL loads a bf16 model for LoRA); the workers hold the same base."""
+    (``learner.lora``) the base is frozen and needs no fp32 master copy: it stays in model.dtype, and the adapter it
+    trains has float32 weights (PEFT's own cast with one process; DeepSpeed's master copy under ZeRO), as TRL loads a
+    bf16 model for LoRA; the workers hold the same base."""
     return "float32" if cfg.learner.bf16 and cfg.learner.lora.rank is None else cfg.model.dtype
 
 

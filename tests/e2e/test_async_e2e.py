@@ -217,8 +217,9 @@ def test_local_pool_passes_engine_settings_to_each_agent(monkeypatch, tmp_path):
 def test_a_lora_policy_served_by_a_vllm_worker_is_on_policy_at_s0(tmp_path):
     """The LoRA smoke run, in the precision a GPU run takes by default (a bf16 model, learner.bf16: the learner's
     frozen base in bf16, its adapter in float32, the worker serving bf16): a rank-4 adapter trained from one vLLM
-    worker that merges each version it is sent; at S = 0 every token's importance ratio (learner's PEFT forward against the worker's behaviour logprobs) is 1 within
-    float noise, only the adapter is published, every version is applied and proven, and the books balance."""
+    worker that merges each version it is sent; at S = 0 every token's importance ratio (learner's PEFT forward
+    against the worker's behaviour logprobs) is 1 within float noise, only the adapter is published, every version
+    is applied and proven, and the books balance."""
     steps = 8
     cfg, trainer, source, acc, records = train(tmp_path, [
         "pool.workers=1", "learner.lora.rank=4", "rollout.staleness=0", "broadcast.interval=1",

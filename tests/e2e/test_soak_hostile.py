@@ -19,9 +19,9 @@ from conftest import ROOT
 # clients in 10 s windows; heartbeats and deadlines short enough that the reaper retires a silent id and benches
 # the hoarder within that; the outsider holds 30 half-open connections per target, not 100; a loaded phase of 6 s
 # (a process burning half a core, the stand-in for the clients' own CPU) between calm and hostile.
-SHORT = ["--minutes", "0.9", "--calm-minutes", "0.25", "--loaded-minutes", "0.1", "--window-s", "10", "--engine", "hf",
-         "--workers", "1", "--heartbeat-s", "5", "--deadline-floor-s", "3", "--half-open", "30", "--silent-every-s", "8",
-         "--start-timeout-s", "180"]
+SHORT = ["--minutes", "0.9", "--calm-minutes", "0.25", "--loaded-minutes", "0.1", "--window-s", "10",
+         "--engine", "hf", "--workers", "1", "--heartbeat-s", "5", "--deadline-floor-s", "3", "--half-open", "30",
+         "--silent-every-s", "8", "--start-timeout-s", "180"]
 
 
 @pytest.mark.slow

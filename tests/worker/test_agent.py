@@ -60,9 +60,9 @@ def test_a_plain_http_worker_stays_on_http(tmp_path):
 ])
 def test_the_probe_tolerance_allows_for_half_precision_on_either_side(engine, snapshot, probe, nats):
     """A probe computed in bf16 (a bf16 LoRA base's, before it was read in float32) was 0.26 nats from a float32
-    vLLM engine on SmolLM2-135M: past 0.25, the worker refused every version. The manifest states the probe's
-    compute dtype (bf16 under ZeRO-3 in DeepSpeed's bf16 mode), and the worker allows for it as for its own
-    engine's."""
+    vLLM engine on SmolLM2-135M: past 0.25, the worker refused the first version and the run stopped. The manifest
+    states the probe's compute dtype (bf16 under ZeRO-3 in DeepSpeed's bf16 mode), and the worker allows for it as
+    for its own engine's."""
     from echo2.worker.agent import default_probe_tolerance
 
     assert default_probe_tolerance(engine, snapshot, probe) == nats
