@@ -414,14 +414,18 @@ def cpu_seconds(procs: dict[str, subprocess.Popen]) -> dict[str, dict[int, float
     return out
 
 
-def cpu_used(before: dict, after: dict, wall_s: float) -> dict[str, float]:
+def cpu_used(before: dict, after: dict, wall_s: float, trainer_pid: int | None = None) -> dict[str, float]:
     """Cores used between two cpu_seconds snapshots, by role: the learner (with its coordinator and reward
-    processes), the honest workers (with their engines), the hostile clients; and the whole machine's cores."""
+    processes), of which the trainer (the learner's own process, ``trainer_pid``: the training step), the honest
+    workers (with their engines), the hostile clients; and the whole machine's cores."""
     roles = {"learner": ["learner"], "honest": [n for n in after if n.startswith("honest")],
              "hostile": [n for n in after if n in HOSTILE_KINDS], "load": [n for n in after if n == "load"]}
     used = {role: round(sum(cpu - before.get(n, {}).get(pid, 0.0)
                             for n in names for pid, cpu in after.get(n, {}).items()) / wall_s, 2)
             for role, names in roles.items()}
+    if trainer_pid is not None and trainer_pid in after.get("learner", {}):
+        used["trainer"] = round((after["learner"][trainer_pid] - before.get("learner", {}).get(trainer_pid, 0.0))
+                                / wall_s, 2)
     return {**used, "machine_cores": os.cpu_count()}
 
 
@@ -441,13 +445,23 @@ class HostileSoak:
         self.samples: list[dict] = []  # GET /status, every second: latency, held groups, benched ids
         self.t_go = None
 
+    def cores(self, role: str) -> set[int] | None:
+        """The cores a process of ``role`` runs on (--learner-core): the learner's tree on its core, every other
+        process (workers and their engines, hostile clients, the burner) on the rest; None: anywhere."""
+        core = self.args.learner_core
+        if core is None:
+            return None
+        return {core} if role == "learner" else set(range(os.cpu_count() or 1)) - {core}
+
     def _start(self, name: str, cmd: list[str], env: dict, log: Path, nice: int = 0) -> subprocess.Popen:
         from echo2.learner.sources.pool import _child_setup
 
-        setup = _child_setup(None)
+        setup, cores = _child_setup(None), self.cores(name)
 
         def preexec() -> None:
             setup()
+            if cores is not None:  # inherited by what it starts: the learner's coordinator and reward processes
+                os.sched_setaffinity(0, cores)
             if nice:
                 os.nice(nice)
 
@@ -480,14 +494,15 @@ class HostileSoak:
             "run.wandb=disabled", f"hydra.run.dir={self.out}", *a.override],
             dict(self.env, ECHO2_SLOW_REWARD_S=str(a.slow_reward_s)), self.out / "learner.out")
         for i in range(a.workers):  # honest agents, as launchers start them, each with its own credential
+            cores = self.cores("honest")
             env = dict(self.env, ECHO2_TOKEN=self.credential(f"honest{i}"),
-                       VLLM_CPU_OMP_THREADS_BIND=str(engine_core(i)))
+                       VLLM_CPU_OMP_THREADS_BIND=str(engine_core(i, sorted(cores) if cores else None)))
             port = self.victim_port if i == 0 else 0
             self._start(f"honest{i}", [
                 sys.executable, "-m", "echo2.worker", "--coordinator", str(self.out / "coordinator.json"), "--model",
                 model, "--engine", a.engine, "--dtype", "float32", "--max-groups", "4", "--snapshot-port", str(port),
                 "--reconnect-timeout-s", "300", "--engine-log", str(self.out / f"honest{i}.engine.log")],
-                env, self.out / f"honest{i}.log")
+                env, self.out / f"honest{i}.log", nice=a.workers_nice)
 
     def start_hostile(self) -> None:
         """One client of each kind, started after the learner's first step (so that a dozen interpreters importing
@@ -513,11 +528,12 @@ class HostileSoak:
 
     def start_load(self) -> None:
         """The loaded phase's stand-in for the hostile clients' own CPU: one process busy ``--load-cores`` of each
-        10 ms (a core at most), on the run's cores as the clients are."""
+        10 ms (a core at most), on the run's cores and at their niceness (--hostile-nice), as the clients are."""
         busy_s = min(1.0, self.args.load_cores) * 0.01
         loop = ("import time\nwhile True:\n t = time.perf_counter()\n while time.perf_counter() - t < "
                 f"{busy_s!r}: pass\n time.sleep({0.01 - busy_s!r})\n")
-        self._start("load", [sys.executable, "-c", loop], self.env, self.out / "hostile" / "load.log")
+        self._start("load", [sys.executable, "-c", loop], self.env, self.out / "hostile" / "load.log",
+                    nice=self.args.hostile_nice)
 
     def poll_status(self, phase: str) -> None:
         from echo2.net.http import Client
@@ -575,7 +591,8 @@ class HostileSoak:
                     raise SystemExit(f"learner exited during the soak: see {self.out / 'learner.out'}")
                 self.poll_status(phase)
                 time.sleep(max(0.0, 1.0 - (time.monotonic() % 1.0)))
-            self.cpu[phase] = cpu_used(cpu0, cpu_seconds(self.procs), time.monotonic() - t0)
+            self.cpu[phase] = cpu_used(cpu0, cpu_seconds(self.procs), time.monotonic() - t0,
+                                       trainer_pid=self.procs["learner"].pid)
         end_split = len(steps_of(self.out))  # the steps after this one come after the hostile clients
         terminate([self.procs[k] for k in kinds_of(a)], timeout_s=30)  # first: each writes its report
         learner = self.procs["learner"]
@@ -833,6 +850,7 @@ def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list
     return {"out": str(out), "finished": bool(summary) and summary.get("stopped_by") == "SIGTERM",
             "steps": summary.get("steps"), "pace": p, "pace_goal": pace_goal, "pace_goal_met": pace_met,
             "load_cores": getattr(args, "load_cores", None) if "loaded" in p else None, "coordinator_memory": memory,
+            "placement": {k: getattr(args, k, None) for k in ("learner_core", "workers_nice", "hostile_nice")},
             "kinds": kinds, "slow_reward": SLOW_REWARD, "books": books, "honest": honest, "honest_verdict": honest_ok,
             "status_latency_s": {ph: {"p50": v[len(v) // 2], "max": v[-1]} if v else {} for ph, v in latency.items()},
             "honest_waited_share": honest_waited,
@@ -1001,7 +1019,8 @@ def hostile_table(r: dict) -> str:
     bad = [name for name, held in r["honest_verdict"].items() if not held]
     lines += ["", f"honest workers: {'ok' if not bad else 'FAILED: ' + ', '.join(bad)}; {r['honest']}",
               f"calm windows / calm: {p['calm'].get('window_ratios')}",
-              f"cores used (by phase): {r.get('cpu_cores')}", "", f"slow reward: {r['slow_reward']}", "",
+              f"cores used (by phase): {r.get('cpu_cores')}", f"placement: {r.get('placement')}", "",
+              f"slow reward: {r['slow_reward']}", "",
               f"books: {r['books']}", f"GET /status latency: {r['status_latency_s']}",
               f"honest workers' pulls waiting with nothing handed out, share of the time by why: "
               f"{r.get('honest_waited_share')}",
@@ -1041,6 +1060,15 @@ def main() -> None:
                    help="run the hostile clients at this niceness (0-19): here they share the run's cores, which "
                         "their own machines would not; a high value tells their own CPU from what the run spends "
                         "on them")
+    h.add_argument("--workers-nice", type=int, default=0,
+                   help="run the honest workers (and their engines) at this niceness: with --hostile-nice at the "
+                        "same value, every process that would run on a machine of its own elsewhere yields the "
+                        "learner host's cores to the learner, its coordinator and reward processes")
+    h.add_argument("--learner-core", type=int, default=None,
+                   help="pin the learner (its trainer, coordinator and reward processes) to this core and every "
+                        "other process of the soak to the others: the learner host's CPU is its own, as on a real "
+                        "deployment, where the workers and the clients run on machines of their own (here they "
+                        "share the other cores, the honest worker's generation slowed by the clients' CPU)")
     h.add_argument("--loaded-minutes", type=float, default=0.0,
                    help="a loaded phase after the calm one: calm, with one process burning --load-cores of the run's "
                         "cores, the CPU the hostile clients' own processes take here; each hostile window's pace is "

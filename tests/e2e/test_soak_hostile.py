@@ -48,6 +48,8 @@ def test_a_short_hostile_soak_keeps_the_run_going_and_trains_on_nothing_forged(t
     assert windows and min(w["steps"] for w in windows) > 0, r["pace"]
     assert r["pace"]["loaded"]["steps"] > 2 and all("ratio_loaded" in w for w in windows), r["pace"]
     assert r["cpu_cores"]["loaded"]["load"] > 0.2, r["cpu_cores"]  # the burner burned
+    calm = r["cpu_cores"]["calm"]
+    assert 0 < calm["trainer"] < calm["learner"], calm  # the trainer's share, beside its coordinator's processes
     assert r["honest"]["honest0"]["snapshots"]["hostile"] > 0, r["honest"]  # the victim still took its snapshots
     assert r["coordinator_memory"]["within_goal"], r["coordinator_memory"]
 
@@ -70,3 +72,16 @@ def test_the_pace_is_judged_against_calm_and_against_the_loaded_phase():
     assert [round(w["ratio_loaded"], 2) for w in p["windows"]] == [1.0, 0.5]
     assert p["min_ratio_loaded"] == pytest.approx(0.5)
     assert "loaded" not in pace(steps, (32, len(steps), 1), 10.0)  # an older run's split: no loaded phase
+
+
+def test_the_cores_of_the_trainer_are_told_from_its_coordinator_and_reward_processes():
+    """soak.cpu_used on made-up CPU seconds: the learner's tree (trainer pid 10, coordinator 11, a reward process 12
+    that started during the phase) used 3 + 1 + 0.5 s in 5 s; the trainer alone 3 s."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from soak import cpu_used
+
+    before = {"learner": {10: 7.0, 11: 2.0}, "honest0": {20: 1.0}, "hoarder": {30: 0.0}}
+    after = {"learner": {10: 10.0, 11: 3.0, 12: 0.5}, "honest0": {20: 3.0}, "hoarder": {30: 0.5}}
+    used = cpu_used(before, after, 5.0, trainer_pid=10)
+    assert (used["learner"], used["trainer"], used["honest"], used["hostile"]) == (0.9, 0.6, 0.4, 0.1)
+    assert "trainer" not in cpu_used(before, after, 5.0)

@@ -19,9 +19,10 @@ from conftest import ROOT, build_run, descendants, read_jsonl, run_train, small_
 @pytest.mark.slow
 def test_a_sweep_has_one_wandb_group_job_names_from_overrides_and_a_report(tmp_path):
     """The issue's sweep shape, shrunk to two jobs (one swept key of two values, one key fixed; CI time): async runs
-    with local hf workers, one wandb group, each job named by its swept value only, and one report of both."""
+    with a local hf worker (one, not the default two: CI time), one wandb group, each job named by its swept value
+    only, and one report of both."""
     sweep = tmp_path / "sweep"
-    out = run_train(["-m", "broadcast=pipelined,one_to_many", "rollout.staleness=2", "pool.engine=hf",
+    out = run_train(["-m", "broadcast=pipelined,one_to_many", "rollout.staleness=2", "pool.engine=hf", "pool.workers=1",
                      "run.steps=3", "run.eval_every_steps=0", "run.progress=false", f"hydra.sweep.dir={sweep}"],
                     tmp_path, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
