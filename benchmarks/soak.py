@@ -61,8 +61,10 @@ what the coordinator did (its metrics, summary.json's rollout_accounting, coordi
 credential (consumed.jsonl against the journal's received and distrusted groups: nothing of the forger after it was
 retired, nothing of any other hostile kind at all; the forger's groups consumed in the unchecked steps before its
 first checked batch are trained on, and counted); that no honest worker was flagged, retired, struck or benched;
-whether the books balance (dispatched = consumed + dropped + lost); the cores each role used per phase (everything
-shares this machine: on a real deployment the hostile clients' own CPU is not the learner host's); and any process
+whether the books balance (dispatched = consumed + dropped + lost); the cores each role used per phase, the trainer's
+own (the learner's process) apart (everything shares this machine: on a real deployment the hostile clients' own CPU
+is not the learner host's; --learner-core N, with ``--override 'rollout.source.coordinator_cores=[M]'``, gives the
+trainer a core of its own, --workers-nice and --hostile-nice lower the others' priority); and any process
 left behind (the soak is the child subreaper of everything it starts, so orphans are found). ``--report-only
 RUN_DIR`` reports again on a finished run's directory.
 """
