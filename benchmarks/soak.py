@@ -455,15 +455,33 @@ class HostileSoak:
             return None
         return {core} if role == "learner" else set(range(os.cpu_count() or 1)) - {core}
 
+    def clients_group(self) -> Path | None:
+        """The CPU cgroup (v1 cpu controller) the hostile clients and the burner share (--clients-cpu-shares), made
+        on first use; None: none asked for."""
+        shares = self.args.clients_cpu_shares
+        if shares is None:
+            return None
+        if getattr(self, "_group", None) is None:
+            root = Path("/sys/fs/cgroup/cpu")
+            if not (root / "cpu.shares").exists():
+                raise SystemExit("--clients-cpu-shares needs cgroup v1's cpu controller at /sys/fs/cgroup/cpu")
+            self._group = root / f"echo2-soak-{os.getpid()}"
+            self._group.mkdir()
+            (self._group / "cpu.shares").write_text(str(shares))
+        return self._group
+
     def _start(self, name: str, cmd: list[str], env: dict, log: Path, nice: int = 0) -> subprocess.Popen:
         from echo2.learner.sources.pool import _child_setup
 
         setup, cores = _child_setup(None), self.cores(name)
+        group = self.clients_group() if name in HOSTILE_KINDS or name == "load" else None
 
         def preexec() -> None:
             setup()
             if cores is not None:  # inherited by what it starts: the learner's coordinator and reward processes
                 os.sched_setaffinity(0, cores)
+            if group is not None:  # one scheduling entity for all of them, whatever their number
+                (group / "cgroup.procs").write_text(str(os.getpid()))
             if nice:
                 os.nice(nice)
 
@@ -620,6 +638,11 @@ class HostileSoak:
         from echo2.learner.sources.pool import terminate
 
         terminate([p for p in self.procs.values() if p.poll() is None], timeout_s=30)
+        group = getattr(self, "_group", None)
+        if group is not None:
+            for pid in (group / "cgroup.procs").read_text().split():  # none should be left; if one is, it leaves
+                Path("/sys/fs/cgroup/cpu/cgroup.procs").write_text(pid)
+            group.rmdir()
 
 
 def steps_of(out: Path) -> list[dict]:
@@ -852,7 +875,8 @@ def hostile_report(out: Path, split: tuple[int, ...], t_go: float, samples: list
     return {"out": str(out), "finished": bool(summary) and summary.get("stopped_by") == "SIGTERM",
             "steps": summary.get("steps"), "pace": p, "pace_goal": pace_goal, "pace_goal_met": pace_met,
             "load_cores": getattr(args, "load_cores", None) if "loaded" in p else None, "coordinator_memory": memory,
-            "placement": {k: getattr(args, k, None) for k in ("learner_core", "workers_nice", "hostile_nice")},
+            "placement": {k: getattr(args, k, None) for k in ("learner_core", "workers_nice", "hostile_nice",
+                                                                "clients_cpu_shares")},
             "kinds": kinds, "slow_reward": SLOW_REWARD, "books": books, "honest": honest, "honest_verdict": honest_ok,
             "status_latency_s": {ph: {"p50": v[len(v) // 2], "max": v[-1]} if v else {} for ph, v in latency.items()},
             "honest_waited_share": honest_waited,
@@ -1066,6 +1090,12 @@ def main() -> None:
                    help="run the honest workers (and their engines) at this niceness: with --hostile-nice at the "
                         "same value, every process that would run on a machine of its own elsewhere yields the "
                         "learner host's cores to the learner, its coordinator and reward processes")
+    h.add_argument("--clients-cpu-shares", type=int, default=None,
+                   help="put the hostile clients (and the burner) in one CPU cgroup with these cpu.shares (1024: "
+                        "together they weigh what one ordinary process does): they attack at full rate while a core "
+                        "is free, and when the cores are contended they share one process's turn, as clients on "
+                        "machines of their own would not compete at all; per-process niceness cannot do that for 15 "
+                        "processes (Linux cgroup v1 cpu controller, root)")
     h.add_argument("--learner-core", type=int, default=None,
                    help="pin the learner (its trainer, coordinator and reward processes) to this core and every "
                         "other process of the soak to the others: the learner host's CPU is its own, as on a real "
