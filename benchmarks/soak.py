@@ -64,7 +64,8 @@ first checked batch are trained on, and counted); that no honest worker was flag
 whether the books balance (dispatched = consumed + dropped + lost); the cores each role used per phase, the trainer's
 own (the learner's process) apart (everything shares this machine: on a real deployment the hostile clients' own CPU
 is not the learner host's; --learner-core N, with ``--override 'rollout.source.coordinator_cores=[M]'``, gives the
-trainer a core of its own, --workers-nice and --hostile-nice lower the others' priority); and any process
+trainer a core of its own, --workers-nice and --hostile-nice lower the others' priority, --clients-cpu-shares puts
+the clients in one CPU cgroup); and any process
 left behind (the soak is the child subreaper of everything it starts, so orphans are found). ``--report-only
 RUN_DIR`` reports again on a finished run's directory.
 """
