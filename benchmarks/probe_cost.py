@@ -36,6 +36,7 @@ def main() -> None:
 
     configure_process()
     path = from_gguf_wheel()
+
     def lora(dtype):
         base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
         return get_peft_model(base, LoraConfig(r=8, lora_alpha=32, target_modules="all-linear")).eval()

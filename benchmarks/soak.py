@@ -73,6 +73,7 @@ RUN_DIR`` reports again on a finished run's directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -642,7 +643,8 @@ class HostileSoak:
         group = getattr(self, "_group", None)
         if group is not None:
             for pid in (group / "cgroup.procs").read_text().split():  # none should be left; if one is, it leaves
-                Path("/sys/fs/cgroup/cpu/cgroup.procs").write_text(pid)
+                with contextlib.suppress(ProcessLookupError):  # or it exited since
+                    Path("/sys/fs/cgroup/cpu/cgroup.procs").write_text(pid)
             group.rmdir()
 
 
@@ -1089,8 +1091,9 @@ def main() -> None:
                         "on them")
     h.add_argument("--workers-nice", type=int, default=0,
                    help="run the honest workers (and their engines) at this niceness: with --hostile-nice at the "
-                        "same value, every process that would run on a machine of its own elsewhere yields the "
-                        "learner host's cores to the learner, its coordinator and reward processes")
+                        "same value, every process that would run on a machine of its own elsewhere has a lower "
+                        "priority than the learner's (measured at 5: the 15 clients still took the trainer's core; "
+                        "--learner-core keeps them apart)")
     h.add_argument("--clients-cpu-shares", type=int, default=None,
                    help="put the hostile clients (and the burner) in one CPU cgroup with these cpu.shares (1024: "
                         "together they weigh what one ordinary process does): they attack at full rate while a core "
