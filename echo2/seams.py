@@ -71,9 +71,12 @@ class Weights(Protocol):
     local: bool  # True: this process can write the snapshot alone; False: sharded, every learner rank joins write()
     written: bool  # whether write() has started (its gathers are collectives: a rank that failed before joins them)
     adapter: Any  # a LoRA policy's broadcast.adapter.AdapterSpec (the snapshot holds only the adapter), or None
+    base_dtype: str  # the dtype the weights the snapshot leaves out are held in (a LoRA policy's frozen base)
+    device: str  # where the learner computes ("cpu", "cuda"): where a probe it computes would run
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
-        """Called before each publish (by every learner rank when sharded): the policy's logprobs of fixed tokens."""
+        """Called before each publish (by every learner rank when sharded) where the learner computes the probe
+        (``RemoteSource.learner_probe_ids``): the policy's logprobs of fixed tokens."""
         ...
 
     def write(self, path: str | None) -> None:
@@ -151,9 +154,14 @@ class RemoteSource(RolloutSource, Protocol):
         """The first half of ``on_version``: the new version is live; returns whether a snapshot is due now."""
         ...
 
+    def learner_probe_ids(self, weights: Weights) -> list[int] | None:
+        """Before each publish: the probe tokens, where the learner computes the probe of ``weights``' snapshot;
+        None where the coordinator computes it from the snapshot (``rollout.source.probe_on``)."""
+        ...
+
     def publish(self, version: int, weights: Weights, probe: list[float] | None = None) -> None:
         """The second half: hand snapshot ``version`` to the broadcaster with its probe logprobs (computed here
-        when None)."""
+        when None and the learner computes them)."""
         ...
 
 
@@ -173,10 +181,11 @@ class Broadcaster(Protocol):
     """Set by the coordinator before the first publish: the learner process's epoch, signed into every manifest and
     order (a worker takes nothing of an older epoch)."""
 
-    def publish(self, version: int, blob: bytes, probe: dict | None = None) -> None:
+    def publish(self, version: int, blob: bytes, probe: Any = None) -> None:
         """Called every κ learner steps with the new weights as snapshot bytes (``snapshot.encode``) and the
-        learner's probe logprobs of them (for the workers' check); returns at once (the send runs in the
-        background; a newer snapshot supersedes one not yet sent)."""
+        learner's probe logprobs of them (for the workers' check), or a callable that computes the probe from the
+        bytes (the coordinator's prober; called in the background before the manifest is signed); returns at once
+        (the send runs in the background; a newer snapshot supersedes one not yet sent)."""
         ...
 
     def add_peer(self, peer_id: str, url: str, relay_addr: str | None = None, server_name: str | None = None) -> None:
@@ -218,8 +227,11 @@ class CoordinatorCalls(Protocol):
         """The learner's new version: what became too stale is dropped, dispatch judges by it."""
         ...
 
-    def publish(self, version: int, snapshot: str | bytes, probe: dict | None = None) -> None:
-        """Snapshot ``version`` for the broadcaster: its bytes, or the path of the learner's memory file."""
+    def publish(self, version: int, snapshot: str | bytes, probe: dict | None = None,
+                probe_dtype: str | None = None) -> None:
+        """Snapshot ``version`` for the broadcaster: its bytes, or the path of the learner's memory file.
+        ``probe_dtype``: the probe's logprobs are computed by the coordinator's probe process, on the learner's model
+        held in that dtype."""
         ...
 
     def metrics(self) -> dict[str, float]:

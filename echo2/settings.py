@@ -97,6 +97,9 @@ class CoordinatorSettings:
 
     steps_per_batch: int = 1  # μ (learner.num_iterations): the learner takes a batch every μ versions
     evaluate: bool = False  # run.eval_on=workers: run-secret workers evaluate the task's held-out rows
+    # the learner's model directory, for probes computed beside the coordinator (coordinator/prober.py); None: the
+    # learner computes every probe itself (rollout.source.probe_on=learner)
+    probe_model: str | None = None
 
     def __post_init__(self):
         if self.steps_per_batch < 1:

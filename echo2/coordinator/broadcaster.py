@@ -56,6 +56,7 @@ import secrets
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -70,8 +71,8 @@ from echo2.broadcast.store import Snapshot, Store
 from echo2.coordinator import blame
 from echo2.coordinator.order_seq import OrderSequence
 from echo2.metrics import (BROADCAST_BYTES, BROADCAST_DELTA_RATIO, BROADCAST_FAILURES, BROADCAST_LATE,
-                           BROADCAST_ORIGIN_BYTES, BROADCAST_PREPARE_S, BROADCAST_REFUSED, BROADCAST_ROUNDS,
-                           BROADCAST_STRIPES, BROADCAST_TIME_S)
+                           BROADCAST_ORIGIN_BYTES, BROADCAST_PREPARE_S, BROADCAST_PROBE_FAILURES, BROADCAST_PROBE_S,
+                           BROADCAST_REFUSED, BROADCAST_ROUNDS, BROADCAST_STRIPES, BROADCAST_TIME_S)
 from echo2.net.http import Client, reachable_host
 from echo2.net.tls import LEARNER_NAME, PEER_NAME
 
@@ -171,6 +172,8 @@ class RelayBroadcaster:
         self.last_time_s = 0.0
         self.last_bytes = 0
         self.last_prepare_s = 0.0
+        self.last_probe_s = 0.0  # computing the last version's probe here (a callable probe: the coordinator's prober)
+        self.probe_failures = 0
         self.last_delta_ratio = 1.0
         self.last_layout: topo.Layout | None = None  # the last round's (logged when it changes; metrics)
         self.failures = 0
@@ -192,13 +195,25 @@ class RelayBroadcaster:
 
     # ------------------------------------------------------------------ the Broadcaster protocol
 
-    def publish(self, version: int, blob: bytes, probe: dict | None = None) -> None:
+    def publish(self, version: int, blob: bytes, probe: dict | Callable[[bytes], dict] | None = None) -> None:
         with self.cond:
             self.incoming = (version, blob, probe, time.monotonic())
             self.cond.notify_all()
 
-    def _prepare(self, version: int, blob: bytes, probe: dict | None = None) -> None:
-        """Digest and sign the snapshot; encode a delta against the previous one when that is smaller."""
+    def _prepare(self, version: int, blob: bytes, probe: dict | Callable[[bytes], dict] | None = None) -> None:
+        """Digest and sign the snapshot; encode a delta against the previous one when that is smaller. A callable
+        ``probe`` computes the probe from the bytes first (the coordinator's prober); if it fails, the version is
+        not published (counted; the next one is)."""
+        if callable(probe):
+            t_probe = time.perf_counter()
+            try:
+                probe = probe(blob)
+            except Exception as e:
+                self.probe_failures += 1
+                log.error("v%d: its probe failed (%s: %s): not published; workers get the next version", version,
+                          type(e).__name__, e)
+                return
+            self.last_probe_s = time.perf_counter() - t_probe
         t0 = time.perf_counter()
         prev = self.store.newest_complete()
         manifest = make_manifest(self.signer, version, blob, self.chunk_bytes, probe=probe, epoch=self.epoch)
@@ -256,6 +271,7 @@ class RelayBroadcaster:
                 BROADCAST_ORIGIN_BYTES: float(self.server.served_bytes),
                 BROADCAST_REFUSED: float(self.server.refused),
                 BROADCAST_DELTA_RATIO: self.last_delta_ratio, BROADCAST_PREPARE_S: self.last_prepare_s,
+                BROADCAST_PROBE_S: self.last_probe_s, BROADCAST_PROBE_FAILURES: float(self.probe_failures),
                 BROADCAST_STRIPES: float(self.last_layout.stripes if self.last_layout else 1)}
 
     def close(self) -> None:

@@ -56,6 +56,7 @@ from echo2.models.identity import mismatch
 from echo2.settings import CoordinatorSettings
 from echo2.coordinator import bounds, evaluation, intake, schemas, verdicts, views
 from echo2.coordinator.on_change import OnChangeHook
+from echo2.coordinator.prober import Prober
 from echo2.coordinator.buffer import StalenessBuffer, worth_dispatching
 from echo2.coordinator.gate import Gate
 from echo2.coordinator.ledger import open_ledger
@@ -108,6 +109,8 @@ class Coordinator:
         self.heartbeat_timeout_s, self.groups_per_pull = s.heartbeat_timeout_s, s.groups_per_pull
         self.long_poll_s = min(s.long_poll_s, s.heartbeat_timeout_s / 4)
         self.broadcaster, self.epoch = broadcaster, s.epoch
+        # probes of published versions, computed here rather than in the learner's step (prober.py; started at the first)
+        self.prober = Prober(s.probe_model) if s.probe_model else None
         self.liveness = Liveness(**dataclasses.asdict(s.liveness))
         self.checks = Checks(s.checks)
         self.lock = threading.Condition()
@@ -617,14 +620,23 @@ class Coordinator:
         with self.lock:
             return {**self.ledger.accounting(), "requests_rejected": _nonzero(self.server.rejected)}
 
-    def publish(self, version: int, snapshot: str | bytes, probe: dict | None = None) -> None:
+    def publish(self, version: int, snapshot: str | bytes, probe: dict | None = None,
+                probe_dtype: str | None = None) -> None:
         """Hand snapshot ``version`` to the broadcaster: its bytes, or the path of the learner's memory file, mapped
-        read-only (no copy; the memory stays while the map does)."""
+        read-only (no copy; the memory stays while the map does). ``probe_dtype``: the probe's logprobs are left to
+        this coordinator's probe process (prober.py), on a model held in that dtype (the learner's frozen weights'),
+        computed on the broadcaster's thread before it signs the manifest."""
         if self.broadcaster is None:
             raise RuntimeError(f"snapshot v{version}: this coordinator has no broadcaster")
         if isinstance(snapshot, str):
             with open(snapshot, "rb") as f:
                 snapshot = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if probe_dtype is not None:
+            if self.prober is None or probe is None:
+                raise ValueError(f"snapshot v{version}: its probe is left to the coordinator, which has no prober "
+                                 "(CoordinatorSettings.probe_model) or no probe tokens")
+            pending, prober = probe, self.prober
+            probe = lambda blob: prober(blob, pending, probe_dtype)  # noqa: E731 - the broadcaster calls it
         self.broadcaster.publish(version, snapshot, probe)
 
     def abort(self) -> None:
@@ -641,6 +653,8 @@ class Coordinator:
     def _close_parts(self) -> None:
         """The broadcaster and the scorer (a reward pool's processes) end with the coordinator."""
         try:
+            if self.prober is not None:  # first: a probe under way ends, and the broadcaster's thread with it
+                self.prober.shutdown()
             if self.broadcaster is not None:
                 self.broadcaster.close()
         finally:

@@ -3,7 +3,8 @@ broadcaster); every rank trains on its own slice of the same batch, and every ra
 
     rank 0                                            every rank r of N
     collect:    source.collect(P groups)  ──broadcast──►  groups[r·P/N : (r+1)·P/N]   (whole groups per rank)
-    on_version: source.advance(v) → due?  ──broadcast──►  if due: probe forward, then gather parameter by parameter
+    on_version: source.advance(v) → due?  ──broadcast──►  if due: probe forward (where the learner probes), then
+                                                             gather parameter by parameter
                 source.publish(v, weights, probe)             (rank 0 writes each into the snapshot as it comes)
                                            ──broadcast──►  publish status
     checkpoint / close: rank 0's answer    ──broadcast──►  the same on every rank
@@ -111,9 +112,10 @@ class ShardedSource:
         self.resumed = (version, weights)
 
     def _publish(self, version: int, weights: Any) -> None:
-        """Every rank: the probe forward and the parameter gathers, in the same order; rank 0 writes."""
-        token_ids = self._share(lambda: self.source.probe_ids)
-        probe = weights.probe_logprobs(token_ids)
+        """Every rank: the probe forward (where the learner computes the probe) and the parameter gathers, in the
+        same order; rank 0 writes."""
+        token_ids = self._share(lambda: self.source.learner_probe_ids(weights))
+        probe = weights.probe_logprobs(token_ids) if token_ids is not None else None  # else the coordinator's
         if self.rank == 0:
             try:
                 self.source.publish(version, weights, probe)

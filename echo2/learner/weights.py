@@ -51,11 +51,16 @@ class PolicyWeights:
         self.sharded = zero3(model)
         self.compute_dtype = "float32" if not self.sharded else \
             str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+        self.base_dtype = self.dtype  # a full snapshot leaves nothing out
+        self.device = next(model.parameters()).device.type  # where the learner computes (and its probe would run)
         if adapter is not None:
             self.tensors: dict[str, Any] = {saved: p for n, p in model.named_parameters()
                                             if (saved := saved_name(n)) and ".default." in n}
             if not self.tensors:
                 raise ValueError("learner.lora is set but the model has no LoRA parameters of the default adapter")
+            # the frozen base, which a probe computed beside the coordinator must hold as this learner does
+            self.base_dtype = str(next(p.dtype for n, p in model.named_parameters()
+                                       if saved_name(n) is None)).removeprefix("torch.")
         else:
             # Each tensor once (a tied LM head is its embedding: named_parameters lists it under its first name, as
             # snapshot._unique does for a state dict), then persistent buffers; in state-dict order.

@@ -69,3 +69,13 @@ def float32_compute(model: Any) -> Iterator[None]:
         for module in model.modules():  # a forward that raised never reached its swap_back
             if "_echo2_half" in module.__dict__:
                 swap_back(module, None, None)
+
+
+def load_full(model: Any, tensors: dict, what: str) -> None:
+    """A full snapshot's tensors into ``model``: every parameter and persistent buffer must be there, except a tied
+    weight (stored once: snapshot.save, encode; its other name shares the loaded tensor) and rotary tables."""
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False)
+            if any(p is q for n, q in model.named_parameters() if n != name)}
+    if unexpected or [m for m in missing if "rotary" not in m and m not in tied]:
+        raise ValueError(f"{what} does not fit the model: missing {missing}, unexpected {unexpected}")

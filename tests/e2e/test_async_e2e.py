@@ -219,7 +219,7 @@ def test_a_lora_policy_served_by_a_vllm_worker_is_on_policy_at_s0(tmp_path):
     frozen base in bf16, its adapter in float32, the worker serving bf16): a rank-4 adapter trained from one vLLM
     worker that merges each version it is sent; at S = 0 every token's importance ratio (learner's PEFT forward
     against the worker's behaviour logprobs) is 1 within float noise, only the adapter is published, every version
-    is applied and proven, and the books balance."""
+    is applied and proven against the probe the coordinator computed from it, and the books balance."""
     steps = 8
     cfg, trainer, source, acc, records = train(tmp_path, [
         "pool.workers=1", "learner.lora.rank=4", "rollout.staleness=0", "broadcast.interval=1",
@@ -232,5 +232,7 @@ def test_a_lora_policy_served_by_a_vllm_worker_is_on_policy_at_s0(tmp_path):
     full = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     published = [r["broadcast/bytes"] for r in records if r.get("broadcast/bytes")]
     assert published and max(published) < full / 5, (published, full)
+    # rollout.source.probe_on=auto: the coordinator's probe process computed every version's probe, not the learner
+    assert all(r["broadcast/probe_failures"] == 0 for r in records) and any(r["broadcast/probe_s"] > 0 for r in records)
     log = (tmp_path / "workers" / "worker0.log").read_text()
     assert "applied snapshot v" in log and "probe within" in log and "differ from the learner's" not in log

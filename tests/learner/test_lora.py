@@ -209,3 +209,53 @@ def test_reading_bf16_weights_in_float32_leaves_them_as_they_were_even_when_the_
     assert all(a is b for a, b in zip(model.parameters(), before)), "a float32 copy was left in place"
     assert not any("_echo2_half" in m.__dict__ for m in model.modules())
     assert model(x.to(torch.bfloat16)).dtype == torch.bfloat16  # the hooks are gone
+
+
+@pytest.mark.parametrize("lora, overrides", [
+    (True, ["model.dtype=bfloat16", "learner.bf16=true", "learner.learning_rate=1e-3"]),
+    (True, ["learner.learning_rate=1e-3"]),
+    (False, ["learner.learning_rate=1e-3"]),
+], ids=["lora-bf16-base", "lora-float32", "full-float32"])
+def test_the_probe_computed_from_the_published_snapshot_is_the_learners_probe_of_it(tmp_path, tiny_model_dir, lora,
+                                                                                      overrides):
+    """What the coordinator's probe process computes (prober.SnapshotProbe: the model loaded from the files
+    in the learner's base dtype, the snapshot's bytes loaded into it, a float32 forward) is what the learner's own
+    probe gives for the weights the snapshot holds: the adapter as published (rounded to bf16 under learner.bf16)
+    on the learner's bf16 base, or the whole model. And it describes the trained policy, not the initial one."""
+    from echo2.coordinator.prober import SnapshotProbe
+
+    run = lora_run if lora else (lambda p, *o: build_run(p, ["rollout=sync", *o]))
+    cfg, trainer, source, _ = run(tmp_path, "run.steps=2", *overrides)
+    trainer.train()
+    weights = trainer.weights()
+    assert weights.base_dtype == ("bfloat16" if "model.dtype=bfloat16" in overrides else "float32")
+    blob = written(weights)
+    ids = list(range(3, 20))
+    beside = SnapshotProbe(tiny_model_dir, weights.base_dtype)
+    got = beside(blob, ids)
+    published = snapshot.decode(blob)  # the learner's live weights set to what the snapshot holds, then probed
+    with torch.no_grad():
+        for name, p in weights.tensors.items():
+            p.copy_(published[name])
+    torch.testing.assert_close(got, weights.probe_logprobs(ids), atol=2e-5, rtol=0)
+    initial = SnapshotProbe(tiny_model_dir, weights.base_dtype)
+    assert max(abs(a - b) for a, b in zip(got, probe_logprobs(initial.model, ids))) > 1e-3  # it moved
+    assert beside(blob, ids) == got  # a second version applied to the same model: loaded again, not added
+
+
+@pytest.mark.parametrize("probe_on, adapter, device, learner_probes", [
+    ("auto", True, "cpu", False),  # a CPU learner's adapter: its publish would be nearly all probe
+    ("auto", True, "cuda", True),  # on a GPU 33 tokens cost little; the probe process would compute on the CPU
+    ("auto", False, "cpu", True),  # full weights would be copied to the probe process whole
+    ("coordinator", False, "cuda", False),
+    ("learner", True, "cpu", True),
+])
+def test_where_each_versions_probe_is_computed(probe_on, adapter, device, learner_probes):
+    from types import SimpleNamespace
+
+    from echo2.learner.sources.async_source import AsyncRolloutSource
+
+    source = SimpleNamespace(probe_on=probe_on, probe_ids=[5, 6, 7])
+    weights = SimpleNamespace(adapter=object() if adapter else None, device=device)
+    got = AsyncRolloutSource.learner_probe_ids(source, weights)
+    assert got == ([5, 6, 7] if learner_probes else None)

@@ -167,15 +167,19 @@ def check_run(run_dir, stage: int, learns: bool = True, steps: int = STEPS) -> N
 def test_zero2_lora_learner_trains_from_remote_workers(tmp_path):
     """A LoRA adapter trained by a 2-process ZeRO-2 learner from workers that merge each version into their weights
     (the hf engine here; vLLM's merge and its LoRA layers are tested on the adapter in tests/worker/test_engines.py):
-    only the adapter is published (a few KB here, against the model's 340 KB), and every check of a ZeRO run holds
+    only the adapter is published (a few KB here, against the model's 340 KB), its probe computed beside the
+    coordinator (no learner rank runs the probe's forward), and every check of a ZeRO run holds
     but learning: a low-rank adapter on the tiny model's random weights learns too slowly for a short run (learning
     with LoRA is measured on a pretrained model: BENCHMARKS.md, "LoRA"), so 12 steps: enough for lagged rollouts."""
     out = run_train(launch(2, "learner.lora.rank=4", "learner.learning_rate=1e-2", steps=12)[1:], tmp_path,
                     launcher=["launchers/learner.sh"], timeout=900)
     assert out.returncode == 0, out.stderr[-5000:]
     check_run(tmp_path, 2, learns=False, steps=12)
-    published = [r["broadcast/bytes"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("broadcast/bytes")]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    published = [r["broadcast/bytes"] for r in records if r.get("broadcast/bytes")]
     assert published and max(published) < 100_000, published[:5]
+    # no rank ran the probe forward (rollout.source.probe_on=auto): the coordinator computed it from each adapter
+    assert all(r["broadcast/probe_failures"] == 0 for r in records) and any(r["broadcast/probe_s"] > 0 for r in records)
 
 
 @pytest.mark.e2e

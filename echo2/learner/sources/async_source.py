@@ -4,8 +4,9 @@
                      ...loss, optimizer step...
                      on_version(t+1) ── coordinator.set_version(t+1)  (evicts what became too stale)
                                      └─ every κ steps: weights.write(memory file) → coordinator.publish(t+1, probe)
-                                        (returns at once; probe: the learner's logprobs of fixed tokens, which every
-                                        worker reproduces with its engine before it claims version t+1)
+                                        (returns at once; probe: the policy's logprobs of fixed tokens, which every
+                                        worker reproduces with its engine before it claims version t+1; computed by
+                                        the learner, or from the snapshot beside the coordinator: ``probe_on``)
 
 With several learner processes only rank 0 holds this source (echo2/learner/distributed.py hands each rank its
 slice and runs the snapshot's gather on every rank); nothing here knows how many learner processes there are.
@@ -63,6 +64,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+PROBE_ON = ("auto", "learner", "coordinator")
+"""Where each published version's probe is computed (``probe_on``): ``learner``, a forward in its step; ``coordinator``,
+from the snapshot in a process beside the coordinator (echo2/coordinator/prober.py), on the CPU; ``auto``, the
+coordinator for a LoRA adapter trained on the CPU (there the forward is nearly all of the adapter's publish: 0.31 s of
+a 4.2 s SmolLM2-135M step), the learner otherwise: on a GPU the forward of 33 tokens is a small part of any step,
+while the probe process would hold the base once more in host memory and compute on the CPU (0.9 s a version on one
+core at Qwen3-0.6B's shape), and a full snapshot would be copied to it whole."""
+
 WAIT_SLICE_S = 2.0
 """Longest single wait on the coordinator: how late a stop request (SIGTERM) or a progress line can be."""
 
@@ -100,7 +109,7 @@ class AsyncRolloutSource:
                  reward_timeout_s: float = CoordinatorSettings.reward_timeout_s,
                  reward_memory_mb: int = CoordinatorSettings.reward_memory_mb,
                  reward_cpu_s: float = CoordinatorSettings.reward_cpu_s,
-                 journal_compact_mb: float | None = CoordinatorSettings.journal_compact_mb):
+                 journal_compact_mb: float | None = CoordinatorSettings.journal_compact_mb, probe_on: str = "auto"):
         """``parts``: the run's parts (seams.RunParts): the ``task`` and ``tokenizer`` the coordinator scores with,
         the ``sampling`` workers use, the ``model_path`` and ``token`` they join with, the ``broadcaster``'s config
         (built in the coordinator's process), the worker ``pool``, the planner's ``activation`` settings and
@@ -129,6 +138,9 @@ class AsyncRolloutSource:
         self.weights: Weights | None = None  # the live weights, kept to republish after a coordinator restart
         self.republish = False  # a restarted coordinator's workers wait for the next snapshot
         self.probe_ids = probe_tokens(len(tokenizer))
+        if probe_on not in PROBE_ON:
+            raise ValueError(f"rollout.source.probe_on={probe_on!r}: expected one of {', '.join(PROBE_ON)}")
+        self.probe_on = probe_on
         self.settings = CoordinatorSettings(
             token=token, staleness=staleness, prompts_per_step=prompts_per_step, group_size=s.n,
             vocab_size=len(tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
@@ -146,7 +158,8 @@ class AsyncRolloutSource:
             # this learner process's epoch: kept by a restarted coordinator, new after a resume (echo2/worker/agent.py)
             epoch=os.urandom(8).hex(), version=self.version,
             steps_per_batch=parts.steps_per_batch,  # a bad value fails here, not in the child
-            evaluate=parts.worker_eval_every_steps > 0)
+            evaluate=parts.worker_eval_every_steps > 0,
+            probe_model=model_path if probe_on != "learner" else None)
         self.eval_every, self.max_steps = parts.worker_eval_every_steps, parts.max_steps
         self.eval_asked: set[int] = set()  # versions asked of the coordinator and not yet answered
         self.eval_next: int | None = None  # the version to ask for once its snapshot is published
@@ -302,18 +315,31 @@ class AsyncRolloutSource:
         self.version = version
         self.publish(version, weights)
 
+    def learner_probe_ids(self, weights: Weights) -> list[int] | None:
+        """The probe tokens where this learner computes the probe of ``weights``' snapshot; None where the
+        coordinator's probe process does (``probe_on``: ``coordinator``, or ``auto`` for a LoRA adapter trained on the
+        CPU; PROBE_ON says why)."""
+        beside = self.probe_on == "coordinator" or (self.probe_on == "auto" and weights.adapter is not None
+                                                    and weights.device == "cpu")
+        return None if beside else self.probe_ids
+
     def publish(self, version: int, weights: Weights, probe: list[float] | None = None) -> None:
         """Hand snapshot ``version`` to the broadcaster: ``weights.write`` streams it into a memory file, with its
         probe (the policy's logprobs of fixed tokens, signed into the manifest with the snapshot's dtype), which a
-        worker's engine must reproduce after applying the snapshot before the worker claims the version.
-        ``probe``: already computed (by every learner rank together, under ZeRO-3)."""
+        worker's engine must reproduce after applying the snapshot before the worker claims the version. The
+        learner computes the probe (``probe``: already computed, by every learner rank together under ZeRO-3), or
+        leaves it to the coordinator's probe process (``learner_probe_ids``), which computes it from the snapshot
+        in float32 off the learner's step (echo2/coordinator/prober.py)."""
         self.weights, self.republish = weights, False
-        if probe is None:
+        here = self.learner_probe_ids(weights) is not None
+        if here and probe is None:
             probe = weights.probe_logprobs(self.probe_ids)
-        manifest_probe = {"token_ids": self.probe_ids, "logprobs": probe, "dtype": weights.dtype,
-                          "compute_dtype": weights.compute_dtype, "adapter": weights.adapter is not None}
+        manifest_probe = {"token_ids": self.probe_ids, "logprobs": probe if here else None, "dtype": weights.dtype,
+                          "compute_dtype": weights.compute_dtype if here else "float32",
+                          "adapter": weights.adapter is not None}
         try:
-            self.coordinator.publish_written(version, weights.write, manifest_probe)
+            self.coordinator.publish_written(version, weights.write, manifest_probe,
+                                             probe_dtype=None if here else weights.base_dtype)
         except CoordinatorDied as e:  # not retried here: a sharded write is a collective, done once per version
             self.weights = self.weights if weights.local else None
             self._restart(e)

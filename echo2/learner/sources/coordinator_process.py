@@ -93,11 +93,13 @@ class CoordinatorProcess:
         """Hand snapshot bytes to the broadcaster in the child; returns once they are written to memory."""
         self._handoff(version, lambda path: Path(path).write_bytes(blob), probe)
 
-    def publish_written(self, version: int, write: Callable[[str], None], probe: dict | None = None) -> None:
-        """Publish what ``write(path)`` streams into a memory file (a sharded learner's gathered weights)."""
-        self._handoff(version, write, probe)
+    def publish_written(self, version: int, write: Callable[[str], None], probe: dict | None = None,
+                        probe_dtype: str | None = None) -> None:
+        """Publish what ``write(path)`` streams into a memory file (a sharded learner's gathered weights).
+        ``probe_dtype``: the coordinator computes the probe's logprobs (Coordinator.publish)."""
+        self._handoff(version, write, probe, probe_dtype)
 
-    def _handoff(self, version: int, write, probe: dict | None) -> None:
+    def _handoff(self, version: int, write, probe: dict | None, probe_dtype: str | None = None) -> None:
         """Write the snapshot into a new memory file and tell the child its path; the child maps it (no copy).
 
         A memory file (snapshot.MemoryFile says why), not a disk file, which would put every snapshot through
@@ -112,7 +114,7 @@ class CoordinatorProcess:
         self.staged.append(fd)
         while len(self.staged) > 2:
             os.close(self.staged.popleft())
-        self._send(CoordinatorCalls.publish, version, path, probe)
+        self._send(CoordinatorCalls.publish, version, path, probe, probe_dtype)
 
     def metrics(self) -> dict[str, float]:
         return self._call(CoordinatorCalls.metrics)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from echo2.models.generate import HFEngine
-from echo2.models.probe import probe_logprobs
+from echo2.models.probe import load_full, probe_logprobs
 from echo2.records import Completion, SamplingParams
 
 
@@ -59,12 +59,7 @@ class HFWorkerEngine:
         if spec is not None:
             return self._merge(version, spec, decode(blob))
         self.off_base = True
-        missing, unexpected = self.model.load_state_dict(decode(blob), strict=False)
-        # A tied weight is stored once (snapshot.save, encode); its other name shares the loaded tensor here.
-        tied = {name for name, p in self.model.named_parameters(remove_duplicate=False)
-                if any(p is q for n, q in self.model.named_parameters() if n != name)}
-        if unexpected or [m for m in missing if "rotary" not in m and m not in tied]:
-            raise ValueError(f"snapshot v{version} does not fit the model: missing {missing}, unexpected {unexpected}")
+        load_full(self.model, decode(blob), f"snapshot v{version}")
         return {}
 
     @torch.no_grad()
