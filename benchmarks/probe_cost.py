@@ -71,8 +71,6 @@ def main() -> None:
 
 
 def beside(reps: int, qwen06b: bool) -> None:
-    import os
-
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -102,12 +100,7 @@ def beside(reps: int, qwen06b: bool) -> None:
                 if "lora_B" in n:
                     p.normal_(0, 0.01)
         weights = PolicyWeights(learner, torch.bfloat16, adapter=AdapterSpec.of_peft(learner.peft_config["default"]))
-        fd, file = snapshot.new_memory_fd()
-        try:
-            weights.write(file)
-            blob = open(file, "rb").read()
-        finally:
-            os.close(fd)
+        blob = snapshot.written_bytes(weights.write)
         del learner, weights
         probe = SnapshotProbe(path, "bfloat16")
         ids = probe_tokens(probe.model.get_input_embeddings().weight.shape[0])

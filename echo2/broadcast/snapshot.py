@@ -158,6 +158,18 @@ def new_memory_fd(name: str = "echo2-snapshot") -> tuple[int, str]:
     return fd, f"/proc/{os.getpid()}/fd/{fd}"
 
 
+def written_bytes(write: Any) -> bytes:
+    """What ``write(path)`` (a PolicyWeights.write) streams into a fresh memory file, read back as bytes: the snapshot
+    as the coordinator's broadcaster gets it (tests, benchmarks)."""
+    fd, path = new_memory_fd()
+    try:
+        write(path)
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def memory_file(data: bytes | memoryview) -> MemoryFile:
     """``data`` copied into a new MemoryFile (for callers that hold plain bytes)."""
     buf = MemoryFile(len(data))

@@ -4,8 +4,6 @@ it into a model transformers loads."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,12 +18,7 @@ def lora_run(tmp_path, *overrides):
 
 
 def written(weights) -> bytes:
-    fd, path = snapshot.new_memory_fd()
-    try:
-        weights.write(path)
-        return open(path, "rb").read()
-    finally:
-        os.close(fd)
+    return snapshot.written_bytes(weights.write)
 
 
 def test_only_the_adapter_trains_and_only_the_adapter_is_published(tmp_path):

@@ -304,12 +304,7 @@ def adapter_snapshot(model) -> tuple[snapshot.MemoryFile, dict, int]:
     weights = PolicyWeights(model, torch.float32, adapter=AdapterSpec.of_peft(model.peft_config["default"]))
     ids = probe_tokens(72)
     probe = {"token_ids": ids, "logprobs": weights.probe_logprobs(ids), "dtype": "float32"}
-    fd, path = snapshot.new_memory_fd()
-    try:
-        weights.write(path)
-        data = open(path, "rb").read()
-    finally:
-        os.close(fd)
+    data = snapshot.written_bytes(weights.write)
     return snapshot.memory_file(data), {"probe": probe}, len(data)
 
 
