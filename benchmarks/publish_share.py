@@ -36,7 +36,8 @@ BASE = ["pool.cores=[1]", "rollout.source.coordinator_cores=[1]", "learner.bf16=
 
 def run(name: str, out: Path, steps: int, extra: list[str]) -> Path:
     experiment, probe_on = name.split(":")
-    run_dir = out / f"{experiment}_{probe_on}_{len(list(out.glob(f'{experiment}_{probe_on}_*')))}"
+    made = [d for d in out.glob(f"{experiment}_{probe_on}_*") if d.is_dir()]
+    run_dir = out / f"{experiment}_{probe_on}_{len(made)}"
     cmd = ["taskset", "-c", "0", sys.executable, "train.py", f"experiment={EXPERIMENTS[experiment]}", *BASE,
            f"run.steps={steps}", f"rollout.source.probe_on={probe_on}", f"hydra.run.dir={run_dir}", *extra]
     print(" ".join(cmd), flush=True)
