@@ -17,8 +17,9 @@ version reaches the workers that much later instead (0.25 s on a core of its own
 
 A probe computed from the snapshot describes what was published (a bf16 snapshot's own rounding included), not the
 learner's live weights: a writer that dropped a tensor would go unseen here, where the learner's probe would fail
-every worker. The rollout checks (``check_every_steps``) and the fidelity tests compare the workers' logprobs with
-the live policy's, which covers that.
+every worker. What compares the workers' logprobs with the live policy's covers that: the rollout checks
+(``check_every_steps``), the importance ratio logged under an off-policy correction (``rollout/is_ratio_*``), and
+the fidelity tests; ``rollout.source.probe_on=learner`` puts the probe back on the live weights.
 
 Nothing a stranger sends reaches the probe process: it reads the learner's snapshots only. It leaves the run secret
 out of its environment all the same, as the reward processes do. If it fails or hangs, the call is retried once in a
@@ -35,8 +36,8 @@ import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from typing import Any
 
 from echo2.coordinator.reward_pool import SECRET_ENV
