@@ -141,6 +141,7 @@ class AsyncRolloutSource:
         if probe_on not in PROBE_ON:
             raise ValueError(f"rollout.source.probe_on={probe_on!r}: expected one of {', '.join(PROBE_ON)}")
         self.probe_on = probe_on
+        self.probes_beside = False  # whether a publish has left its probe to the coordinator yet (logged once)
         self.settings = CoordinatorSettings(
             token=token, staleness=staleness, prompts_per_step=prompts_per_step, group_size=s.n,
             vocab_size=len(tokenizer), host=host, port=port, heartbeat_timeout_s=heartbeat_timeout_s,
@@ -332,6 +333,11 @@ class AsyncRolloutSource:
         in float32 off the learner's step (echo2/coordinator/prober.py)."""
         self.weights, self.republish = weights, False
         here = self.learner_probe_ids(weights) is not None
+        if not here and not self.probes_beside:
+            self.probes_beside = True
+            log.info("each version's probe is computed beside the coordinator from the published snapshot, off the "
+                     "learner's step (rollout.source.probe_on=%s%s); its process starts with v%d", self.probe_on,
+                     ": a LoRA adapter on a CPU learner" if self.probe_on == "auto" else "", version)
         if here and probe is None:
             probe = weights.probe_logprobs(self.probe_ids)
         manifest_probe = {"token_ids": self.probe_ids, "logprobs": probe if here else None, "dtype": weights.dtype,
