@@ -448,6 +448,7 @@ class HostileSoak:
         self.victim_port = free_port()
         self.samples: list[dict] = []  # GET /status, every second: latency, held groups, benched ids
         self.t_go = None
+        self._group: Path | None = None  # the clients' CPU cgroup, once made (clients_group)
 
     def cores(self, role: str) -> set[int] | None:
         """The cores a process of ``role`` runs on (--learner-core): the learner's tree on its core, every other
@@ -463,7 +464,7 @@ class HostileSoak:
         shares = self.args.clients_cpu_shares
         if shares is None:
             return None
-        if getattr(self, "_group", None) is None:
+        if self._group is None:
             root = Path("/sys/fs/cgroup/cpu")
             if not (root / "cpu.shares").exists():
                 raise SystemExit("--clients-cpu-shares needs cgroup v1's cpu controller at /sys/fs/cgroup/cpu")
@@ -640,7 +641,7 @@ class HostileSoak:
         from echo2.learner.sources.pool import terminate
 
         terminate([p for p in self.procs.values() if p.poll() is None], timeout_s=30)
-        group = getattr(self, "_group", None)
+        group = self._group
         if group is not None:
             for pid in (group / "cgroup.procs").read_text().split():  # none should be left; if one is, it leaves
                 with contextlib.suppress(ProcessLookupError):  # or it exited since

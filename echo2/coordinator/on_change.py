@@ -13,7 +13,7 @@ ECHO2_REPLAN), and every worker in a JSON file named by ECHO2_WORKERS_FILE: one 
 also holds the id lists, whole; a list too long for its variable (past ENV_VALUE_BYTES: ~10,000 workers) is left
 out of the environment and the hook reads it there. A hook that cannot be started (E2BIG, a fork that failed) is
 started again on the next reaper pass, told everything switched on and off since the last hook that started, so
-that no change is lost to one failed exec. The hook does not inherit the run secret (SECRET_ENV).
+that no change is lost to one failed exec. The hook does not inherit the run secret (child.SECRET_ENV).
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ import time
 from typing import Any
 
 from echo2.activation.planner import Change
+from echo2.coordinator import child
 
 log = logging.getLogger(__name__)
 
 ENV_VALUE_BYTES = 64 << 10
 """The longest id list passed in a variable (half the kernel's 128 KiB per string, leaving room for the rest)."""
-SECRET_ENV = ("ECHO2_TOKEN",)
-"""Left out of the hook's environment: a cloud CLI needs its own credentials, not the run secret."""
 KEEP_FILES = 16
 """Workers files kept in <run dir>/activation/ (hooks run in the background and may still read an older one)."""
 RETRY_S = 5.0
@@ -77,7 +76,7 @@ class OnChangeHook:
     def _start_pending(self) -> None:
         change, workers = self.pending
         path = self._write(change, workers)
-        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+        env = child.secret_free_env()  # a cloud CLI needs its own credentials, not the run secret
         env.update(ECHO2_RUN_DIR=self.run_dir, ECHO2_REPLAN=str(change.replan), ECHO2_WORKERS_FILE=path)
         for name, ids in (("ECHO2_ACTIVE", change.active), ("ECHO2_ACTIVATED", change.on),
                           ("ECHO2_DEACTIVATED", change.off)):

@@ -29,18 +29,15 @@ fresh process; a second failure raises, and the broadcaster skips that version (
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from echo2.coordinator.reward_pool import SECRET_ENV
+from echo2.coordinator import child
 
 log = logging.getLogger(__name__)
 
@@ -90,16 +87,7 @@ class Prober:
 
     def _start(self, dtype: str) -> None:
         t0 = time.perf_counter()
-        ours, theirs = socket.socketpair()
-        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", "echo2.coordinator.prober", str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)  # a Ctrl-C in the terminal is the learner's
-        finally:
-            theirs.close()
-        conn = Connection(ours.detach())
+        proc, conn = child.spawn("echo2.coordinator.prober")
         with self.lock:
             self.proc, self.conn, self.dtype = proc, conn, dtype
         if self.stopped:  # shut down while this one started: it must not outlive the coordinator
@@ -196,12 +184,9 @@ def _serve(fd: int) -> None:
     the probe's logprobs until the coordinator closes the socket."""
     conn = Connection(fd)
     model_path, dtype = conn.recv()
-    try:
-        probe = SnapshotProbe(model_path, dtype)
-    except Exception:
-        conn.send(("failed", traceback.format_exc(limit=5)))
+    probe = child.ready(conn, lambda: SnapshotProbe(model_path, dtype))
+    if probe is None:
         return
-    conn.send(("ready", os.getpid()))
     while True:
         try:
             blob = conn.recv_bytes()

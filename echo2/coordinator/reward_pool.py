@@ -16,7 +16,7 @@ A process goes back to the pool after every group, not after a whole push, and t
 (fair.py): a principal whose groups are slow to score (math-verify spends seconds on a crafted answer it then scores
 0) is charged that time and goes behind everyone else, and never holds more than half the processes, so it cannot
 hold the pool while honest pushes wait (with ``processes`` >= 2; a pool of one process is shared in turn only). Each
-reward process leaves the run secret out of its environment (SECRET_ENV) and bounds itself: its address space to
+reward process leaves the run secret out of its environment (child.SECRET_ENV) and bounds itself: its address space to
 what loading the task took plus ``memory_mb``, each group to ``cpu_s`` CPU seconds (RLIMIT_CPU, so that one stuck
 in C ends even if the coordinator that would kill it is gone).
 
@@ -39,19 +39,17 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import pickle
 import resource
-import socket
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections import Counter
 from multiprocessing.connection import Connection
 from typing import Any
 
+from echo2.coordinator import child
 from echo2.coordinator.fair import FairQueue
 from echo2.metrics import ROLLOUT_REWARD_PROCESS_RESTARTS
 from echo2.scoring import RewardFunctions, decode
@@ -65,8 +63,6 @@ fresh interpreter fails every time: no tight loop)."""
 SLOW_GROUP_S = 1.0
 """A group whose scoring took longer is logged (SLOW_LOG_PERIOD_S apart at most): an honest one takes milliseconds."""
 SLOW_LOG_PERIOD_S = 10.0
-SECRET_ENV = ("ECHO2_TOKEN",)
-"""Left out of a reward process's environment: it parses strangers' text, and needs no secret to do so."""
 
 
 class _Proc:
@@ -252,17 +248,7 @@ class RewardPool:
         return None
 
     def _spawn(self) -> _Proc | None:
-        ours, theirs = socket.socketpair()
-        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
-        try:
-            popen = subprocess.Popen([sys.executable, "-m", "echo2.coordinator.reward_pool", str(theirs.fileno()),
-                                      str(self.limits[0]), str(self.limits[1])],
-                                     pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)  # a Ctrl-C in the terminal is the learner's to handle
-        finally:
-            theirs.close()
-        proc = _Proc(popen, Connection(ours.detach()))
+        proc = _Proc(*child.spawn("echo2.coordinator.reward_pool", str(self.limits[0]), str(self.limits[1])))
         with self.cond:
             if self.closed:
                 proc.kill()
@@ -319,17 +305,19 @@ def _serve(fd: int, memory_mb: int = 0, cpu_s: float = 0.0) -> None:
     """A reward process: rebuild the task's reward functions, bound its own memory, then score what arrives until the
     socket closes, each group under a fresh CPU limit."""
     conn = Connection(fd)
-    try:
+
+    def build() -> RewardFunctions:
         funcs = RewardFunctions(pickle.loads(conn.recv_bytes()))
         if memory_mb > 0:  # on top of what loading the task took: its imports vary by task, hostile text does not
             room = _address_space_bytes() + (memory_mb << 20)
             resource.setrlimit(resource.RLIMIT_AS, (room, room))
         if cpu_s > 0:  # SIGXCPU's default action dumps core: a reward process that ran out leaves no core file
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    except Exception:
-        conn.send(("failed", traceback.format_exc(limit=5)))
+        return funcs
+
+    funcs = child.ready(conn, build)
+    if funcs is None:
         return
-    conn.send(("ready", os.getpid()))
     while True:
         try:
             job = conn.recv()
