@@ -12,6 +12,10 @@ them; the first ``--warmup`` steps of each round are not counted.
     python benchmarks/lora_step.py                          # smollm2_arith's batch: 16 sequences of ~57 tokens
     python benchmarks/lora_step.py --experiment smollm2_poker --json out.json     # poker's (~110 tokens)
     python benchmarks/lora_step.py --variants full/eager lora/eager lora32/eager -- model.dtype=bfloat16
+    python benchmarks/lora_step.py --variants full/eager/every full/eager lora/eager/every lora/eager
+
+A variant is ``TRAINING/ATTENTION[/every]``: ``/every`` has TRL's fused LM head score every position of the padded
+batch, as TRL does on the CPU (echo2's learner scores only the completion tokens: ``score_completions_only_on_cpu``).
 
 The probe (the policy's logprobs of 33 fixed tokens, computed at every publish) is timed after each round.
 
@@ -42,9 +46,13 @@ LORA = {"full": [], "lora": ["learner.lora.rank=8", "learner.learning_rate=1e-4"
 LORA["lora32"] = LORA["lora"]
 
 
-def one_round(experiment: str, lora: str, attention: str, steps: int, warmup: int, extra: list[str]) -> dict:
-    """A fresh learner for one variant: per-step seconds of forward, backward and the rest, after ``warmup``."""
+def one_round(experiment: str, lora: str, attention: str, steps: int, warmup: int, extra: list[str],
+              every_position: bool = False) -> dict:
+    """A fresh learner for one variant: per-step seconds of forward, backward and the rest, after ``warmup``.
+    ``every_position``: TRL's fused LM head scores every position of the padded batch, as TRL does on the CPU, not
+    only the completion tokens, as echo2's learner has it do (``score_completions_only_on_cpu``)."""
     import train
+    import trl.trainer.utils as trl_utils
     from step_time import compose
     from transformers import TrainerCallback
 
@@ -53,6 +61,9 @@ def one_round(experiment: str, lora: str, attention: str, steps: int, warmup: in
                    *LORA[lora], *ATTENTION[attention], *extra])
     learner_args.master_dtype = (lambda cfg: "float32") if lora == "lora32" else LOADS_IN
     trainer, _, _ = train.build(cfg, f"/tmp/echo2-lora-step-{lora}-{attention}", rank=0, world_size=1)
+    compact = trl_utils._use_triton  # echo2's decision, set by the learner
+    if every_position:
+        trl_utils._use_triton = compact.trl_decides  # TRL's own
     first: list = []
     collect = trainer._collect
 
@@ -103,6 +114,7 @@ def one_round(experiment: str, lora: str, attention: str, steps: int, warmup: in
     out["trained_params"] = trained
     out["probe"] = statistics.median(probe_s)
     out["tokens"] = int(sum(len(r.prompt_ids) + len(r.completion.token_ids) for g in first[0] for r in g.rollouts))
+    trl_utils._use_triton = compact
     del trainer
     gc.collect()
     return out
@@ -121,8 +133,9 @@ def main() -> None:
     results: dict[str, list[dict]] = {v: [] for v in a.variants}
     for r in range(a.rounds):
         for v in a.variants:
-            lora, attention = v.split("/")
-            res = one_round(a.experiment, lora, attention, a.steps, a.warmup, a.overrides)
+            lora, attention, *scoring = v.split("/")
+            res = one_round(a.experiment, lora, attention, a.steps, a.warmup, a.overrides,
+                            every_position=scoring == ["every"])
             results[v].append(res)
             print(f"round {r + 1} {v}: step {res['step']:.3f} s (forward {res['forward']:.3f}, backward "
                   f"{res['backward']:.3f}, rest {res['rest']:.3f}, probe {res['probe']:.3f}), {res['tokens']} tokens", flush=True)

@@ -12,6 +12,9 @@ EXPERIMENT ``lora`` (``experiment=smollm2_arith_lora``) or ``full`` (``experimen
 
 * publish s: ``train/publish_s`` (the learner's time from the version's start to the snapshot's handoff), median;
 * step s: the median gap between consecutive steps' ``time_s``: what a step costs the run, publishing included;
+* learner busy s, waiting for rollouts s: the median of each gap less the learner's wait for rollouts in it
+  (``train/learner_idle_s``), and the median wait: when the worker cannot keep up, the step is its pace, not the
+  learner's;
 * probe s (coordinator): ``broadcast/probe_s``, the probe process's time per version, median (0: the learner probed);
 * version out s: ``broadcast/time_s``, from the handoff to the relay round's close (probe included), median;
 * the worker's probe gap (nats) and how many versions it applied.
@@ -50,10 +53,12 @@ def row(run_dir: Path) -> dict:
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     steps = [r for r in records if "step" in r and "time_s" in r][2:]
     gaps = [b["time_s"] - a["time_s"] for a, b in zip(steps, steps[1:])]
+    waits = [b.get("train/learner_idle_s", 0.0) for b in steps[1:]]  # each gap's wait for rollouts
     log = (run_dir / "workers" / "worker0.log").read_text()
     nats = [float(x) for x in re.findall(r"probe within ([0-9.e-]+) nats", log)]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steps)  # noqa: E731
     out = {"run": run_dir.name, "publish_s": med("train/publish_s"), "step_s": statistics.median(gaps),
+           "wait_s": statistics.median(waits), "busy_s": statistics.median(g - w for g, w in zip(gaps, waits)),
            "probe_s": med("broadcast/probe_s"), "version_out_s": med("broadcast/time_s"),
            "probe_nats": [min(nats), max(nats)] if nats else None,
            "applied": len(re.findall(r"applied snapshot v\d+", log)), "steps": len(steps) + 2}
@@ -79,11 +84,13 @@ def main() -> None:
                 run(name, a.out, a.steps, extra)
     where = a.report or a.out
     rows = [row(d) for d in sorted(where.iterdir()) if (d / "summary.json").exists()]  # finished runs
-    print("| run | publish s | step s | publish / step | probe s (coordinator) | version out s | worker's probe gap, "
-          "nats | versions applied |\n|---|---:|---:|---:|---:|---:|---|---:|")
+    print("| run | publish s | step s | learner busy s | waiting for rollouts s | publish / step | probe s "
+          "(coordinator) | version out s | worker's probe gap, nats | versions applied |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in rows:
         gap = "-" if r["probe_nats"] is None else f"{r['probe_nats'][0]:.3f}-{r['probe_nats'][1]:.3f}"
-        print(f"| {r['run']} | {r['publish_s']:.4f} | {r['step_s']:.3f} | {100 * r['publish_share']:.2f} % | "
+        print(f"| {r['run']} | {r['publish_s']:.4f} | {r['step_s']:.3f} | {r['busy_s']:.3f} | {r['wait_s']:.3f} | "
+              f"{100 * r['publish_share']:.2f} % | "
               f"{r['probe_s']:.3f} | {r['version_out_s']:.3f} | {gap} | {r['applied']} of {r['steps']} |")
     with open(os.path.join(where, "publish_share.json"), "w") as f:
         json.dump(rows, f, indent=1)

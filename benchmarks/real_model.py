@@ -4,7 +4,10 @@ SmolLM2-135M-Instruct (model=smollm2_135m, the offline copy) on chat arithmetic 
 experiment=smollm2_arith's settings: the same model, data, reward function, G = 4, P = 4, learning rate 1e-5,
 temperature 1, 12 completion tokens, DAPO loss, seeds and step budget, run three ways:
 
-  trl    TRL's own ``GRPOTrainer``, unmodified, generating with transformers (its ``use_vllm=False`` path). The
+  trl    TRL's own ``GRPOTrainer``, generating with transformers (its ``use_vllm=False`` path), changed in one way
+         that echo2's learner shares: on the CPU its fused LM head scores only the completion tokens, as TRL does on
+         CUDA (``score_completions_only_on_cpu``: the same values; without it TRL's step would be up to 1.65x slower
+         for a reason that is not the system's). The
          benchmark only observes it: a callback writes echo2's metrics.jsonl format, evaluates held-out accuracy
          with echo2's evaluator (greedy, the same 100 problems), and a timer wraps its generation method.
   sync   echo2 ``rollout=sync``: the learner generates with its own weights, on-policy (S = 0).
@@ -76,8 +79,10 @@ def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str], experiment: 
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
     from echo2.models.generate import HFEngine
     from echo2.learner.evaluate import Evaluator
+    from echo2.learner.trainer import score_completions_only_on_cpu
 
     configure_process()
+    score_completions_only_on_cpu()  # as echo2's learner does (the docstring's "trl")
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"experiment={experiment}", "rollout=sync", f"seed={seed}",

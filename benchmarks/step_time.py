@@ -3,7 +3,9 @@
 Both generate with transformers on this process (echo2: the sync rollout source, S = 0; TRL: its own
 ``model.generate`` path), score the same task reward, and take one optimizer step per batch of P x G
 completions. The ratio echo2 / TRL is echo2's overhead (or saving); it is what to compare across machines,
-since absolute times on shared CPUs move a lot. Rounds alternate the two to spread out machine noise.
+since absolute times on shared CPUs move a lot. Rounds alternate the two to spread out machine noise. Both score only
+the completion tokens in TRL's fused LM head (``score_completions_only_on_cpu``, which echo2's learner applies to the
+whole process; set here before either runs, so that the first round is like the others).
 
     python benchmarks/step_time.py                       # tiny model, copy task, P=16, G=8
     python benchmarks/step_time.py --steps 40 --rounds 3 task.level=mod10
@@ -88,6 +90,7 @@ def run_trl(cfg, out_dir) -> list[float]:
 
 def main() -> None:
     from echo2.env import configure_process
+    from echo2.learner.trainer import score_completions_only_on_cpu
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60, help="learner steps per measurement")
@@ -96,6 +99,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="hydra overrides, as for train.py")
     args = parser.parse_args()
     configure_process()
+    score_completions_only_on_cpu()
     cfg = compose(["rollout=sync", f"run.steps={args.steps}", "run.wandb=disabled", "run.progress=false",
                    "run.eval_every_steps=0", *args.overrides])
     times: dict[str, list[float]] = {"echo2": [], "trl": []}

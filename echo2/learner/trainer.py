@@ -30,6 +30,8 @@ How it differs from TRL's trainer (trl==1.16.0), and nothing else:
   from the learner's is clamped to that distance (corrections.bound_log_ratio), where the learner's logprob is
   first computed: in ``_decoupled`` with a correction, else inside TRL's loss, between its forward pass and its
   ratio (``_get_per_token_logps_and_entropies``; no extra forward pass). Counted: ``rollout/bounded_tokens``.
+* On the CPU, TRL's fused LM head scores only the completion tokens, as it does on CUDA, not every position of the
+  padded batch (``score_completions_only_on_cpu``: the same values, a 1.4-1.65x faster step on SmolLM2-135M).
 * A step whose loss (any process's) or gradient norm is not finite is skipped: no optimizer update, no weight or
   optimizer state changed, a warning, ``train/skipped_steps``. The version still advances (global_step), with the
   previous version's weights. Under DeepSpeed the engine steps inside backward and skips a step with a
@@ -93,6 +95,33 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
+def score_completions_only_on_cpu() -> None:
+    """Make TRL's fused LM head score only the completion tokens on the CPU, as it does on CUDA.
+
+    TRL's head (``trl.trainer.utils.add_fused_lm_head``) projects the hidden states through the LM head in tiles
+    and takes each token's log-probability. Where Triton runs (CUDA, XPU) it scores only the positions whose label
+    is kept (the completion tokens). Elsewhere it scores every position of the padded batch, prompt and padding
+    included, so that a compiling backend (Neuron) sees one tile shape per batch. Nothing is compiled on the CPU,
+    and a short-completion batch pays several times over for the head: with SmolLM2-135M's 49,152-token vocabulary
+    the head's forward and backward were half of a learner step. Scoring only the completions made
+    ``smollm2_arith``'s step 1.65x faster with full fine-tuning in bf16 (1.38x in float32) and 1.41x with a LoRA
+    adapter (BENCHMARKS.md, "Scoring only the completions"); the log-probabilities and gradients are the same
+    (tests/learner/test_trl_contract.py). TRL decides through ``_use_triton``, which ``trl.trainer.utils`` uses for
+    this choice alone; the chunked kernel keeps its own copy, so the CPU still folds its tiles in torch.
+    Idempotent; every other device is left to TRL."""
+    import trl.trainer.utils as trl_utils
+
+    decide = trl_utils._use_triton
+    if hasattr(decide, "trl_decides"):
+        return
+
+    def compact_on_cpu(device: torch.device) -> bool:
+        return device.type == "cpu" or decide(device)
+
+    compact_on_cpu.trl_decides = decide  # TRL's own, for a test to compare against
+    trl_utils._use_triton = compact_on_cpu
+
+
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(trained, total) parameters of the whole model. Under ZeRO-3 each process holds a shard and a parameter's own
     ``numel`` is its placeholder's (0); DeepSpeed keeps the full count in ``ds_numel``."""
@@ -109,6 +138,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
                  is_bounds: tuple[float, float] = (0.5, 2.0), icepop_bounds: tuple[float, float] = (0.5, 5.0),
                  m2_threshold: float = 0.04, seq_bounds: tuple[float, float] = (0.5, 2.0),
                  max_log_ratio: float = 5.0, **kwargs):
+        score_completions_only_on_cpu()
         super().__init__(*args, **kwargs)
         self.max_log_ratio = max_log_ratio  # nats: rollout.max_log_ratio (corrections.bound_log_ratio)
         self.bounded_tokens = self.skipped_steps = 0  # cumulative, every process's

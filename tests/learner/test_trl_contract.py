@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 import trl
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
@@ -81,6 +82,54 @@ def test_bnpo_normalisation_echo2_rescales():
     bnpo = src[src.index('elif self.loss_type == "bnpo":'):src.index('elif self.loss_type == "dr_grpo":')]
     assert "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)" in bnpo
     assert "self.current_gradient_accumulation_steps" in bnpo and "loss = loss / normalizer" in bnpo
+
+
+def _fused_head_outputs(compact: bool, monkeypatch) -> tuple[list[int], torch.Tensor, torch.Tensor, list]:
+    """A tiny Llama with TRL's fused LM head, a padded batch of two prompts and completions: how many positions the
+    chunked kernel scored, the completion tokens' logprobs and entropies, and every parameter's gradient."""
+    import trl.trainer.utils as trl_utils
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from echo2.learner.trainer import score_completions_only_on_cpu
+
+    # TRL's own decision, even where this process has built a learner already; restored below
+    monkeypatch.setattr(trl_utils, "_use_triton", getattr(trl_utils._use_triton, "trl_decides", trl_utils._use_triton))
+    if compact:
+        score_completions_only_on_cpu()
+        score_completions_only_on_cpu()  # idempotent: one wrapper, not two
+    scored = []
+    apply = trl_utils._ChunkedLogProbFunction.apply
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply",
+                        lambda hidden, *a: scored.append(hidden.shape[0]) or apply(hidden, *a))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    ids = torch.randint(0, 300, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding of the shorter prompt
+    mask[1, -2:] = 0  # right padding of the shorter completion
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-5] = -100  # the last 5 positions are the completion, as GRPOTrainer builds its labels
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    keep = labels[:, 1:] != -100
+    (out.log_probs[keep].sum() + out.entropy[keep].sum()).backward()
+    monkeypatch.undo()  # TRL's own _use_triton and apply again
+    return scored, out.log_probs[keep].detach(), out.entropy[keep].detach(), [p.grad for p in model.parameters()]
+
+
+def test_on_the_cpu_the_fused_head_scores_only_the_completion_tokens_with_the_same_values(monkeypatch):
+    """TRL scores every position of the padded batch where Triton does not run (2 x 11 here); echo2 has it score only
+    the completion tokens on the CPU (8), as TRL does on CUDA, and the logprobs, entropies and gradients are the
+    same. Fails if TRL stops deciding this through ``trl.trainer.utils._use_triton``."""
+    every_scored, logps, entropy, grads = _fused_head_outputs(False, monkeypatch)
+    compact_scored, logps_c, entropy_c, grads_c = _fused_head_outputs(True, monkeypatch)
+    assert every_scored == [22] and compact_scored == [8]
+    torch.testing.assert_close(logps_c, logps, rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy_c, entropy, rtol=0, atol=1e-6)
+    for g_c, g in zip(grads_c, grads, strict=True):
+        torch.testing.assert_close(g_c, g, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.e2e
