@@ -182,6 +182,9 @@ class SnapshotProbe:
 def _serve(fd: int) -> None:
     """The probe process: load the model named in the first message, then answer (snapshot bytes, token ids) with
     the probe's logprobs until the coordinator closes the socket."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar would cut through the learner's progress bar
     conn = Connection(fd)
     model_path, dtype = conn.recv()
     probe = child.ready(conn, lambda: SnapshotProbe(model_path, dtype))

@@ -42,13 +42,16 @@ def wait_for(cond, timeout_s: float = 120.0) -> None:
 
 
 def test_the_coordinator_computes_a_left_out_probe_from_the_snapshot_and_skips_a_version_whose_probe_fails(
-        tiny_model_dir):
+        tiny_model_dir, capfd):
     bc = RelayBroadcaster("s3cret-for-tests", topology="chain", chunk_mb=1)
     coordinator = small_coordinator(tiny_model_dir, broadcaster=bc, probe_model=tiny_model_dir)
     try:
         blob = trained_snapshot(tiny_model_dir, 1)
+        capfd.readouterr()
         coordinator.publish(1, blob, dict(PENDING), "float32")
         wait_for(lambda: bc.latest == 1)
+        # the probe process loaded its model without a progress bar (it would cut through the learner's)
+        assert "Loading weights" not in capfd.readouterr().err
         signed = bc.full_manifest["probe"]
         assert {k: v for k, v in signed.items() if k != "logprobs"} == {k: v for k, v in PENDING.items()
                                                                        if k != "logprobs"}
