@@ -13,9 +13,12 @@ them; the first ``--warmup`` steps of each round are not counted.
     python benchmarks/lora_step.py --experiment smollm2_poker --json out.json     # poker's (~110 tokens)
     python benchmarks/lora_step.py --variants full/eager lora/eager lora32/eager -- model.dtype=bfloat16
     python benchmarks/lora_step.py --variants full/eager/every full/eager lora/eager/every lora/eager
+    python benchmarks/lora_step.py --variants full/eager lora/eager/cast lora/eager
 
-A variant is ``TRAINING/ATTENTION[/every]``: ``/every`` has TRL's fused LM head score every position of the padded
-batch, as TRL does on the CPU (echo2's learner scores only the completion tokens: ``score_completions_only_on_cpu``).
+A variant is ``TRAINING/ATTENTION[/every][/cast]``: ``/every`` has TRL's fused LM head score every position of the
+padded batch, as TRL does on the CPU (echo2's learner scores only the completion tokens:
+``score_completions_only_on_cpu``); ``/cast`` has PEFT cast each LoRA layer's input to the adapter's dtype also under
+autocast, as PEFT does (echo2's learner skips it there: ``adapter_inputs_uncast_under_autocast``).
 
 The probe (the policy's logprobs of 33 fixed tokens, computed at every publish) is timed after each round.
 
@@ -47,10 +50,13 @@ LORA["lora32"] = LORA["lora"]
 
 
 def one_round(experiment: str, lora: str, attention: str, steps: int, warmup: int, extra: list[str],
-              every_position: bool = False) -> dict:
+              every_position: bool = False, peft_cast: bool = False) -> dict:
     """A fresh learner for one variant: per-step seconds of forward, backward and the rest, after ``warmup``.
     ``every_position``: TRL's fused LM head scores every position of the padded batch, as TRL does on the CPU, not
-    only the completion tokens, as echo2's learner has it do (``score_completions_only_on_cpu``)."""
+    only the completion tokens, as echo2's learner has it do (``score_completions_only_on_cpu``).
+    ``peft_cast``: PEFT casts each LoRA layer's input to the adapter's dtype under autocast too, as PEFT does, where
+    echo2's learner skips that cast (``adapter_inputs_uncast_under_autocast``)."""
+    import echo2.learner.trainer as learner_trainer
     import train
     import trl.trainer.utils as trl_utils
     from step_time import compose
@@ -60,7 +66,13 @@ def one_round(experiment: str, lora: str, attention: str, steps: int, warmup: in
                    "run.eval_every_steps=0", "run.save_every_steps=0", f"run.steps={steps}", "learner.bf16=true",
                    *LORA[lora], *ATTENTION[attention], *extra])
     learner_args.master_dtype = (lambda cfg: "float32") if lora == "lora32" else LOADS_IN
-    trainer, _, _ = train.build(cfg, f"/tmp/echo2-lora-step-{lora}-{attention}", rank=0, world_size=1)
+    uncast = learner_trainer.adapter_inputs_uncast_under_autocast
+    if peft_cast:
+        learner_trainer.adapter_inputs_uncast_under_autocast = lambda model: 0
+    try:
+        trainer, _, _ = train.build(cfg, f"/tmp/echo2-lora-step-{lora}-{attention}", rank=0, world_size=1)
+    finally:
+        learner_trainer.adapter_inputs_uncast_under_autocast = uncast
     compact = trl_utils._use_triton  # echo2's decision, set by the learner
     if every_position:
         trl_utils._use_triton = compact.trl_decides  # TRL's own
@@ -133,9 +145,11 @@ def main() -> None:
     results: dict[str, list[dict]] = {v: [] for v in a.variants}
     for r in range(a.rounds):
         for v in a.variants:
-            lora, attention, *scoring = v.split("/")
+            lora, attention, *flags = v.split("/")
+            if set(flags) - {"every", "cast"}:
+                p.error(f"variant {v}: expected TRAINING/ATTENTION[/every][/cast]")
             res = one_round(a.experiment, lora, attention, a.steps, a.warmup, a.overrides,
-                            every_position=scoring == ["every"])
+                            every_position="every" in flags, peft_cast="cast" in flags)
             results[v].append(res)
             print(f"round {r + 1} {v}: step {res['step']:.3f} s (forward {res['forward']:.3f}, backward "
                   f"{res['backward']:.3f}, rest {res['rest']:.3f}, probe {res['probe']:.3f}), {res['tokens']} tokens", flush=True)

@@ -79,7 +79,7 @@ def trl_run(seed: int, steps: int, run_dir: Path, extra: list[str], experiment: 
     from echo2.models.tokenizer import load_tokenizer, stop_token_ids
     from echo2.models.generate import HFEngine
     from echo2.learner.evaluate import Evaluator
-    from echo2.learner.trainer import score_completions_only_on_cpu
+    from echo2.learner.speedups import score_completions_only_on_cpu
 
     configure_process()
     score_completions_only_on_cpu()  # as echo2's learner does (the docstring's "trl")

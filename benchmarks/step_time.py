@@ -90,7 +90,7 @@ def run_trl(cfg, out_dir) -> list[float]:
 
 def main() -> None:
     from echo2.env import configure_process
-    from echo2.learner.trainer import score_completions_only_on_cpu
+    from echo2.learner.speedups import score_completions_only_on_cpu
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60, help="learner steps per measurement")

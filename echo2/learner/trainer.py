@@ -32,6 +32,9 @@ How it differs from TRL's trainer (trl==1.16.0), and nothing else:
   ratio (``_get_per_token_logps_and_entropies``; no extra forward pass). Counted: ``rollout/bounded_tokens``.
 * On the CPU, TRL's fused LM head scores only the completion tokens, as it does on CUDA, not every position of the
   padded batch (``score_completions_only_on_cpu``: the same values, a 1.4-1.65x faster step on SmolLM2-135M).
+* A LoRA layer's input is not cast to the adapter's dtype where autocast casts it anyway (PEFT's own switch,
+  ``adapter_inputs_uncast_under_autocast``: the same values; a bf16 base with a float32 adapter skips two copies of
+  every adapted layer's input each way).
 * A step whose loss (any process's) or gradient norm is not finite is skipped: no optimizer update, no weight or
   optimizer state changed, a warning, ``train/skipped_steps``. The version still advances (global_step), with the
   previous version's weights. Under DeepSpeed the engine steps inside backward and skips a step with a
@@ -60,6 +63,7 @@ from echo2.broadcast.adapter import AdapterSpec
 from echo2.learner.corrections import SCALE_REWARDS, Correction, bound_log_ratio, importance_weights, m2po_keep
 from echo2.learner.past_policies import PastPolicies
 from echo2.learner.reward_logs import log_episodes, log_reward_logs
+from echo2.learner.speedups import adapter_inputs_uncast_under_autocast, score_completions_only_on_cpu
 from echo2.learner.weights import PolicyWeights
 from echo2.metrics import (BUFFER_STALENESS_MAX, BUFFER_STALENESS_MEAN, REWARD_FRAC_ZERO_STD_GROUPS,
                            REWARD_FUNCTION_PREFIX, REWARD_MEAN, REWARD_STD, ROLLOUT_BOUNDED_TOKENS,
@@ -95,33 +99,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
-def score_completions_only_on_cpu() -> None:
-    """Make TRL's fused LM head score only the completion tokens on the CPU, as it does on CUDA.
-
-    TRL's head (``trl.trainer.utils.add_fused_lm_head``) projects the hidden states through the LM head in tiles
-    and takes each token's log-probability. Where Triton runs (CUDA, XPU) it scores only the positions whose label
-    is kept (the completion tokens). Elsewhere it scores every position of the padded batch, prompt and padding
-    included, so that a compiling backend (Neuron) sees one tile shape per batch. Nothing is compiled on the CPU,
-    and a short-completion batch pays several times over for the head: with SmolLM2-135M's 49,152-token vocabulary
-    the head's forward and backward were half of a learner step. Scoring only the completions made
-    ``smollm2_arith``'s step 1.65x faster with full fine-tuning in bf16 (1.38x in float32) and 1.41x with a LoRA
-    adapter (BENCHMARKS.md, "Scoring only the completions"); the log-probabilities and gradients are the same
-    (tests/learner/test_trl_contract.py). TRL decides through ``_use_triton``, which ``trl.trainer.utils`` uses for
-    this choice alone; the chunked kernel keeps its own copy, so the CPU still folds its tiles in torch.
-    Idempotent; every other device is left to TRL."""
-    import trl.trainer.utils as trl_utils
-
-    decide = trl_utils._use_triton
-    if hasattr(decide, "trl_decides"):
-        return
-
-    def compact_on_cpu(device: torch.device) -> bool:
-        return device.type == "cpu" or decide(device)
-
-    compact_on_cpu.trl_decides = decide  # TRL's own, for a test to compare against
-    trl_utils._use_triton = compact_on_cpu
-
-
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(trained, total) parameters of the whole model. Under ZeRO-3 each process holds a shard and a parameter's own
     ``numel`` is its placeholder's (0); DeepSpeed keeps the full count in ``ds_numel``."""
@@ -140,6 +117,7 @@ class Echo2GRPOTrainer(GRPOTrainer):
                  max_log_ratio: float = 5.0, **kwargs):
         score_completions_only_on_cpu()
         super().__init__(*args, **kwargs)
+        adapter_inputs_uncast_under_autocast(self.model)
         self.max_log_ratio = max_log_ratio  # nats: rollout.max_log_ratio (corrections.bound_log_ratio)
         self.bounded_tokens = self.skipped_steps = 0  # cumulative, every process's
         self._step_bounded = 0  # this process's bounded tokens in the step in progress

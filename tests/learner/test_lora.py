@@ -53,6 +53,8 @@ def test_under_bf16_a_lora_learner_keeps_its_frozen_base_in_the_models_dtype_and
     dtypes = {n: p.dtype for n, p in trainer.model.named_parameters()}
     assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
     assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    lora_layers = [m for m in trainer.model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert lora_layers and all(getattr(m, "_echo2_uncast", False) for m in lora_layers)  # no cast under autocast
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
@@ -202,6 +204,66 @@ def test_reading_bf16_weights_in_float32_leaves_them_as_they_were_even_when_the_
     assert all(a is b for a, b in zip(model.parameters(), before)), "a float32 copy was left in place"
     assert not any("_echo2_half" in m.__dict__ for m in model.modules())
     assert model(x.to(torch.bfloat16)).dtype == torch.bfloat16  # the hooks are gone
+
+
+def _copies(model, ids) -> tuple[int, torch.Tensor, dict]:
+    """Forward and backward of ``model`` on ``ids`` under bf16 autocast: the dtype casts it ran, its loss, its grads."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.casts += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    model.zero_grad()
+    with Count(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    return Count.casts, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_under_autocast_a_lora_layer_takes_its_input_uncast_with_the_same_values_and_gradients(tiny_model_dir):
+    """speedups.adapter_inputs_uncast_under_autocast: a bf16 base with a float32 adapter (what learner.bf16 trains)
+    skips PEFT's cast of each adapted layer's input to float32 and autocast's cast back, two copies each way per
+    layer, and computes bit for bit what PEFT computes. Without autocast PEFT's cast stays (else the adapter's
+    float32 matmul would get a bf16 input)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from echo2.learner.speedups import adapter_inputs_uncast_under_autocast
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    peft_model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.5)  # B starts at zero: move it, so that the adapter's path carries values and grads
+    assert {p.dtype for n, p in peft_model.named_parameters() if ".lora_" in n} == {torch.float32}
+    uncast = copy.deepcopy(peft_model)
+    layers = adapter_inputs_uncast_under_autocast(uncast)
+    assert layers == sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A")) > 0
+    assert adapter_inputs_uncast_under_autocast(uncast) == 0  # idempotent
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    needs_grad = []  # the inputs of the first block's q, k, v projections need none: the base is frozen
+    for module in peft_model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.register_forward_pre_hook(lambda m, a: needs_grad.append(a[0].requires_grad))
+    peft_casts, peft_loss, peft_grads = _copies(peft_model, ids)
+    casts, loss, grads = _copies(uncast, ids)
+    assert torch.equal(loss, peft_loss)
+    assert grads.keys() == peft_grads.keys() and any(".lora_A." in n for n in grads)
+    for name in grads:
+        assert torch.equal(grads[name], peft_grads[name]), name
+    # per layer, to float32 and back in the forward, and each of those undone for the input's gradient
+    assert len(needs_grad) == layers and peft_casts - casts == sum(2 + 2 * g for g in needs_grad)
+    assert all(m.cast_input_dtype_enabled for m in uncast.modules() if hasattr(m, "cast_input_dtype_enabled"))
+    with torch.no_grad():  # no autocast: PEFT casts the bf16 input for the float32 adapter, as before
+        torch.testing.assert_close(uncast(ids).logits, peft_model(ids).logits, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("lora, overrides", [

@@ -91,7 +91,7 @@ def _fused_head_outputs(compact: bool, monkeypatch) -> tuple[list[int], torch.Te
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from echo2.learner.trainer import score_completions_only_on_cpu
+    from echo2.learner.speedups import score_completions_only_on_cpu
 
     # TRL's own decision, even where this process has built a learner already; restored below
     monkeypatch.setattr(trl_utils, "_use_triton", getattr(trl_utils._use_triton, "trl_decides", trl_utils._use_triton))
