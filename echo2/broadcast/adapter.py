@@ -55,8 +55,9 @@ class AdapterSpec:
         two products in the compute dtype; merging once in float32 is at least as exact)."""
         import torch
 
-        delta = (lora_b.to(torch.float32) @ lora_a.to(torch.float32)) * self.scaling
-        return (base.to(torch.float32) + delta.to(base.device)).to(base.dtype)
+        f32 = torch.float32
+        merged = torch.addmm(base.to(f32), lora_b.to(base.device, f32), lora_a.to(base.device, f32), alpha=self.scaling)
+        return merged.to(base.dtype)  # one pass over W (the product, scaled, added as it is made)
 
     @classmethod
     def of_peft(cls, config: Any) -> "AdapterSpec":
@@ -104,9 +105,11 @@ def pairs(tensors: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def base_checkpoint(model_dir: str | Path, names: set[str] | None = None) -> Iterator[tuple[str, Any]]:
-    """The base model's own tensors (all, or those in ``names``), read from its safetensors files: the copy of the
-    base every merge starts from (a worker's engine was started from this directory)."""
+def base_checkpoint(model_dir: str | Path, names: set[str] | None = None,
+                    modules: set[str] | None = None) -> Iterator[tuple[str, Any]]:
+    """The base model's own tensors (all, those in ``names``, or those of the ``modules``: every tensor whose name
+    less its last part is one of them), read from its safetensors files: the copy of the base every merge starts from
+    (a worker's engine was started from this directory)."""
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -115,7 +118,7 @@ def base_checkpoint(model_dir: str | Path, names: set[str] | None = None) -> Ite
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if names is None or name in names:
+                if (names is None or name in names) and (modules is None or name.rsplit(".", 1)[0] in modules):
                     yield name, f.get_tensor(name)
 
 

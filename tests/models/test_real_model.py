@@ -218,6 +218,10 @@ def test_both_engines_serve_the_real_model_exactly_before_and_after_a_snapshot(s
     agents = {name: Agent("http://127.0.0.1:9", "secret", engine) for name, engine in engines.items()}
     ids = probe_tokens(len(tok))
 
+    reloaded = []  # what vLLM reloaded for each version: only the adapted layers of an adapter on the base
+    load = vllm.load_weights
+    vllm.load_weights = lambda version, blob: reloaded.append(load(version, blob)["modules_reloaded"])
+
     def publish(version, blob, probe):
         for agent in agents.values():
             agent._received(version, snapshot.memory_file(blob), {"probe": probe})
@@ -252,6 +256,9 @@ def test_both_engines_serve_the_real_model_exactly_before_and_after_a_snapshot(s
                         p.mul_(1.0 + 0.01 * torch.randn_like(p))
                 publish(2, snapshot.encode(learner.state_dict()),
                         {"token_ids": ids, "logprobs": probe_logprobs(learner, ids), "dtype": "float32"})
+            # the adapter left the tied embedding and head alone (not reloaded, its packed copy kept); a full
+            # snapshot reloads every tensor
+            assert reloaded == [[], [30 * 7], [30 * 7, "all"]][version], reloaded
             for name, engine in engines.items():
                 groups = engine.generate(prompts, params)
                 gap = _learner_gap(policy, prompts, groups, 1.0)

@@ -265,9 +265,29 @@ def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
             agent._apply_pending()
         assert agent.version == 3
 
-        # A LoRA policy (learner.lora): each version's adapter alone travels and is merged into the base weights
-        for version in (5, 6, 7):
+        # A LoRA policy (learner.lora): each version's adapter alone travels and is merged into the base weights:
+        # into the whole model after full snapshots (the embeddings, norms and head hold v4's values, not the
+        # base's), then into the adapted layers alone (the rest is the base's); a second apply of one version (the
+        # agent's retry) reloads the whole model. vLLM warns of each layer a reload gives no weights (on this tiny
+        # model its rotary embeddings, in any reload): not of the layers left out on purpose.
+        applied = []
+        load = engine.load_weights
+        engine.load_weights = lambda version, blob: applied.append((version, blob, load(version, blob))) or applied[-1][2]
+        unloaded = lambda: open(engine.log_path).read().count("Failed to load weights")  # noqa: E731
+        assert_serves_lora(engine, agent, path, 5)
+        warned = unloaded()
+        for version in (6, 7):
             assert_serves_lora(engine, agent, path, version)
+        assert unloaded() == warned
+        reloaded = [result["modules_reloaded"] for _, _, result in applied]
+        assert reloaded == ["all", 7 * 2, 7 * 2], reloaded  # 7 linear layers in each of 2 blocks; no second try
+        version, blob, _ = applied[-1]
+        assert load(version, blob)["modules_reloaded"] == "all"
+        # adapters on q and v alone: the first also takes the layers v7 adapted back to the base; then k, packed with
+        # q and v into one vLLM layer, is reloaded from the base with them
+        for version in (8, 9):
+            assert_serves_lora(engine, agent, path, version, targets=["q_proj", "v_proj"])
+        assert [r["modules_reloaded"] for v, _, r in applied if v >= 8] == [7 * 2, 3 * 2], applied
     finally:
         agent.receiver.close()
         engine.close()
@@ -277,14 +297,14 @@ def test_vllm_serves_the_learners_policy_after_every_apply(tmp_path, tied):
 # ---------------------------------------------------------------------- a LoRA policy: only the adapter travels
 
 
-def lora_learner(path: str, seed: int, rank: int = 4):
+def lora_learner(path: str, seed: int, rank: int = 4, targets: str | list[str] = "all-linear"):
     """The learner's LoRA policy as TRL builds it (PEFT on every linear layer), with random adapter weights (a
     fresh adapter's B is zero: it would change nothing)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                           LoraConfig(r=rank, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+                           LoraConfig(r=rank, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -370,10 +390,10 @@ def test_an_adapter_for_another_base_is_refused_saying_so(tmp_path):
         smaller.load_weights(1, blob)
 
 
-def assert_serves_lora(engine, agent, path: str, version: int) -> None:
+def assert_serves_lora(engine, agent, path: str, version: int, targets: str | list[str] = "all-linear") -> None:
     """Apply adapter ``version`` (random LoRA weights on ``path``) through ``agent``; the sampled logprobs must equal
     the PEFT learner's at two temperatures and the probe pass."""
-    learner = lora_learner(path, seed=version)
+    learner = lora_learner(path, seed=version, targets=targets)
     blob, manifest, _ = adapter_snapshot(learner)
     agent._received(version, blob, manifest)
     agent._apply_pending()

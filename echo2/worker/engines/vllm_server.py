@@ -95,6 +95,7 @@ class VLLMServerEngine:
         self.model_path, self.max_model_len = model_path, max_model_len
         self.lora, self.max_lora_rank = lora, max_lora_rank
         self.served = model_path  # the name generation asks for: the model, or the adapter version in vLLM
+        self._last_version: int | None = None  # the version load_weights was given last
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.workdir = Path(tempfile.mkdtemp(prefix="echo2-weights-"))
@@ -175,7 +176,10 @@ class VLLMServerEngine:
 
     def load_weights(self, version: int, blob) -> dict:
         """Apply a snapshot (safetensors bytes) in place. ``blob`` is best a MemoryFile (the agent's snapshot
-        buffer), which the engine maps directly; plain bytes are first copied into one."""
+        buffer), which the engine maps directly; plain bytes are first copied into one. An adapter merged into the
+        weights reloads only the layers it adapts (vllm_ext.py), except when the same version is applied again (the
+        agent's second try after a probe that did not match): then the whole model is reloaded."""
+        whole, self._last_version = version == self._last_version, version
         if self.lora == "vllm":
             from echo2.broadcast.adapter import spec_of
             from echo2.broadcast.snapshot import metadata
@@ -186,7 +190,7 @@ class VLLMServerEngine:
         if getattr(blob, "path", None) is None:
             blob = memory_file(blob)
         r = self.session.post(f"{self.base}/collective_rpc", timeout=600,
-                              json={"method": "echo2_apply", "kwargs": {"path": blob.path}})
+                              json={"method": "echo2_apply", "kwargs": {"path": blob.path, "whole": whole}})
         if r.status_code != 200:
             raise RuntimeError(f"v{version}: the engine could not apply the snapshot ({r.status_code}): {r.text[:2000]}")
         self.session.post(f"{self.base}/reset_prefix_cache", timeout=60).raise_for_status()
