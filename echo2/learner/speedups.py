@@ -2,8 +2,8 @@
 
 Neither changes a number: each skips work whose result is thrown away or undone (tests/learner/test_trl_contract.py
 and tests/learner/test_lora.py compare the values and gradients with and without). Both were found by profiling the
-learner's step on SmolLM2-135M (BENCHMARKS.md, "Scoring only the completions" and "A LoRA layer's input, cast for
-nothing"); both are applied by ``Echo2GRPOTrainer`` as it is built.
+learner's step on SmolLM2-135M (BENCHMARKS.md, "Scoring only the completions" and "Less work per LoRA step on both
+sides"); both are applied by ``Echo2GRPOTrainer`` as it is built.
 """
 
 from __future__ import annotations

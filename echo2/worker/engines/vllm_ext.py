@@ -19,8 +19,8 @@ layer's weight computed from the base checkpoint the engine was started from (it
 drifts over versions), W = W_base + (alpha/r) B A, and reloaded in place: the engine then generates at the speed of
 the model without LoRA. Only the layers this adapter or the one before it adapted are reloaded while every other
 tensor in the engine is the base's: the embeddings, the norms and a tied head are then neither read nor repacked,
-and vLLM keeps a layer that gets no weights as it was (on SmolLM2-135M 0.45 s a version against 0.70 s for the whole
-model). After a full snapshot (another policy's values in those tensors) the next adapter is merged into the whole
+and vLLM keeps a layer that gets no weights as it was (on SmolLM2-135M 0.39 s a version against 0.63 s for the whole
+model: benchmarks/lora_apply.py). After a full snapshot (another policy's values in those tensors) the next adapter is merged into the whole
 model, as is a second try of one version. (``--lora vllm`` serves the adapter through vLLM's LoRA layers
 instead: vllm_server.py.)
 
@@ -115,12 +115,12 @@ class Echo2WeightSync:
 
 
 def modules_to_reload(model: torch.nn.Module, adapted: set[str]) -> set[str] | None:
-    """The checkpoint modules to reload for an adapter on ``adapted`` (names as the checkpoint's, without
-    ``.weight``; with them, those the previous adapter changed), when every other tensor in the engine is the base's:
-    each of them and every module vLLM packs
-    into the same layer (q, k, v into qkv_proj; gate, up into gate_up_proj), since vLLM processes a layer once all of
-    its tensors arrived and one half-loaded would keep no valid values. None (reload the whole model) when the adapter
-    touches a weight shared between modules (a tied embedding and head), whose packed copies must be rebuilt."""
+    """The checkpoint modules to reload for an adapter on ``adapted`` (names as the checkpoint's, without ``.weight``;
+    with them, those the previous adapter changed), when every other tensor in the engine is the base's: each of them
+    and every module vLLM packs into the same layer (q, k, v into qkv_proj; gate, up into gate_up_proj), since vLLM
+    processes a layer once all of its tensors arrived and one half-loaded would keep no valid values. None (reload
+    the whole model) when the adapter touches a weight shared between modules (a tied embedding and head), whose
+    packed copies must be rebuilt."""
     shared = {name.rsplit(".", 1)[-1] for name, _ in tied_modules(model)}
     packed = getattr(model, "packed_modules_mapping", None) or {}
     modules = set(adapted)
@@ -136,7 +136,7 @@ def modules_to_reload(model: torch.nn.Module, adapted: set[str]) -> set[str] | N
 
 def merged_weights(base: Iterator[tuple[str, torch.Tensor]], spec: AdapterSpec,
                    adapter: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every base tensor, with each adapted layer's weight replaced by W_base + scaling · B A; fails if the adapter
+    """Each base tensor given, with each adapted layer's weight replaced by W_base + scaling · B A; fails if the adapter
     targets a layer the base does not have (a worker serving another model)."""
     left = set(adapter)
     for name, tensor in base:
