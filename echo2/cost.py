@@ -30,8 +30,8 @@ Time model (every input in the YAML with its date and source):
 - LoRA rows (``lora``): both layouts train a rank-r adapter on every linear layer, at ``train_compute_ratio`` of
   the full step's FLOPs (the log-prob pass is a full forward either way). echo2 ships the adapter,
   r · Σ(in + out) × layers × 2 bytes, as its snapshot (no deltas: every adapter value moves each step). Its workers
-  apply it two ways: ``merge`` into their weights (a reload of the whole model: T_load of the full GB, generation at
-  full speed) or ``vllm`` through vLLM's LoRA layers (T_load of the adapter's GB, generation at
+  apply it two ways: ``merge`` into their weights (a reload of the adapted linear layers: T_load of their GB, 85 % of
+  Qwen3-8B's, generation at full speed) or ``vllm`` through vLLM's LoRA layers (T_load of the adapter's GB, generation at
   ``served_throughput``). The baseline's switch refits only the adapter (switch_s_per_gb × its GB): the cheapest
   switch a colocated LoRA run can have.
 
@@ -160,6 +160,16 @@ def adapter_gb(v: dict, model: str, rank: int) -> float:
     return params * v["learner"]["bytes_per_param"] / 1e9
 
 
+def linear_layers_gb(v: dict, model: str) -> float:
+    """The weights of ``model``'s linear layers (q, k, v, o, gate, up, down in every block), in GB: what a worker
+    merging an adapter on all of them reloads per version (echo2/worker/engines/vllm_ext.py: the embeddings, norms
+    and head are left as they are)."""
+    m = v["models"][model]
+    h, q, kv, mlp = m["hidden"], m["q_dim"], m["kv_dim"], m["intermediate"]
+    params = m["layers"] * (h * q + 2 * h * kv + q * h + 3 * h * mlp)
+    return params * v["learner"]["bytes_per_param"] / 1e9
+
+
 def train_flops(v: dict, model: str) -> float:
     """Model FLOPs of one learner step (forward and backward over R rollouts), PaLM's accounting."""
     m, sh = v["models"][model], v["shape"]
@@ -228,7 +238,9 @@ def sim_config(v: dict, model: str, link_mbit: float, staleness: int, delta: boo
 
     n, sh, w = v["learner"]["gpus"][model], v["shape"], v["workers"]
     shipped_gb = snapshot_gb(v, model) if lora_rank is None else adapter_gb(v, model, lora_rank)
-    gb = shipped_gb if lora_apply == "vllm" else snapshot_gb(v, model)  # what a worker loads per version
+    # what a worker loads per version: the adapter into vLLM's LoRA layers, or its merge into the adapted layers
+    gb = {"full": snapshot_gb(v, model), "vllm": shipped_gb, "merge": linear_layers_gb(v, model)}[
+        "full" if lora_rank is None else lora_apply]
     train_s = train_step_s(v, model) * (1 if lora_rank is None else v["lora"]["train_compute_ratio"])
     return SimConfig(prompts_per_step=int(sh["prompts_per_step"]), group_size=int(sh["group_size"]),
                      train_step_s=train_s, staleness=staleness, interval=1, snapshot_bytes=shipped_gb * 1e9,

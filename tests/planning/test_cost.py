@@ -156,6 +156,11 @@ def test_an_adapter_is_priced_from_its_models_shape_and_its_rows_are_printed():
     v = cost.values(yaml.safe_load(cost.DEFAULT_INPUTS.read_text()))
     assert cost.lora_params(4096, 4096, 1024, 12288, 36, 1) == 2_727_936
     assert cost.adapter_gb(v, "qwen3_8b", 8) == pytest.approx(0.0436, abs=1e-4)
+    # a merging worker reloads the 36 blocks' linear layers (13.89 GB), not the embeddings and head (2.5 GB more)
+    assert cost.linear_layers_gb(v, "qwen3_8b") == pytest.approx(13.89, abs=0.01)
+    load = v["generation"]["load_s_per_gb"]
+    assert cost.sim_config(v, "qwen3_8b", 100, 1, False, lora_rank=8).load_s == pytest.approx(13.89 * load, rel=1e-3)
+    assert cost.sim_config(v, "qwen3_8b", 100, 1, False).load_s == pytest.approx(16.4 * load, rel=1e-3)
     lora = cost.colocated(v, "qwen3_8b", lora_rank=8)
     full = cost.colocated(v, "qwen3_8b")
     assert lora["train_s"] == pytest.approx(full["train_s"] * v["lora"]["train_compute_ratio"])
