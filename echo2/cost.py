@@ -392,8 +392,8 @@ def _lora_table(out: dict) -> list[str]:
     ranks = sorted({c["lora_rank"] for c in out["lora_cells"]})
     kinds = [(apply, r) for apply in ("merge", "vllm") for r in ranks]
     lines = ["", f"LoRA: a rank-r adapter on every linear layer trained in both layouts, only it shipped by echo2 "
-             f"({sizes}; no deltas); workers merge it (a whole-model reload per version) or serve it with vLLM's "
-             "LoRA layers; ratio (learner utilization) = echo2 $/step / colocated LoRA $/step:", "",
+             f"({sizes}; no deltas); workers merge it (a reload of the adapted layers per version) or serve it "
+             "with vLLM's LoRA layers; ratio (learner utilization) = echo2 $/step / colocated LoRA $/step:", "",
              "| model | link | S | " + " | ".join(f"{a} r{r}" for a, r in kinds) + " | colocated $/step | best vs paper |",
              "|---|---|---|" + "---|" * len(kinds) + "---|---|"]
     cells = {(c["model"], c["link_mbit"], c["staleness"], c["lora_apply"], c["lora_rank"]): c for c in out["lora_cells"]}
