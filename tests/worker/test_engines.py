@@ -332,7 +332,8 @@ def test_an_adapter_snapshot_holds_only_the_adapter_and_the_hf_worker_serves_bas
     """The snapshot of a LoRA policy is its LoRA matrices under PEFT's names with the adapter's configuration signed
     in; the hf worker merges it into its weights from the base checkpoint, so every version is the learner's policy
     (probe and sampled logprobs), and applying v2 after v1 (after a full snapshot, even) equals applying v2 alone:
-    nothing drifts."""
+    nothing drifts; nor does an adapter on fewer layers than the one before (v3 on q and v alone) leave the others
+    merged."""
     from transformers import AutoModelForCausalLM
 
     from echo2.broadcast.adapter import spec_of
@@ -359,10 +360,16 @@ def test_an_adapter_snapshot_holds_only_the_adapter_and_the_hf_worker_serves_bas
             groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8, temperature=1.0))
             gap, n = max_gap(learner, PROMPTS, groups, 1.0)
             assert n >= 12 and gap < 1e-4, f"v{version}: engine vs LoRA learner logprobs off by {gap}"
-        fresh = HFWorkerEngine(path)
-        fresh.load_weights(2, blob)
-        for (name, a), b in zip(engine.model.state_dict().items(), fresh.model.state_dict().values(), strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        def as_if_applied_alone(version, blob):
+            fresh = HFWorkerEngine(path)
+            fresh.load_weights(version, blob)
+            for (name, a), b in zip(engine.model.state_dict().items(), fresh.model.state_dict().values(), strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+        as_if_applied_alone(2, blob)
+        blob, _, _ = adapter_snapshot(lora_learner(path, seed=3, targets=["q_proj", "v_proj"]))
+        engine.load_weights(3, blob)
+        as_if_applied_alone(3, blob)
     finally:
         agent.receiver.close()
 

@@ -42,6 +42,7 @@ class HFWorkerEngine:
                                eos_token_ids or [tok.eos_token_id])
         self.base: dict[str, torch.Tensor] = {}  # the adapted layers' base weights (from the files), kept
         self.off_base = False  # a full snapshot was loaded: the layers no adapter touches are not the base's either
+        self.merged: set[str] = set()  # the layers the last adapter was merged into
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.temperature`` 0: greedy (held-out rows), as vLLM reads it. In batches of at most BATCH_SEQUENCES
@@ -79,8 +80,11 @@ class HFWorkerEngine:
         wanted = {f"{name}.weight" for name in adapter} - {f"{name}.weight" for name in self.base}
         for key, tensor in base_checkpoint(self.model_path, wanted):
             self.base[key.removesuffix(".weight")] = tensor.to(device=self.device, dtype=self.dtype)
+        for name in self.merged - set(adapter):  # layers the adapter before adapted and this one does not
+            modules[name].weight.copy_(self.base[name])
         for name, (lora_a, lora_b) in adapter.items():
             modules[name].weight.copy_(spec.merged(self.base[name], lora_a, lora_b))
+        self.merged = set(adapter)
         return {"merged_modules": len(adapter)}
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
