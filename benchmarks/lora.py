@@ -47,13 +47,13 @@ QWEN3 = {"Qwen3-0.6B": (1024, 3072, 28, 16, 8, 128, 151_936, True),
 def shape_bytes(hidden, mlp, layers, heads, kv, head_dim, vocab, tied, rank=None, itemsize=2) -> int:
     """Bytes of a Qwen3-shaped model (rank None) or of a LoRA adapter of ``rank`` on every linear layer (the cost
     scenario's formula, echo2/cost.py)."""
-    from echo2.cost import lora_params
+    from echo2.cost import linear_params, lora_params
 
-    if rank is not None:
-        return lora_params(hidden, heads * head_dim, kv * head_dim, mlp, layers, rank) * itemsize
     q, k = heads * head_dim, kv * head_dim
-    per_layer = hidden * (2 * q + 2 * k) + 3 * hidden * mlp + 2 * hidden + 2 * head_dim  # linears, norms, q/k norms
-    return (layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden) * itemsize
+    if rank is not None:
+        return lora_params(hidden, q, k, mlp, layers, rank) * itemsize
+    norms = layers * (2 * hidden + 2 * head_dim)  # two per block, and the q/k norms
+    return (linear_params(hidden, q, k, mlp, layers) + norms + vocab * hidden * (1 if tied else 2) + hidden) * itemsize
 
 
 def written(weights) -> tuple[bytes, float]:

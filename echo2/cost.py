@@ -160,13 +160,18 @@ def adapter_gb(v: dict, model: str, rank: int) -> float:
     return params * v["learner"]["bytes_per_param"] / 1e9
 
 
+def linear_params(hidden: int, q_dim: int, kv_dim: int, intermediate: int, layers: int) -> int:
+    """Weights of the linear layers of a Llama/Qwen-shaped decoder (q, k, v, o, gate, up, down: what ``lora_params``
+    adapts), in·out per layer; embeddings, norms and the head are not counted."""
+    h, q, kv, mlp = hidden, q_dim, kv_dim, intermediate
+    return layers * (h * q + 2 * h * kv + q * h + 3 * h * mlp)
+
+
 def linear_layers_gb(v: dict, model: str) -> float:
-    """The weights of ``model``'s linear layers (q, k, v, o, gate, up, down in every block), in GB: what a worker
-    merging an adapter on all of them reloads per version (echo2/worker/engines/vllm_ext.py: the embeddings, norms
-    and head are left as they are)."""
+    """The weights of ``model``'s linear layers, in GB: what a worker merging an adapter on all of them reloads per
+    version (echo2/worker/engines/vllm_ext.py: the embeddings, norms and head are left as they are)."""
     m = v["models"][model]
-    h, q, kv, mlp = m["hidden"], m["q_dim"], m["kv_dim"], m["intermediate"]
-    params = m["layers"] * (h * q + 2 * h * kv + q * h + 3 * h * mlp)
+    params = linear_params(m["hidden"], m["q_dim"], m["kv_dim"], m["intermediate"], m["layers"])
     return params * v["learner"]["bytes_per_param"] / 1e9
 
 
@@ -238,9 +243,9 @@ def sim_config(v: dict, model: str, link_mbit: float, staleness: int, delta: boo
 
     n, sh, w = v["learner"]["gpus"][model], v["shape"], v["workers"]
     shipped_gb = snapshot_gb(v, model) if lora_rank is None else adapter_gb(v, model, lora_rank)
-    # what a worker loads per version: the adapter into vLLM's LoRA layers, or its merge into the adapted layers
-    gb = {"full": snapshot_gb(v, model), "vllm": shipped_gb, "merge": linear_layers_gb(v, model)}[
-        "full" if lora_rank is None else lora_apply]
+    # what a worker loads per version: the snapshot, the adapter into vLLM's LoRA layers, or its merge into the
+    # adapted layers
+    gb = shipped_gb if lora_rank is None or lora_apply == "vllm" else linear_layers_gb(v, model)
     train_s = train_step_s(v, model) * (1 if lora_rank is None else v["lora"]["train_compute_ratio"])
     return SimConfig(prompts_per_step=int(sh["prompts_per_step"]), group_size=int(sh["group_size"]),
                      train_step_s=train_s, staleness=staleness, interval=1, snapshot_bytes=shipped_gb * 1e9,
