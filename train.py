@@ -307,6 +307,8 @@ def main(cfg: DictConfig) -> dict:
         push(trainer, cfg)
     except HubError as e:
         config_error(e)
+    if world_size > 1:  # accelerate's own end: the process group torn down while the interpreter is whole
+        trainer.accelerator.end_training()
     return summary
 
 
