@@ -172,3 +172,26 @@ def test_an_adapter_is_priced_from_its_models_shape_and_its_rows_are_printed():
     cell = cost.echo2_cell(small, "qwen3_8b", 100, 2, False, lora_rank=8, lora_apply="vllm")
     assert cell["lora_rank"] == 8 and cell["lora_apply"] == "vllm" and 0 < cell["ratio"] < 2
     assert cell["bcast_s"] < 10  # 44 MB over 100 Mbit/s: seconds, where the 16 GB model took over 20 minutes
+
+
+def test_smaller_pulls_at_s1_keep_the_decode_rooflines_share_and_four_groups_are_the_scenarios_cell():
+    """benchmarks/cost_pull_size.py: a pull of g groups keeps rate(16 g) / rate(64) of a worker's tokens/s, where a
+    decode step reads the bf16 weights and every sequence's KV cache (Qwen3-8B: 16.4 GB, and 2 x 36 layers x 1,024
+    x 2 bytes x 1,725 tokens = 254 MB a sequence: 0.399 at one group); its 4-group row is the cost scenario's cell."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cost_pull_size", ROOT / "benchmarks" / "cost_pull_size.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    v = cost.values(yaml.safe_load(cost.DEFAULT_INPUTS.read_text()))
+    kept = {g: bench.rate_kept(v, "qwen3_8b", g) for g in (1, 2, 3, 4)}
+    kv = 2 * 36 * 1024 * 2 * 1725
+    assert kept[4] == 1.0 and kept[1] == pytest.approx((16 / (16.4e9 + 16 * kv)) / (64 / (16.4e9 + 64 * kv)), rel=1e-3)
+    assert kept[1] == pytest.approx(0.399, abs=1e-3) and kept[1] < kept[2] < kept[3] < kept[4]
+    four = bench.cell(v, "qwen3_8b", 100, 1, 8, 4, most_workers=36)
+    scenario = cost.echo2_cell(v, "qwen3_8b", 100, 1, False, lora_rank=8)
+    assert four["activation"]["ratio"] == pytest.approx(scenario["ratio"])
+    assert four["rate_kept"] == 1.0 and 1 <= four["best"]["workers"] <= 36
+    # a pull of 4 groups on the cheapest worker per rollout (an RTX 5090, $0.69/h): 64 rollouts at its rate
+    rtx5090 = next(w for w in cost.market(v, "qwen3_8b", 100) if w.id.startswith("rtx5090"))
+    assert four["cheapest_pull_s"] == pytest.approx(64 / rtx5090.rollouts_per_s)

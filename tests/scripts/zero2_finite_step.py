@@ -48,6 +48,7 @@ def main(out_dir: str) -> None:
               "step1_finite": bool(torch.isfinite(seen[1]).all()), "step1_moved": not torch.equal(seen[1], before),
               "step2_unchanged": torch.equal(seen[2], seen[1]), "step2_finite": bool(torch.isfinite(seen[2]).all())}
     (Path(out_dir) / f"result{rank}.json").write_text(json.dumps(result))
+    trainer.accelerator.end_training()  # as train.py ends with several processes
 
 
 if __name__ == "__main__":
