@@ -48,7 +48,9 @@ def test_a_short_hostile_soak_keeps_the_run_going_and_trains_on_nothing_forged(t
     windows = r["pace"]["windows"]
     assert windows and min(w["steps"] for w in windows) > 0, r["pace"]
     assert r["pace"]["loaded"]["steps"] > 2 and all("ratio_loaded" in w for w in windows), r["pace"]
-    assert r["cpu_cores"]["loaded"]["load"] > 0.2, r["cpu_cores"]  # the burner burned
+    # the burner burned: it asks for 0.5 cores and competes with the run's own processes for the 2 (0.20 in a CI run
+    # that shared the machine with other jobs; 0 if it never ran)
+    assert r["cpu_cores"]["loaded"]["load"] > 0.1, r["cpu_cores"]
     calm = r["cpu_cores"]["calm"]
     assert 0 < calm["trainer"] < calm["learner"], calm  # the trainer's share, beside its coordinator's processes
     assert r["honest"]["honest0"]["snapshots"]["hostile"] > 0, r["honest"]  # the victim still took its snapshots
