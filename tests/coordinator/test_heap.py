@@ -46,8 +46,13 @@ def rss_anon():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
+pins = []
+
 def churn():
     pieces = [bytearray(1000) for _ in range(40_000)]  # ~40 MB in pieces below the mmap threshold
+    # One piece allocated after them and kept: free() hands back only what reaches the top of an arena, so without it
+    # the freed pieces could be returned at once (in 3 of 12 runs, a CI run's among them)
+    pins.append(bytearray(1000))
     del pieces
 
 threads = [threading.Thread(target=churn) for _ in range(4)]
@@ -71,4 +76,4 @@ def test_a_trim_hands_back_what_threads_freed():
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr[-2000:]
     held, after = map(int, out.stdout.split())
-    assert after < held - (16 << 20), (held, after)  # 27-40 MB of ~47-60 MB here
+    assert after < held - (64 << 20), (held, after)  # ~155 MB of ~165 MB here (4 threads x 40 MB)
