@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echo2 import cost  # noqa: E402
-from echo2.activation.solve import solve  # noqa: E402
+from echo2.activation.solve import by_price_per_rollout, solve  # noqa: E402
 from echo2.sim import simulate, system_of  # noqa: E402
 
 ANCHOR_GROUPS = 4  # the groups a pull at which a worker makes the serving benchmark's tokens/s (the scenario's pull)
@@ -43,7 +43,7 @@ def rate_kept(v: dict, model: str, groups: int) -> float:
     kv_per_seq_bytes = 2 * m["layers"] * m["kv_dim"] * 2 * (sh["prompt_tokens"] + sh["completion_tokens"] / 2)
     weights_bytes = cost.snapshot_gb(v, model) * 1e9
     rate = lambda c: c / (weights_bytes + c * kv_per_seq_bytes)  # noqa: E731 (tokens per byte read)
-    g = v["shape"]["group_size"]
+    g = sh["group_size"]
     return rate(groups * g) / rate(ANCHOR_GROUPS * g)
 
 
@@ -65,7 +65,7 @@ def cell(v: dict, model: str, link_mbit: float, staleness: int, rank: int, group
 
     plan = solve(system_of(cfg, pool), pool, "exact")
     picked = run([w for w in pool if w.id in set(plan.active)])
-    by_cost = sorted(pool, key=lambda w: w.usd_per_hour / w.rollouts_per_s)
+    by_cost = by_price_per_rollout(pool)
     scan = [run(by_cost[:n]) for n in range(1, min(most_workers, len(pool)) + 1)]
     best = min(scan, key=lambda r: r["ratio"])
     return {"groups_per_pull": groups, "rate_kept": kept, "train_step_s": cfg.train_step_s, "load_s": cfg.load_s,

@@ -126,10 +126,15 @@ def all_on(system: System, workers: list[Worker]) -> Plan:
     return evaluate(system, workers, "all_on")
 
 
+def by_price_per_rollout(workers: list[Worker]) -> list[Worker]:
+    """Cheapest price per rollout/s first (ties by id): the order greedy takes its prefixes in."""
+    return sorted(workers, key=lambda w: (w.usd_per_hour / max(w.rollouts_per_s, 1e-12), w.id))
+
+
 def greedy(system: System, workers: list[Worker]) -> Plan:
     """Cheapest price per rollout/s first; the best prefix. Every prefix is priced at once (the same numbers as
     ``evaluate`` of each, and ``_better``'s order: meets the floor, cheaper per step, shorter)."""
-    ranked = sorted(workers, key=lambda w: (w.usd_per_hour / max(w.rollouts_per_s, 1e-12), w.id))
+    ranked = by_price_per_rollout(workers)
     if not ranked:
         return evaluate(system, [], "greedy")
     usd_h = system.learner_usd_per_hour + np.cumsum([w.usd_per_hour for w in ranked])
