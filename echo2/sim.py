@@ -2,6 +2,7 @@
 
     python -m echo2.sim                                           # demo pool x 2, 4B-like numbers, S = 2
     python -m echo2.sim --workers 256 --staleness 4 --broadcast one_to_many --solver all_on --json
+    python -m echo2.sim --staleness 1 --refine --json             # at S = 1 check the pick in the simulator
     python -m echo2.sim --scenario claims --plot sim.png          # the paper's three qualitative claims
     python -m echo2.sim --scenario cost --plot cost.png           # colocated cluster against echo2, in dollars
     python -m echo2.sim --scenario cost --inputs my_inputs.yaml   # the same question of your own numbers
@@ -31,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from echo2 import capacity
-from echo2.activation.solve import SOLVERS, System, Worker, solve
+from echo2.activation.solve import SOLVERS, System, Worker, by_price_per_rollout, solve
 from echo2.coordinator.buffer import StalenessBuffer, worth_dispatching
 
 
@@ -250,6 +251,51 @@ def simulate(cfg: SimConfig, workers: list[Worker]) -> SimResult:
     return Simulation(cfg, workers).run()
 
 
+REFINE_SPAN = 2
+"""``refine`` tries active sets of 1 to REFINE_SPAN x the model's pick: far enough for the whole-pull plateaus the
+capacity model smooths over (Qwen3-8B at S = 1: the pick is 23 workers, the simulator's cheapest 32)."""
+REFINE_MARGIN = 0.02
+"""A set replaces the model's pick only if it is this much cheaper per step: less than that is within what one churn
+draw moves a 40-step run, and the run is reported at another draw than the one it was chosen at."""
+
+
+@dataclass(frozen=True)
+class Refinement:
+    active: list[Worker]  # the cheapest set tried, by the simulation at ``cfg.seed + 1``
+    picked: int  # how many workers the model's pick had
+    tried: list[dict]  # per set size: workers, utilization, usd_per_step (at ``cfg.seed + 1``)
+
+
+def one_step_window(cfg: SimConfig) -> bool:
+    """S − κ + 1 ≤ 1: each step's rollouts are generated after the version before it lands and must be back before
+    the step starts, so they come in whole pulls per worker, a granularity the capacity model's continuous rate
+    cannot see (echo2/capacity.py: wider windows overlap and only the rate matters)."""
+    return cfg.staleness - cfg.interval + 1 <= 1
+
+
+def refine(cfg: SimConfig, pool: list[Worker], picked, min_utilization: float = 0.0) -> Refinement:
+    """The model's pick checked against its neighbours in the simulator: the pick's workers cheapest per rollout
+    first, then the rest of the pool in the same order, and every prefix of that order of 1 to REFINE_SPAN x the
+    pick's size simulated; the cheapest per step wins (meeting ``min_utilization`` first, then fewer workers) if it
+    beats the pick (one of the prefixes) by REFINE_MARGIN. It is chosen at ``cfg.seed + 1`` so that a churn draw
+    that favours one set is not what the run is then reported at."""
+    ids = set(picked)
+    order = by_price_per_rollout([w for w in pool if w.id in ids]) + by_price_per_rollout(
+        [w for w in pool if w.id not in ids])
+    if not ids:
+        return Refinement([], 0, [])
+    probe = replace(cfg, seed=cfg.seed + 1)
+    tried = []
+    for n in range(1, min(len(order), REFINE_SPAN * len(ids)) + 1):
+        r = simulate(probe, order[:n])
+        tried.append({"workers": n, "utilization": r.utilization, "usd_per_step": r.usd / max(r.steps, 1)})
+    rank = lambda t: (t["utilization"] < min_utilization - 1e-9, t["usd_per_step"], t["workers"])  # noqa: E731
+    best, pick = min(tried, key=rank), tried[len(ids) - 1]
+    if rank(pick)[0] == rank(best)[0] and best["usd_per_step"] > (1 - REFINE_MARGIN) * pick["usd_per_step"]:
+        best = pick
+    return Refinement(order[:best["workers"]], len(ids), tried)
+
+
 def residual_batch_s(cfg: SimConfig, workers: list[Worker]) -> float:
     """capacity's T_batch: half a batch per worker, at the aggregate rate."""
     return len(workers) * cfg.groups_per_pull * cfg.group_size / (2 * sum(w.rollouts_per_s for w in workers))
@@ -357,6 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--copies", type=int, default=2, help="replicate the pool this many times")
     p.add_argument("--workers", type=int, default=None, help="instead: this many identical 2 rollouts/s workers")
     p.add_argument("--solver", choices=SOLVERS, default="exact")
+    p.add_argument("--refine", action="store_true", help="check the solver's pick against sets of 1 to 2x its size in "
+                                                         "the simulator and run the cheapest (for S - κ + 1 <= 1)")
     for f in SimConfig.__dataclass_fields__.values():
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     p.add_argument("--json", action="store_true")
@@ -396,13 +444,20 @@ def main(argv: list[str] | None = None) -> None:
         path = a.pool or str(Path(__file__).resolve().parents[1] / "conf" / "pool" / "demo_market.yaml")
         pool = replicate(load_pool(path), a.copies)
     plan = solve(system_of(cfg, pool), pool, a.solver)
-    result = simulate(cfg, [w for w in pool if w.id in set(plan.active)])
+    active = [w for w in pool if w.id in set(plan.active)]
+    if a.refine:
+        active = refine(cfg, pool, plan.active).active
+    result = simulate(cfg, active)
     s = result.summary()
     if a.json:
-        print(json.dumps(s))
+        print(json.dumps({**s, "active": [w.id for w in active], "solver_pick": len(plan.active)}))
         return
-    print(f"{a.solver}: {len(plan.active)} of {len(pool)} workers, {cfg.broadcast}, S={cfg.staleness}, "
+    checked = f" (its pick {len(plan.active)}; checked in the simulator)" if a.refine else ""
+    print(f"{a.solver}: {len(active)} of {len(pool)} workers{checked}, {cfg.broadcast}, S={cfg.staleness}, "
           f"κ={cfg.interval}")
+    if a.refine and not one_step_window(cfg):
+        print(f"  (S - κ + 1 = {cfg.staleness - cfg.interval + 1}: windows overlap and the model's rate is what "
+              "counts; the check matters at S - κ + 1 <= 1)")
     print(f"  {s['steps']} steps in {s['wall_s'] / 3600:.2f} h; utilization {s['utilization']:.3f} "
           f"(model {s['predicted_utilization']:.3f}); dissemination {s['bcast_s']:.1f} s")
     print(f"  staleness mean {s['staleness_mean']:.2f}, max {s['staleness_max']}, histogram {s['staleness_hist']}")
