@@ -1,7 +1,8 @@
 """At S = 1, what activation picks against the best the simulator finds, for pulls of 4 down to 1 group.
 
-The cost scenario (`python -m echo2.sim --scenario cost`) prices each cell at activation's pick: the workers the
-capacity model says are cheapest, then run in the discrete-event simulator. At S = 1 every rollout a step consumes
+Activation's pick is the set the capacity model says is cheapest (the cost scenario, `python -m echo2.sim --scenario
+cost`, runs it in the discrete-event simulator, and at S = 1 first checks it there against its neighbours:
+echo2.sim.refine; this script's "activation" column is the model's own pick). At S = 1 every rollout a step consumes
 is generated after the version before it was applied and must be back before the step starts, so a worker's pull
 (4 groups of 16 rollouts in the scenario) either fits in what is left of a learner step or costs a step's worth of
 waiting: the simulator's utilization climbs in steps with the number of workers (each step where one more pull per
