@@ -381,7 +381,8 @@ def tables(out: dict) -> str:
         where = "within" if lo <= saving <= hi else ("more" if saving > hi else "less")
         lines.append(f"| {m} | {_mbit(link)} | {S} | {c['ratio']:.2f} ({c['utilization']:.2f}{_pick(c)}) | "
                      f"{d['workers']} | {d['usd_per_hour']:.1f} | {d['utilization']:.2f} | {d['mean_lag']:.2f} | "
-                     f"{d['usd_per_step']:.3f} | {d['usd_per_run']:.0f} | {d['ratio']:.2f}{_pick(d, ' (', ')')} | {where} |")
+                     f"{d['usd_per_step']:.3f} | {d['usd_per_run']:.0f} | {d['ratio']:.2f}{_pick(d, ' (', ')')} | "
+                     f"{where} |")
     if any(c["model_pick"] for c in out["cells"]):
         lines += ["", REFINED_NOTE]
     lines += _lora_table(out)
@@ -428,8 +429,8 @@ def _lora_table(out: dict) -> list[str]:
     return lines
 
 
-REFINED_NOTE = ("\"pick\": at S = 1 activation's own pick (the capacity model's cheapest set) ran at that ratio; the row's "
-                "figures are the set the simulator found cheaper among 1 to 2x its size (echo2.sim.refine).")
+REFINED_NOTE = ("\"pick\": at S = 1 activation's own pick (the capacity model's cheapest set) ran at that ratio; the "
+                "row's figures are the set the simulator found cheaper among 1 to 2x its size (echo2.sim.refine).")
 
 
 def _pick(c: dict, before: str = "; ", after: str = "") -> str:
