@@ -13,8 +13,8 @@ reload, weight refit), in turn; nothing overlaps:
 Rollouts come from a market of rented GPUs on WAN links of one rate (the learner's uplink too); activation
 picks the workers (echo2.activation.solve, solver ``exact``: the DP, or past its size the bounded MILP search
 with its stated gap; at S = 1, where a step's rollouts come in whole pulls that the capacity model's rate cannot
-see, the pick is checked in the simulator against sets of 1 to 2x its size, echo2.sim.refine, and the cheapest
-is run) and the discrete-event simulator (echo2.sim) runs the step loop with the buffer's own
+see, the pick is checked in the simulator against the prefixes of 1 to 2x its size of one order, the pick cheapest
+per rollout first and then the rest, echo2.sim.refine, and one 2 % cheaper is run instead) and the discrete-event simulator (echo2.sim) runs the step loop with the buffer's own
 staleness rule, the relay's dissemination time, T_load, churn: cost, learner utilization, mean lag. With sparse
 deltas every round carries ``delta_ratio`` × the snapshot (the ratio measured in BENCHMARKS.md); a worker that
 joins still downloads the full one.
@@ -260,8 +260,10 @@ def sim_config(v: dict, model: str, link_mbit: float, staleness: int, delta: boo
 
 def echo2_cell(v: dict, model: str, link_mbit: float, staleness: int, delta: bool, seed: int = 0,
                lora_rank: int | None = None, lora_apply: str = "merge") -> dict:
-    """Activation's pick for this cell, run in the simulator; its cost against the colocated baseline's (training
-    the same LoRA adapter where ``lora_rank`` is set, its workers applying it by ``lora_apply``)."""
+    """Activation's pick for this cell (at S − κ + 1 ≤ 1 checked in the simulator first: echo2.sim.refine; then
+    ``model_pick`` holds the pick's own figures where the check replaced it, and ``solver`` and ``gap`` are the
+    pick's), run in the simulator; its cost against the colocated baseline's (training the same LoRA adapter where
+    ``lora_rank`` is set, its workers applying it by ``lora_apply``)."""
     from echo2.sim import one_step_window, refine, simulate, system_of
 
     cfg = sim_config(v, model, link_mbit, staleness, delta and lora_rank is None, seed, lora_rank, lora_apply)
@@ -272,13 +274,13 @@ def echo2_cell(v: dict, model: str, link_mbit: float, staleness: int, delta: boo
     active = [w for w in pool if w.id in set(plan.active)]
     base = colocated(v, model, lora_rank)
     model_pick = None  # activation's own pick, where the simulator's check replaced it
-    if one_step_window(cfg):
-        checked = refine(cfg, pool, plan.active).active
-        if {w.id for w in checked} != set(plan.active):
-            ran = simulate(cfg, active).summary()
-            model_pick = {"workers": len(active), "utilization": ran["utilization"],
+    if one_step_window(cfg):  # the check's order (the simulator's dispatch and churn draws follow a set's order)
+        checked = refine(cfg, pool, plan.active)
+        if {w.id for w in checked.active} != set(plan.active):
+            ran = simulate(cfg, checked.pick).summary()
+            model_pick = {"workers": len(checked.pick), "utilization": ran["utilization"],
                           "ratio": ran["usd_per_step"] / base["usd_per_step"]}
-            active = checked
+        active = checked.active
     result = simulate(cfg, active)
     s = result.summary()
     usd_step = s["usd_per_step"]
@@ -430,7 +432,7 @@ def _lora_table(out: dict) -> list[str]:
 
 
 REFINED_NOTE = ("\"pick\": at S = 1 activation's own pick (the capacity model's cheapest set) ran at that ratio; the "
-                "row's figures are the set the simulator found cheaper among 1 to 2x its size (echo2.sim.refine).")
+                "row's figures are a set of 1 to 2x its size the simulator found 2 % cheaper (echo2.sim.refine).")
 
 
 def _pick(c: dict, before: str = "; ", after: str = "") -> str:

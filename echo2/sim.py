@@ -255,14 +255,15 @@ REFINE_SPAN = 2
 """``refine`` tries active sets of 1 to REFINE_SPAN x the model's pick: far enough for the whole-pull plateaus the
 capacity model smooths over (Qwen3-8B at S = 1: the pick is 23 workers, the simulator's cheapest 32)."""
 REFINE_MARGIN = 0.02
-"""A set replaces the model's pick only if it is this much cheaper per step: less than that is within what one churn
-draw moves a 40-step run, and the run is reported at another draw than the one it was chosen at."""
+"""A set replaces the model's pick only if it is this much cheaper per step in the simulation that chooses: a set
+priced within 2 % of the pick is not worth the change on one simulated draw (with churn, one set's cost moves by
+up to 6 % from draw to draw on the Qwen3-8B cells), and the run is then reported at another draw."""
 
 
 @dataclass(frozen=True)
 class Refinement:
-    active: list[Worker]  # the cheapest set tried, by the simulation at ``cfg.seed + 1``
-    picked: int  # how many workers the model's pick had
+    active: list[Worker]  # the set to run: the pick, or a prefix that beat it (REFINE_MARGIN), in the order tried
+    pick: list[Worker]  # the model's pick, in the order tried (cheapest per rollout first)
     tried: list[dict]  # per set size: workers, utilization, usd_per_step (at ``cfg.seed + 1``)
 
 
@@ -274,16 +275,20 @@ def one_step_window(cfg: SimConfig) -> bool:
 
 
 def refine(cfg: SimConfig, pool: list[Worker], picked, min_utilization: float = 0.0) -> Refinement:
-    """The model's pick checked against its neighbours in the simulator: the pick's workers cheapest per rollout
-    first, then the rest of the pool in the same order, and every prefix of that order of 1 to REFINE_SPAN x the
-    pick's size simulated; the cheapest per step wins (meeting ``min_utilization`` first, then fewer workers) if it
-    beats the pick (one of the prefixes) by REFINE_MARGIN. It is chosen at ``cfg.seed + 1`` so that a churn draw
-    that favours one set is not what the run is then reported at."""
+    """The model's pick checked against its neighbours in the simulator. One order: the pick's workers cheapest per
+    rollout first, then the rest of the pool in the same order; every prefix of it of 1 to REFINE_SPAN x the pick's
+    size is simulated (the pick is one of them). The best prefix (meeting ``min_utilization`` first, then cheaper per
+    step, then fewer workers) replaces the pick if it meets the floor where the pick does not, or if both are on the
+    same side of it and it is REFINE_MARGIN cheaper. It is chosen at ``cfg.seed + 1``, so that a churn draw that
+    favours one set is not the one the run is then reported at."""
     ids = set(picked)
+    missing = ids - {w.id for w in pool}
+    if missing:
+        raise ValueError(f"refine: the pick names workers that are not in the pool: {sorted(missing)[:5]}")
     order = by_price_per_rollout([w for w in pool if w.id in ids]) + by_price_per_rollout(
         [w for w in pool if w.id not in ids])
     if not ids:
-        return Refinement([], 0, [])
+        return Refinement([], [], [])
     probe = replace(cfg, seed=cfg.seed + 1)
     tried = []
     for n in range(1, min(len(order), REFINE_SPAN * len(ids)) + 1):
@@ -293,7 +298,7 @@ def refine(cfg: SimConfig, pool: list[Worker], picked, min_utilization: float = 
     best, pick = min(tried, key=rank), tried[len(ids) - 1]
     if rank(pick)[0] == rank(best)[0] and best["usd_per_step"] > (1 - REFINE_MARGIN) * pick["usd_per_step"]:
         best = pick
-    return Refinement(order[:best["workers"]], len(ids), tried)
+    return Refinement(order[:best["workers"]], order[:len(ids)], tried)
 
 
 def residual_batch_s(cfg: SimConfig, workers: list[Worker]) -> float:
@@ -403,8 +408,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--copies", type=int, default=2, help="replicate the pool this many times")
     p.add_argument("--workers", type=int, default=None, help="instead: this many identical 2 rollouts/s workers")
     p.add_argument("--solver", choices=SOLVERS, default="exact")
-    p.add_argument("--refine", action="store_true", help="check the solver's pick against sets of 1 to 2x its size in "
-                                                         "the simulator and run the cheapest (for S - κ + 1 <= 1)")
+    p.add_argument("--refine", action="store_true",
+                   help="for S - κ + 1 <= 1: simulate the solver's pick and the prefixes of 1 to 2x its size of one "
+                        "order (the pick cheapest per rollout first, then the rest), and run the best if it is 2 %% "
+                        "cheaper per step (echo2.sim.refine)")
     for f in SimConfig.__dataclass_fields__.values():
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     p.add_argument("--json", action="store_true")

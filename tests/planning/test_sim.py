@@ -110,7 +110,7 @@ def test_refine_replaces_the_pick_only_with_a_set_that_beats_it_by_the_margin(mo
 
     monkeypatch.setattr(sim, "simulate", priced({3: 1.0, 5: 1 - sim.REFINE_MARGIN / 2}))
     ref = sim.refine(SimConfig(seed=7), pool, ["w9", "w2", "w4"])
-    assert [w.id for w in ref.active] == ["w2", "w4", "w9"] and ref.picked == 3  # kept: within the margin
+    assert [w.id for w in ref.active] == [w.id for w in ref.pick] == ["w2", "w4", "w9"]  # kept: within the margin
     assert {s for s, _ in seen} == {8} and [len(ids) for _, ids in seen] == [1, 2, 3, 4, 5, 6]
     assert seen[-1][1] == ["w2", "w4", "w9", "w0", "w1", "w3"]  # the pick cheapest per rollout first, then the rest
     monkeypatch.setattr(sim, "simulate", priced({3: 1.0, 5: 1 - 2 * sim.REFINE_MARGIN}))
@@ -118,6 +118,10 @@ def test_refine_replaces_the_pick_only_with_a_set_that_beats_it_by_the_margin(mo
     monkeypatch.setattr(sim, "simulate", priced({3: 1.0, 6: 1.5}, floor_from=6))  # only 6 meet a 0.5 floor
     assert len(sim.refine(SimConfig(), pool, ["w9", "w2", "w4"], min_utilization=0.5).active) == 6
     assert sim.refine(SimConfig(), pool, []).active == []
+    monkeypatch.setattr(sim, "simulate", priced({3: 1.0, 4: 0.5, 5: 0.5}))  # a tie: the fewer workers
+    assert len(sim.refine(SimConfig(), pool, ["w9", "w2", "w4"]).active) == 4
+    with pytest.raises(ValueError, match="not in the pool"):
+        sim.refine(SimConfig(), pool, ["w2", "gone"])
 
 
 def test_refine_finds_the_whole_pull_step_the_capacity_model_smooths_over():
@@ -137,9 +141,16 @@ def test_refine_finds_the_whole_pull_step_the_capacity_model_smooths_over():
 
 
 @pytest.mark.e2e
-def test_sim_cli_refine_lists_the_set_it_ran():
-    out = subprocess.run([sys.executable, "-m", "echo2.sim", "--staleness", "1", "--refine", "--steps", "20",
-                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    s = json.loads(out.stdout)
-    assert s["active_workers"] == len(s["active"]) >= 1 and s["solver_pick"] >= 1
+def test_sim_cli_refine_runs_the_set_it_lists_and_it_is_cheaper_than_the_pick():
+    """16 identical workers at S = 1 (the CLI's demo numbers): the capacity model picks 10, and 8 run cheaper in the
+    simulator: a step's 16 pulls take two rounds on 8 workers or on 10, and 8 cost less."""
+    def run(*extra):
+        out = subprocess.run([sys.executable, "-m", "echo2.sim", "--workers", "16", "--staleness", "1", "--steps", "40",
+                              "--json", *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout)
+
+    plain, checked = run(), run("--refine")
+    assert plain["active_workers"] == len(plain["active"]) == plain["solver_pick"] == checked["solver_pick"]
+    assert checked["active_workers"] == len(checked["active"]) != checked["solver_pick"]
+    assert checked["usd_per_step"] <= (1 - 0.02) * plain["usd_per_step"]
