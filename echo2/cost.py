@@ -14,10 +14,10 @@ Rollouts come from a market of rented GPUs on WAN links of one rate (the learner
 picks the workers (echo2.activation.solve, solver ``exact``: the DP, or past its size the bounded MILP search
 with its stated gap; at S = 1, where a step's rollouts come in whole pulls that the capacity model's rate cannot
 see, the pick is checked in the simulator against the prefixes of 1 to 2x its size of one order, the pick cheapest
-per rollout first and then the rest, echo2.sim.refine, and one 2 % cheaper is run instead) and the discrete-event simulator (echo2.sim) runs the step loop with the buffer's own
-staleness rule, the relay's dissemination time, T_load, churn: cost, learner utilization, mean lag. With sparse
-deltas every round carries ``delta_ratio`` × the snapshot (the ratio measured in BENCHMARKS.md); a worker that
-joins still downloads the full one.
+per rollout first and then the rest, echo2.sim.refine, and one 2 % cheaper is run instead) and the discrete-event
+simulator (echo2.sim) runs the step loop with the buffer's own staleness rule, the relay's dissemination time,
+T_load, churn: cost, learner utilization, mean lag. With sparse deltas every round carries ``delta_ratio`` × the
+snapshot (the ratio measured in BENCHMARKS.md); a worker that joins still downloads the full one.
 
 Time model (every input in the YAML with its date and source):
 - T_train = R · S_len · (6N + 12·L·d·S_len) / (n · peak · MFU): PaLM's model-FLOPs accounting (arXiv

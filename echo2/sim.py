@@ -264,7 +264,6 @@ up to 6 % from draw to draw on the Qwen3-8B cells), and the run is then reported
 class Refinement:
     active: list[Worker]  # the set to run: the pick, or a prefix that beat it (REFINE_MARGIN), in the order tried
     pick: list[Worker]  # the model's pick, in the order tried (cheapest per rollout first)
-    tried: list[dict]  # per set size: workers, utilization, usd_per_step (at ``cfg.seed + 1``)
 
 
 def one_step_window(cfg: SimConfig) -> bool:
@@ -288,7 +287,7 @@ def refine(cfg: SimConfig, pool: list[Worker], picked, min_utilization: float = 
     order = by_price_per_rollout([w for w in pool if w.id in ids]) + by_price_per_rollout(
         [w for w in pool if w.id not in ids])
     if not ids:
-        return Refinement([], [], [])
+        return Refinement([], [])
     probe = replace(cfg, seed=cfg.seed + 1)
     tried = []
     for n in range(1, min(len(order), REFINE_SPAN * len(ids)) + 1):
@@ -298,7 +297,7 @@ def refine(cfg: SimConfig, pool: list[Worker], picked, min_utilization: float = 
     best, pick = min(tried, key=rank), tried[len(ids) - 1]
     if rank(pick)[0] == rank(best)[0] and best["usd_per_step"] > (1 - REFINE_MARGIN) * pick["usd_per_step"]:
         best = pick
-    return Refinement(order[:best["workers"]], order[:len(ids)], tried)
+    return Refinement(order[:best["workers"]], order[:len(ids)])
 
 
 def residual_batch_s(cfg: SimConfig, workers: list[Worker]) -> float:
